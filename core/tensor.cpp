@@ -1,0 +1,357 @@
+#include "attn/core/tensor.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+namespace attn {
+
+std::string shape_str(const Shape& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + ")";
+}
+
+int64_t shape_numel(const Shape& shape, const char* op) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    check(d >= 0, op, "negative dimension in shape {}", shape_str(shape));
+    check(d == 0 || n <= std::numeric_limits<int64_t>::max() / d, op,
+          "shape {} has more elements than fit in int64", shape_str(shape));
+    n *= d;
+  }
+  return n;
+}
+
+Strides contiguous_strides(const Shape& shape) {
+  Strides s(shape.size());
+  int64_t acc = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    s[i] = acc;
+    acc *= std::max<int64_t>(shape[i], 1);
+  }
+  return s;
+}
+
+namespace {
+
+// 64-byte aligned so SIMD kernels can use aligned loads on fresh tensors.
+std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
+  constexpr size_t kAlign = 64;
+  size_t rounded = (std::max<size_t>(nbytes, 1) + kAlign - 1) / kAlign * kAlign;
+  void* p = std::aligned_alloc(kAlign, rounded);
+  check(p != nullptr, "Tensor::empty", "cannot allocate {} bytes for shape {}", nbytes,
+        shape_str(shape));
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+}
+
+double load(const void* p, DType t) {
+  switch (t) {
+    case DType::F32: return *static_cast<const float*>(p);
+    case DType::F64: return *static_cast<const double*>(p);
+    case DType::BF16: return bf16_to_float(*static_cast<const uint16_t*>(p));
+    case DType::F16: return f16_to_float(*static_cast<const uint16_t*>(p));
+    case DType::I32: return *static_cast<const int32_t*>(p);
+    case DType::I64: return static_cast<double>(*static_cast<const int64_t*>(p));
+  }
+  return 0;
+}
+
+void store(void* p, DType t, double v) {
+  switch (t) {
+    case DType::F32: *static_cast<float*>(p) = static_cast<float>(v); break;
+    case DType::F64: *static_cast<double*>(p) = v; break;
+    case DType::BF16: *static_cast<uint16_t*>(p) = float_to_bf16(static_cast<float>(v)); break;
+    case DType::F16: *static_cast<uint16_t*>(p) = float_to_f16(static_cast<float>(v)); break;
+    case DType::I32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v); break;
+    case DType::I64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v); break;
+  }
+}
+
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, DType dtype) {
+  Tensor t;
+  t.numel_ = shape_numel(shape, "Tensor::empty");
+  check(static_cast<uint64_t>(t.numel_) <= (uint64_t{1} << 56) / dtype_size(dtype),
+        "Tensor::empty", "shape {} of {} needs more memory than this machine can address",
+        shape_str(shape), dtype_name(dtype));
+  t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), shape);
+  t.data_ = t.storage_.get();
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dtype;
+  t.defined_ = true;
+  return t;
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  std::memset(t.data_, 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::full(const Shape& shape, double value, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  t.fill(value);
+  return t;
+}
+
+Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  check(static_cast<int64_t>(values.size()) == t.numel_, "Tensor::from_vector",
+        "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
+  for (int64_t i = 0; i < t.numel_; ++i) store(static_cast<std::byte*>(t.data_) + i * dtype_size(dtype), dtype, values[i]);
+  return t;
+}
+
+Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape) {
+  return from_vector(std::vector<double>(values.begin(), values.end()), shape, DType::F32);
+}
+
+Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  check(static_cast<int64_t>(values.size()) == t.numel_, "Tensor::from_vector",
+        "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
+  for (int64_t i = 0; i < t.numel_; ++i) {
+    auto* p = static_cast<std::byte*>(t.data_) + i * dtype_size(dtype);
+    if (dtype == DType::I64) *reinterpret_cast<int64_t*>(p) = values[i];
+    else store(p, dtype, static_cast<double>(values[i]));
+  }
+  return t;
+}
+
+Tensor Tensor::wrap(void* data, const Shape& shape, DType dtype, Strides strides) {
+  Tensor t;
+  t.numel_ = shape_numel(shape, "Tensor::wrap");
+  check(strides.empty() || strides.size() == shape.size(), "Tensor::wrap",
+        "{} strides given for shape {}", strides.size(), shape_str(shape));
+  check(data != nullptr || t.numel_ == 0, "Tensor::wrap", "null data for shape {}",
+        shape_str(shape));
+  t.data_ = data;
+  t.shape_ = shape;
+  t.strides_ = strides.empty() ? contiguous_strides(shape) : std::move(strides);
+  t.dtype_ = dtype;
+  t.defined_ = true;
+  return t;
+}
+
+int64_t Tensor::dim(int i) const {
+  int n = ndim();
+  check(i >= -n && i < n, "Tensor::dim", "dimension {} out of range for shape {}", i,
+        shape_str(shape_));
+  return shape_[i < 0 ? i + n : i];
+}
+
+int64_t Tensor::stride(int i) const {
+  int n = ndim();
+  check(i >= -n && i < n, "Tensor::stride", "dimension {} out of range for shape {}", i,
+        shape_str(shape_));
+  return strides_[i < 0 ? i + n : i];
+}
+
+bool Tensor::is_contiguous() const {
+  int64_t expected = 1;
+  for (size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] == 1) continue;
+    if (strides_[i] != expected) return false;
+    expected *= shape_[i];
+  }
+  return true;
+}
+
+int64_t Tensor::offset_of(const std::vector<int64_t>& index) const {
+  check(index.size() == shape_.size(), "Tensor::at", "{}-d index for shape {}", index.size(),
+        shape_str(shape_));
+  int64_t off = 0;
+  for (size_t i = 0; i < index.size(); ++i) {
+    check(index[i] >= 0 && index[i] < shape_[i], "Tensor::at",
+          "index {} out of range in dimension {} of shape {}", index[i], i, shape_str(shape_));
+    off += index[i] * strides_[i];
+  }
+  return off;
+}
+
+int64_t Tensor::offset_of_flat(int64_t i) const {
+  int64_t off = 0;
+  for (size_t d = shape_.size(); d-- > 0;) {
+    off += (i % shape_[d]) * strides_[d];
+    i /= shape_[d];
+  }
+  return off;
+}
+
+double Tensor::at(std::initializer_list<int64_t> index) const {
+  return at(std::vector<int64_t>(index));
+}
+
+double Tensor::at(const std::vector<int64_t>& index) const {
+  return load(static_cast<std::byte*>(data_) + offset_of(index) * dtype_size(dtype_), dtype_);
+}
+
+void Tensor::set(const std::vector<int64_t>& index, double value) {
+  store(static_cast<std::byte*>(data_) + offset_of(index) * dtype_size(dtype_), dtype_, value);
+}
+
+double Tensor::flat(int64_t i) const {
+  check(i >= 0 && i < numel_, "Tensor::flat", "index {} out of range for {} elements", i, numel_);
+  return load(static_cast<std::byte*>(data_) + offset_of_flat(i) * dtype_size(dtype_), dtype_);
+}
+
+void Tensor::set_flat(int64_t i, double value) {
+  check(i >= 0 && i < numel_, "Tensor::set_flat", "index {} out of range for {} elements", i,
+        numel_);
+  store(static_cast<std::byte*>(data_) + offset_of_flat(i) * dtype_size(dtype_), dtype_, value);
+}
+
+std::vector<double> Tensor::to_vector() const {
+  std::vector<double> v(static_cast<size_t>(numel_));
+  for (int64_t i = 0; i < numel_; ++i) v[i] = flat(i);
+  return v;
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  return clone();
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_);
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::to(DType dtype) const {
+  if (dtype == dtype_) return *this;
+  Tensor t = empty(shape_, dtype);
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  Shape s = shape;
+  int infer = -1;
+  int64_t known = 1;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == -1) {
+      check(infer < 0, "Tensor::reshape", "more than one -1 in {}", shape_str(shape));
+      infer = static_cast<int>(i);
+    } else {
+      check(s[i] >= 0, "Tensor::reshape", "negative dimension in {}", shape_str(shape));
+      known *= s[i];
+    }
+  }
+  if (infer >= 0) {
+    check(known > 0 && numel_ % known == 0, "Tensor::reshape",
+          "cannot reshape {} ({} elements) to {}", shape_str(shape_), numel_, shape_str(shape));
+    s[infer] = numel_ / known;
+  }
+  check(shape_numel(s, "Tensor::reshape") == numel_, "Tensor::reshape",
+        "cannot reshape {} ({} elements) to {}", shape_str(shape_), numel_, shape_str(shape));
+  Tensor t = contiguous();
+  t.shape_ = s;
+  t.strides_ = contiguous_strides(s);
+  return t;
+}
+
+Tensor Tensor::permute(const std::vector<int>& order) const {
+  check(order.size() == shape_.size(), "Tensor::permute", "order of {} dims for shape {}",
+        order.size(), shape_str(shape_));
+  std::vector<bool> seen(order.size(), false);
+  Tensor t = *this;
+  for (size_t i = 0; i < order.size(); ++i) {
+    int o = order[i];
+    check(o >= 0 && o < ndim() && !seen[o], "Tensor::permute", "order is not a permutation of 0..{}",
+          ndim() - 1);
+    seen[o] = true;
+    t.shape_[i] = shape_[o];
+    t.strides_[i] = strides_[o];
+  }
+  return t;
+}
+
+Tensor Tensor::transpose(int a, int b) const {
+  int n = ndim();
+  check(a >= -n && a < n && b >= -n && b < n, "Tensor::transpose",
+        "dimensions {} and {} out of range for shape {}", a, b, shape_str(shape_));
+  if (a < 0) a += n;
+  if (b < 0) b += n;
+  std::vector<int> order(n);
+  for (int i = 0; i < n; ++i) order[i] = i;
+  std::swap(order[a], order[b]);
+  return permute(order);
+}
+
+Tensor Tensor::slice(int d, int64_t start, int64_t stop) const {
+  int n = ndim();
+  check(d >= -n && d < n, "Tensor::slice", "dimension {} out of range for shape {}", d,
+        shape_str(shape_));
+  if (d < 0) d += n;
+  check(0 <= start && start <= stop && stop <= shape_[d], "Tensor::slice",
+        "range [{}, {}) out of bounds for dimension {} of shape {}", start, stop, d,
+        shape_str(shape_));
+  Tensor t = *this;
+  t.data_ = static_cast<std::byte*>(data_) + start * strides_[d] * dtype_size(dtype_);
+  t.shape_[d] = stop - start;
+  t.numel_ = shape_numel(t.shape_);
+  return t;
+}
+
+Tensor Tensor::select(int d, int64_t index) const {
+  int n = ndim();
+  check(d >= -n && d < n, "Tensor::select", "dimension {} out of range for shape {}", d,
+        shape_str(shape_));
+  if (d < 0) d += n;
+  Tensor t = slice(d, index, index + 1);
+  t.shape_.erase(t.shape_.begin() + d);
+  t.strides_.erase(t.strides_.begin() + d);
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  check(src.shape_ == shape_, "Tensor::copy_from", "source shape {} differs from destination {}",
+        shape_str(src.shape_), shape_str(shape_));
+  if (src.dtype_ == dtype_ && is_contiguous() && src.is_contiguous()) {
+    if (nbytes()) std::memmove(data_, src.data_, nbytes());
+    return;
+  }
+  for (int64_t i = 0; i < numel_; ++i) set_flat(i, src.flat(i));
+}
+
+void Tensor::fill(double value) {
+  for (int64_t i = 0; i < numel_; ++i) set_flat(i, value);
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  check(a.shape() == b.shape(), "max_abs_diff", "shapes {} and {} differ", shape_str(a.shape()),
+        shape_str(b.shape()));
+  double m = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double d = std::abs(a.flat(i) - b.flat(i));
+    if (std::isnan(d)) return d;
+    m = std::max(m, d);
+  }
+  return m;
+}
+
+bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol, std::string* detail) {
+  if (a.shape() != b.shape()) {
+    if (detail) *detail = fmt::format("shapes {} and {} differ", shape_str(a.shape()), shape_str(b.shape()));
+    return false;
+  }
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x = a.flat(i), y = b.flat(i);
+    if (std::isnan(x) && std::isnan(y)) continue;
+    if (!(std::abs(x - y) <= atol + rtol * std::abs(y))) {
+      if (detail) *detail = fmt::format("element {} (row-major): {} vs {} (diff {})", i, x, y, std::abs(x - y));
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace attn

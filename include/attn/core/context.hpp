@@ -1,0 +1,41 @@
+// Context: the execution state passed explicitly down every call (no hidden globals).
+//
+// It carries the thread count, the seed of the dropout stream and the per-call stream offset,
+// and which backend runs the ops. Parallel work is partitioned statically from the problem shape
+// (never from the thread count), so results are bitwise identical for any `threads`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace attn {
+
+enum class Backend : uint8_t {
+  kAuto,       // the fastest available path for the inputs (falls back to reference)
+  kReference,  // kernels/ref: plain loops, double accumulation; the oracle
+  kCpu,        // kernels/cpu: SIMD + threads
+};
+
+const char* backend_name(Backend b);
+// Parses "auto", "reference"/"ref", "cpu"; throws Error otherwise.
+Backend parse_backend(const std::string& name);
+
+struct Context {
+  int threads = 0;     // 0: all hardware threads (OpenMP's default)
+  uint64_t seed = 0;   // seeds the dropout stream and parameter initialisation
+  Backend backend = Backend::kAuto;
+
+  // Each dropout site takes a fresh stream offset per call, so two calls never reuse a mask while
+  // a run stays reproducible from `seed` alone. See attn/core/rng.hpp for the stream.
+  uint64_t next_dropout_offset() { return dropout_offset_++; }
+  uint64_t dropout_offset() const { return dropout_offset_; }
+  void set_dropout_offset(uint64_t offset) { dropout_offset_ = offset; }
+
+  // Threads to use for a parallel region (resolves 0 to the hardware count).
+  int resolved_threads() const;
+
+ private:
+  uint64_t dropout_offset_ = 0;
+};
+
+}  // namespace attn

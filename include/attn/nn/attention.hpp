@@ -1,0 +1,94 @@
+// Attention modules of d2l chapter 11 (new edition numbering), forward and backward.
+//
+// Vocabulary: B batch, T queries, S keys/values, H heads, E = num_hiddens, D = E / H.
+#pragma once
+
+#include "attn/nn/module.hpp"
+#include "attn/ops/attention.hpp"
+
+namespace attn::nn {
+
+struct AttentionInputGrads {
+  Tensor dqueries, dkeys, dvalues;  // for self-attention (X, X, X) the gradient of X is the sum
+};
+
+// d2l DotProductAttention(dropout): no parameters; attention_weights() (B, T, S) pre-dropout.
+class DotProductAttention : public Module {
+ public:
+  explicit DotProductAttention(double dropout, DType dtype = DType::F32);
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() override { return {}; }
+  // queries (B, T, D), keys (B, S, D), values (B, S, Dv), valid_lens undefined / (B,) / (B, T)
+  Tensor forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
+                 const Tensor& valid_lens = {});
+  AttentionInputGrads backward(Context& ctx, const Tensor& dout);
+  const Tensor& attention_weights() const { return result_.weights; }
+
+  double dropout;
+  bool causal = false;
+  MaskedRowPolicy masked_rows = MaskedRowPolicy::kUniform;
+  int64_t lens_repeat = 1;  // used by MultiHeadAttention (valid_lens per batch, rows per head)
+
+ private:
+  Tensor q_, k_, v_, valid_lens_;
+  AttentionResult result_;
+  AttentionOptions options() const;
+};
+
+// d2l AdditiveAttention(num_hiddens, dropout): W_q, W_k (lazy, no bias), w_v (1, num_hiddens).
+//   score = w_v(tanh(W_q q + W_k k)), no scaling; state dict W_q.weight, W_k.weight, w_v.weight.
+class AdditiveAttention : public Module {
+ public:
+  AdditiveAttention(int64_t num_hiddens, double dropout, DType dtype = DType::F32,
+                    uint64_t seed = 0);
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
+  Tensor forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
+                 const Tensor& valid_lens);
+  AttentionInputGrads backward(Context& ctx, const Tensor& dout);
+  const Tensor& attention_weights() const { return result_.weights; }
+
+  Linear W_q, W_k, w_v;
+  double dropout;
+
+ private:
+  Tensor qp_, kp_, v_, valid_lens_;
+  AdditiveResult result_;
+};
+
+// d2l MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False):
+//   Q = W_q(queries), K = W_k(keys), V = W_v(values)     (B, T|S, E); widths of queries, keys and
+//   values may differ (the projections are lazy, like LazyLinear)
+//   head h owns features [h*D, (h+1)*D); attention per (b, h) with batch index b*H + h
+//   out = W_o(concat_h attention(Q_h, K_h, V_h, valid_lens))   (B, T, E)
+// attention_weights(): (B*H, T, S) pre-dropout, as d2l's mha.attention.attention_weights.
+// State dict: d2l names W_q.weight, W_k.weight, W_v.weight, W_o.weight (+ .bias with bias=true);
+// load_state_dict also accepts torch.nn.MultiheadAttention's names: in_proj_weight (3E, E) packed
+// [W_q; W_k; W_v] or q_proj_weight/k_proj_weight/v_proj_weight, in_proj_bias (3E),
+// out_proj.weight, out_proj.bias.
+// Equivalent PyTorch: nn.MultiheadAttention(E, H, dropout, bias, batch_first=True) with
+// key_padding_mask = arange(S) >= valid_lens[:, None] (d2l and torch differ on fully masked rows:
+// d2l uniform, torch NaN).
+class MultiHeadAttention : public Module {
+ public:
+  MultiHeadAttention(int64_t num_hiddens, int64_t num_heads, double dropout, bool bias = false,
+                     DType dtype = DType::F32, uint64_t seed = 0);
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
+  void load_state_dict(const StateDict& dict, bool strict = true) override;
+
+  Tensor forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
+                 const Tensor& valid_lens = {});
+  AttentionInputGrads backward(Context& ctx, const Tensor& dout);
+  const Tensor& attention_weights() const { return attention.attention_weights(); }
+  void train(bool on = true) override;
+
+  int64_t num_hiddens() const { return num_hiddens_; }
+  int64_t num_heads() const { return num_heads_; }
+
+  DotProductAttention attention;
+  Linear W_q, W_k, W_v, W_o;
+
+ private:
+  int64_t num_hiddens_, num_heads_;
+  int64_t B_ = 0, T_ = 0, S_ = 0;
+};
+
+}  // namespace attn::nn

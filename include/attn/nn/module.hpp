@@ -1,0 +1,86 @@
+// Module: a layer that owns parameters, runs forward and backward, and saves/loads state dicts.
+//
+// Backward is written by hand per layer, beside its forward (no autograd tape): forward keeps the
+// activations its backward needs as named members, backward(dout) returns the input gradients and
+// ACCUMULATES parameter gradients into Parameter::grad (zero_grad() clears them), as PyTorch does.
+#pragma once
+
+#include "attn/core/context.hpp"
+#include "attn/core/rng.hpp"
+#include "attn/core/tensor.hpp"
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace attn::nn {
+
+struct Parameter {
+  Tensor value;  // undefined until a lazy layer sees its first input or a state dict
+  Tensor grad;   // same shape as value; allocated (zeros) with the value
+};
+
+// Name -> tensor, names as in PyTorch's state_dict of the d2l model ("W_q.weight", ...).
+using StateDict = std::map<std::string, Tensor>;
+
+class Module {
+ public:
+  virtual ~Module() = default;
+
+  // Parameters in registration order with their state-dict names; children are prefixed
+  // ("attention.W_q.weight").
+  virtual std::vector<std::pair<std::string, Parameter*>> named_parameters() = 0;
+
+  // Copies of all parameter values (float tensors of the module's dtype).
+  StateDict state_dict();
+  // Loads every parameter from `dict`. strict: missing or unexpected names are errors; shapes
+  // must always match (a lazy parameter takes the shape it is given). Nothing is modified when
+  // anything is wrong. Modules override to accept alternative names (PyTorch's packed MHA).
+  virtual void load_state_dict(const StateDict& dict, bool strict = true);
+
+  virtual void train(bool on = true) { training_ = on; }
+  void eval() { train(false); }
+  bool training() const { return training_; }
+  void zero_grad();
+  DType dtype() const { return dtype_; }
+  int64_t num_parameters();
+
+ protected:
+  explicit Module(DType dtype) : dtype_(dtype) {}
+  DType dtype_;
+  bool training_ = true;  // PyTorch modules start in training mode
+};
+
+// Appends child's parameters to `out` with "prefix." in front of each name.
+void append_parameters(std::vector<std::pair<std::string, Parameter*>>& out,
+                       const std::string& prefix, Module& child);
+
+// torch.nn.Linear / LazyLinear: y = x W^T + b, W (out, in), b (out).
+// in_features == 0 makes it lazy: W is created at the first forward (or load_state_dict).
+// Initialisation as PyTorch: W and b ~ U(-1/sqrt(in), 1/sqrt(in)).
+class Linear : public Module {
+ public:
+  Linear(int64_t out_features, int64_t in_features, bool bias, DType dtype = DType::F32,
+         uint64_t seed = 0);
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
+
+  Tensor forward(Context& ctx, const Tensor& x);  // (..., in) -> (..., out)
+  Tensor backward(Context& ctx, const Tensor& dy);  // returns dx; accumulates dW, db
+
+  // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.
+  void materialize(int64_t in_features, const char* op);
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+  bool has_bias() const { return has_bias_; }
+
+  Parameter weight, bias;
+
+ private:
+  int64_t out_features_, in_features_;
+  bool has_bias_;
+  uint64_t seed_;
+  Tensor x_;  // saved input
+};
+
+}  // namespace attn::nn

@@ -1,0 +1,79 @@
+// Scaled dot-product attention (d2l DotProductAttention; PyTorch F.scaled_dot_product_attention).
+//
+//   q (B, T, D), k (B, S, D), v (B, S, Dv)   float32 or float64, any strides
+//   out (B, T, Dv) = dropout(masked_softmax(q k^T * scale)) v,  scale = 1/sqrt(D) by default
+//
+// Masks are those of masked_softmax (valid_lens (B,) or (B, T), causal, fully-masked-row policy).
+// Dropout acts on the weights, only when `training` and p > 0, as inverted dropout drawn from the
+// Philox dropout stream (attn/core/rng.hpp) with index (b*T + t)*S + s; p = 1 gives zeros.
+// `weights` (B, T, S) are returned pre-dropout (as d2l stores attention_weights) when
+// need_weights is set. `logsumexp` (B, T) is always returned: lse[b,t] = log sum_s exp(score)
+// over kept keys (for the fast backward and for merging key blocks); -inf for rows without keys.
+//
+// d2l: DotProductAttention(dropout)(q, k, v, valid_lens).
+// PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p, is_causal).
+#pragma once
+
+#include "attn/ops/masked_softmax.hpp"
+
+#include <optional>
+
+namespace attn {
+
+struct AttentionOptions {
+  MaskOptions mask;
+  double dropout = 0.0;         // probability of dropping a weight, in [0, 1]
+  bool training = false;        // dropout only acts in training
+  bool need_weights = false;    // fill AttentionResult::weights
+  std::optional<double> scale;  // default 1/sqrt(D)
+};
+
+struct AttentionResult {
+  Tensor output;     // (B, T, Dv)
+  Tensor weights;    // (B, T, S) pre-dropout, when need_weights
+  Tensor logsumexp;  // (B, T), float32 or float64 as q
+  uint64_t dropout_offset = 0;  // the stream offset the forward used (backward redraws the mask)
+};
+
+AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, const Tensor& k,
+                                             const Tensor& v, const AttentionOptions& opts = {});
+
+struct AttentionGrads {
+  Tensor dq, dk, dv;  // shapes of q, k, v; contiguous
+};
+
+// Backward of scaled_dot_product_attention from the forward's inputs and result (output and
+// logsumexp; the mask and dropout are redrawn from opts and result.dropout_offset).
+AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor& dout,
+                                                     const Tensor& q, const Tensor& k,
+                                                     const Tensor& v,
+                                                     const AttentionResult& forward,
+                                                     const AttentionOptions& opts = {});
+
+// Additive attention (Bahdanau; d2l AdditiveAttention after its W_q, W_k projections):
+//   qp (B, T, h), kp (B, S, h), w_v (h) or (1, h), v (B, S, Dv)
+//   score[b,t,s] = w_v . tanh(qp[b,t] + kp[b,s])       (no scaling)
+//   out = dropout(masked_softmax(score)) v
+struct AdditiveResult {
+  Tensor output;   // (B, T, Dv)
+  Tensor weights;  // (B, T, S) pre-dropout (always: the backward needs them)
+  uint64_t dropout_offset = 0;
+};
+AdditiveResult additive_attention(Context& ctx, const Tensor& qp, const Tensor& kp,
+                                  const Tensor& w_v, const Tensor& v,
+                                  const AttentionOptions& opts = {});
+
+struct AdditiveGrads {
+  Tensor dqp, dkp, dw_v, dv;
+};
+AdditiveGrads additive_attention_backward(Context& ctx, const Tensor& dout, const Tensor& qp,
+                                          const Tensor& kp, const Tensor& w_v, const Tensor& v,
+                                          const AdditiveResult& forward,
+                                          const AttentionOptions& opts = {});
+
+// Inverted dropout of x by the dropout stream at `offset` (identity when p == 0).
+Tensor dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset);
+// Gradient of dropout: the same mask and scale applied to dy.
+Tensor dropout_backward(const Tensor& dy, double p, uint64_t seed, uint64_t offset);
+
+}  // namespace attn
