@@ -1,0 +1,144 @@
+// Reference scaled dot-product attention, forward and backward side by side.
+//
+// Per query row (b, t), with n = kept keys:
+//   score[s] = scale * sum_d q[b,t,d] k[b,s,d]                    s < n
+//   w[s]     = exp(score[s] - lse) for s < n, 0 for s >= n        lse = log sum_{s<n} exp(score)
+//              (n == 0: w = 1/S everywhere (kUniform) or 0 (kZero))
+//   out[b,t] = sum_s w[s] f[s] v[b,s]                             f = dropout factor
+// Keys s >= n are never read when n > 0, so NaN or Inf in padding cannot leak into the output
+// (PyTorch's SDPA lets it through: pytorch#101967).
+#include "kernels/ref/attention.hpp"
+
+#include "kernels/ref/masked_softmax.hpp"
+
+#include <cmath>
+#include <vector>
+
+namespace attn::ref {
+namespace {
+
+template <typename T>
+void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, double scale) {
+  for (int64_t s = 0; s < n; ++s) {
+    const T* ks = kb + s * D;
+    double dot = 0.0;
+    for (int64_t d = 0; d < D; ++d)
+      dot += static_cast<double>(qt[d]) * ks[d];
+    score[s] = dot * scale;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
+                  const int64_t* kept, MaskedRowPolicy policy, double scale,
+                  const AttentionDims& dims, const DropoutSpec& drop) {
+  const auto [B, Tq, S, D, Dv] = dims;
+  std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
+      acc(static_cast<size_t>(Dv));
+  for (int64_t b = 0; b < B; ++b) {
+    const T* kb = k + b * S * D;
+    const T* vb = v + b * S * Dv;
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t row = b * Tq + t;
+      const int64_t n = kept[row];
+      // QDotK: score (S) of this query against its kept keys.
+      score_row(q + row * D, kb, score.data(), n, D, scale);
+      // Softmax over kept keys (the pre-dropout weights d2l stores).
+      lse[row] = static_cast<T>(softmax_row(score.data(), w.data(), n, S, policy));
+      if (weights != nullptr) {
+        for (int64_t s = 0; s < S; ++s)
+          weights[row * S + s] = static_cast<T>(w[s]);
+      }
+      // WeightedSumV: out[t] = sum_s w[s] f[s] v[s] over the keys the row reads.
+      std::fill(acc.begin(), acc.end(), 0.0);
+      const int64_t active = active_keys(n, S, policy);
+      for (int64_t s = 0; s < active; ++s) {
+        const double ws = w[s] * drop.factor(static_cast<uint64_t>(row * S + s));
+        const T* vs = vb + s * Dv;
+        for (int64_t e = 0; e < Dv; ++e)
+          acc[e] += ws * vs[e];
+      }
+      for (int64_t e = 0; e < Dv; ++e)
+        out[row * Dv + e] = static_cast<T>(acc[e]);
+    }
+  }
+}
+
+template <typename T>
+void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
+                   const int64_t* kept, MaskedRowPolicy policy, double scale,
+                   const AttentionDims& dims, const DropoutSpec& drop) {
+  const auto [B, Tq, S, D, Dv] = dims;
+  // dk and dv collect contributions from every query row: accumulate in double, round at the end.
+  std::vector<double> dk_acc(static_cast<size_t>(B * S * D), 0.0);
+  std::vector<double> dv_acc(static_cast<size_t>(B * S * Dv), 0.0);
+  std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
+      dw(static_cast<size_t>(S)), dq_acc(static_cast<size_t>(D));
+  for (int64_t b = 0; b < B; ++b) {
+    const T* kb = k + b * S * D;
+    const T* vb = v + b * S * Dv;
+    for (int64_t t = 0; t < Tq; ++t) {
+      const int64_t row = b * Tq + t;
+      const int64_t n = kept[row];
+      const T* qt = q + row * D;
+      const T* go = dout + row * Dv;
+      // Recompute the forward's weights.
+      score_row(qt, kb, score.data(), n, D, scale);
+      softmax_row(score.data(), w.data(), n, S, policy);
+      const int64_t active = active_keys(n, S, policy);
+      // forward: out[t] = sum_s w[s] f[s] v[s]
+      // so:      dv[s] += w[s] f[s] dout[t];   dw[s] = f[s] (dout[t] . v[s])
+      for (int64_t s = 0; s < active; ++s) {
+        const double fs = drop.factor(static_cast<uint64_t>(row * S + s));
+        const T* vs = vb + s * Dv;
+        double* dvs = dv_acc.data() + (b * S + s) * Dv;
+        double g = 0.0;
+        for (int64_t e = 0; e < Dv; ++e) {
+          dvs[e] += w[s] * fs * go[e];
+          g += static_cast<double>(go[e]) * vs[e];
+        }
+        dw[s] = fs * g;
+      }
+      // forward: w = softmax(score) over s < n  (n == 0: w is a constant of the scores)
+      // so:      dscore[s] = w[s] (dw[s] - sum_s' w[s'] dw[s'])    for s < n
+      double wdw = 0.0;
+      for (int64_t s = 0; s < n; ++s)
+        wdw += w[s] * dw[s];
+      // forward: score[s] = scale * q[t] . k[s]
+      // so:      dq[t] += scale dscore[s] k[s];  dk[s] += scale dscore[s] q[t]
+      std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
+      for (int64_t s = 0; s < n; ++s) {
+        const double ds = w[s] * (dw[s] - wdw) * scale;
+        const T* ks = kb + s * D;
+        double* dks = dk_acc.data() + (b * S + s) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          dq_acc[d] += ds * ks[d];
+          dks[d] += ds * qt[d];
+        }
+      }
+      for (int64_t d = 0; d < D; ++d)
+        dq[row * D + d] = static_cast<T>(dq_acc[d]);
+    }
+  }
+  for (size_t i = 0; i < dk_acc.size(); ++i)
+    dk[i] = static_cast<T>(dk_acc[i]);
+  for (size_t i = 0; i < dv_acc.size(); ++i)
+    dv[i] = static_cast<T>(dv_acc[i]);
+}
+
+template void sdpa_forward<float>(const float*, const float*, const float*, float*, float*, float*,
+                                  const int64_t*, MaskedRowPolicy, double, const AttentionDims&,
+                                  const DropoutSpec&);
+template void sdpa_forward<double>(const double*, const double*, const double*, double*, double*,
+                                   double*, const int64_t*, MaskedRowPolicy, double,
+                                   const AttentionDims&, const DropoutSpec&);
+template void sdpa_backward<float>(const float*, const float*, const float*, const float*, float*,
+                                   float*, float*, const int64_t*, MaskedRowPolicy, double,
+                                   const AttentionDims&, const DropoutSpec&);
+template void sdpa_backward<double>(const double*, const double*, const double*, const double*,
+                                    double*, double*, double*, const int64_t*, MaskedRowPolicy,
+                                    double, const AttentionDims&, const DropoutSpec&);
+
+}  // namespace attn::ref

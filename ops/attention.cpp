@@ -1,0 +1,215 @@
+// Scaled dot-product and additive attention: validation, then one dispatch point per op.
+// The reference kernels live in kernels/ref/attention.cpp and kernels/ref/additive.cpp; the
+// math is in docs/ops.md. A fast CPU path plugs in at the `dispatch` comments below.
+#include "attn/ops/attention.hpp"
+
+#include "kernels/ref/additive.hpp"
+#include "kernels/ref/attention.hpp"
+#include "kernels/ref/masked_softmax.hpp"
+#include "ops/common.hpp"
+
+#include <cmath>
+#include <limits>
+
+namespace attn {
+namespace {
+
+constexpr const char* kSdpa = "scaled_dot_product_attention";
+constexpr const char* kSdpaBackward = "scaled_dot_product_attention_backward";
+constexpr const char* kAdditive = "additive_attention";
+constexpr const char* kAdditiveBackward = "additive_attention_backward";
+
+void check_options(const char* op, const AttentionOptions& opts) {
+  check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
+        opts.dropout);
+  check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
+        opts.scale.value_or(0.0));
+}
+
+// q (B, T, D), k (B, S, D), v (B, S, Dv), same float dtype; valid_lens against (B, T).
+ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const AttentionOptions& opts) {
+  detail::check_float_tensor(op, "q", q);
+  detail::check_float_tensor(op, "k", k);
+  detail::check_float_tensor(op, "v", v);
+  detail::check_ndim(op, "q", q, 3, "(B, T, D)");
+  detail::check_ndim(op, "k", k, 3, "(B, S, D)");
+  detail::check_ndim(op, "v", v, 3, "(B, S, Dv)");
+  detail::check_same_dtype(op, "k", k, "q", q);
+  detail::check_same_dtype(op, "v", v, "q", q);
+  ref::AttentionDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
+  check(k.dim(0) == d.B && v.dim(0) == d.B, op,
+        "batch sizes differ: q {}, k {}, v {}; expected the same B", shape_str(q.shape()),
+        shape_str(k.shape()), shape_str(v.shape()));
+  check(k.dim(2) == d.D, op, "q {} and k {} differ in width, expected k (B, S, D) with D = {}",
+        shape_str(q.shape()), shape_str(k.shape()), d.D);
+  check(v.dim(1) == d.S, op, "k {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
+        shape_str(k.shape()), shape_str(v.shape()), d.S);
+  check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_str(q.shape()));
+  check_options(op, opts);
+  check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, opts.mask.lens_repeat);
+  return d;
+}
+
+void check_dout(const char* op, const Tensor& dout, const Tensor& q, const ref::AttentionDims& d) {
+  detail::check_float_tensor(op, "dout", dout);
+  check(dout.shape() == Shape{d.B, d.T, d.Dv}, op, "dout has shape {}, expected (B, T, Dv) = {}",
+        shape_str(dout.shape()), shape_str(Shape{d.B, d.T, d.Dv}));
+  detail::check_same_dtype(op, "dout", dout, "q", q);
+}
+
+// Dropout acts only in training with p > 0; only then does the call take a stream offset.
+ref::DropoutSpec forward_dropout(Context& ctx, const AttentionOptions& opts) {
+  ref::DropoutSpec spec;
+  spec.active = opts.training && opts.dropout > 0.0;
+  spec.p = opts.dropout;
+  spec.seed = ctx.seed;
+  spec.offset = spec.active ? ctx.next_dropout_offset() : 0;
+  return spec;
+}
+
+// The backward redraws the forward's mask: same seed, the offset the forward stored.
+ref::DropoutSpec backward_dropout(const Context& ctx, const AttentionOptions& opts,
+                                  uint64_t offset) {
+  ref::DropoutSpec spec;
+  spec.active = opts.training && opts.dropout > 0.0;
+  spec.p = opts.dropout;
+  spec.seed = ctx.seed;
+  spec.offset = offset;
+  return spec;
+}
+
+double attention_scale(const AttentionOptions& opts, int64_t D) {
+  return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
+}
+
+}  // namespace
+
+AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, const Tensor& k,
+                                             const Tensor& v, const AttentionOptions& opts) {
+  const ref::AttentionDims d = check_qkv(kSdpa, q, k, v, opts);
+  const DType dt = q.dtype();
+  AttentionResult result;
+  result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
+  result.logsumexp = Tensor::empty({d.B, d.T}, dt);
+  if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
+  const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+  result.dropout_offset = drop.offset;
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  // dispatch: every Backend runs the reference until kernels/cpu has an attention kernel.
+  detail::dispatch_float(dt, [&](auto zero) {
+    using F = decltype(zero);
+    F* weights = opts.need_weights ? result.weights.data<F>() : nullptr;
+    ref::sdpa_forward<F>(qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
+                         result.logsumexp.data<F>(), kept.data(), opts.mask.masked_rows,
+                         attention_scale(opts, d.D), d, drop);
+  });
+  return result;
+}
+
+AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor& dout,
+                                                     const Tensor& q, const Tensor& k,
+                                                     const Tensor& v,
+                                                     const AttentionResult& forward,
+                                                     const AttentionOptions& opts) {
+  const ref::AttentionDims d = check_qkv(kSdpaBackward, q, k, v, opts);
+  check_dout(kSdpaBackward, dout, q, d);
+  const DType dt = q.dtype();
+  AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
+                       Tensor::empty(v.shape(), dt)};
+  const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
+  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const Tensor gc = dout.contiguous();
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  // dispatch: the reference recomputes the weights, so it needs neither output nor logsumexp.
+  detail::dispatch_float(dt, [&](auto zero) {
+    using F = decltype(zero);
+    ref::sdpa_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), vc.data<F>(),
+                          grads.dq.data<F>(), grads.dk.data<F>(), grads.dv.data<F>(), kept.data(),
+                          opts.mask.masked_rows, attention_scale(opts, d.D), d, drop);
+  });
+  return grads;
+}
+
+namespace {
+
+// qp (B, T, H), kp (B, S, H), w_v (H) or (1, H), v (B, S, Dv). Returns dims with D = H.
+ref::AttentionDims check_additive(const char* op, const Tensor& qp, const Tensor& kp,
+                                  const Tensor& w_v, const Tensor& v,
+                                  const AttentionOptions& opts) {
+  detail::check_float_tensor(op, "qp", qp);
+  detail::check_float_tensor(op, "kp", kp);
+  detail::check_float_tensor(op, "w_v", w_v);
+  detail::check_float_tensor(op, "v", v);
+  detail::check_ndim(op, "qp", qp, 3, "(B, T, h)");
+  detail::check_ndim(op, "kp", kp, 3, "(B, S, h)");
+  detail::check_ndim(op, "v", v, 3, "(B, S, Dv)");
+  detail::check_same_dtype(op, "kp", kp, "qp", qp);
+  detail::check_same_dtype(op, "w_v", w_v, "qp", qp);
+  detail::check_same_dtype(op, "v", v, "qp", qp);
+  ref::AttentionDims d{qp.dim(0), qp.dim(1), kp.dim(1), qp.dim(2), v.dim(2)};
+  check(kp.dim(0) == d.B && v.dim(0) == d.B, op,
+        "batch sizes differ: qp {}, kp {}, v {}; expected the same B", shape_str(qp.shape()),
+        shape_str(kp.shape()), shape_str(v.shape()));
+  check(kp.dim(2) == d.D, op, "qp {} and kp {} differ in width, expected kp (B, S, h) with h = {}",
+        shape_str(qp.shape()), shape_str(kp.shape()), d.D);
+  check(v.dim(1) == d.S, op, "kp {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
+        shape_str(kp.shape()), shape_str(v.shape()), d.S);
+  const bool wv_ok = (w_v.ndim() == 1 && w_v.dim(0) == d.D) ||
+                     (w_v.ndim() == 2 && w_v.dim(0) == 1 && w_v.dim(1) == d.D);
+  check(wv_ok, op, "w_v has shape {}, expected (h) = ({}) or (1, h) = (1, {})",
+        shape_str(w_v.shape()), d.D, d.D);
+  check_options(op, opts);
+  check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, opts.mask.lens_repeat);
+  return d;
+}
+
+}  // namespace
+
+AdditiveResult additive_attention(Context& ctx, const Tensor& qp, const Tensor& kp,
+                                  const Tensor& w_v, const Tensor& v,
+                                  const AttentionOptions& opts) {
+  const ref::AttentionDims d = check_additive(kAdditive, qp, kp, w_v, v, opts);
+  const DType dt = qp.dtype();
+  AdditiveResult result;
+  result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
+  result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
+  const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+  result.dropout_offset = drop.offset;
+  const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
+               vc = v.contiguous();
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  // dispatch: reference only.
+  detail::dispatch_float(dt, [&](auto zero) {
+    using F = decltype(zero);
+    ref::additive_forward<F>(qc.data<F>(), kc.data<F>(), wc.data<F>(), vc.data<F>(),
+                             result.output.data<F>(), result.weights.data<F>(), kept.data(),
+                             opts.mask.masked_rows, d, drop);
+  });
+  return result;
+}
+
+AdditiveGrads additive_attention_backward(Context& ctx, const Tensor& dout, const Tensor& qp,
+                                          const Tensor& kp, const Tensor& w_v, const Tensor& v,
+                                          const AdditiveResult& forward,
+                                          const AttentionOptions& opts) {
+  const ref::AttentionDims d = check_additive(kAdditiveBackward, qp, kp, w_v, v, opts);
+  check_dout(kAdditiveBackward, dout, qp, d);
+  const DType dt = qp.dtype();
+  AdditiveGrads grads{Tensor::empty(qp.shape(), dt), Tensor::empty(kp.shape(), dt),
+                      Tensor::empty(w_v.shape(), dt), Tensor::empty(v.shape(), dt)};
+  const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
+  const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
+               vc = v.contiguous(), gc = dout.contiguous();
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  detail::dispatch_float(dt, [&](auto zero) {
+    using F = decltype(zero);
+    ref::additive_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), wc.data<F>(), vc.data<F>(),
+                              grads.dqp.data<F>(), grads.dkp.data<F>(), grads.dw_v.data<F>(),
+                              grads.dv.data<F>(), kept.data(), opts.mask.masked_rows, d, drop);
+  });
+  return grads;
+}
+
+}  // namespace attn

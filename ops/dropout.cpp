@@ -1,0 +1,40 @@
+// dropout / dropout_backward free functions (declared in attn/ops/attention.hpp): validation,
+// then the reference kernel (kernels/ref/dropout.cpp).
+#include "attn/ops/attention.hpp"
+
+#include "kernels/ref/dropout.hpp"
+#include "ops/common.hpp"
+
+namespace attn {
+namespace {
+
+Tensor apply_dropout(const char* op, const char* name, const Tensor& x, double p, uint64_t seed,
+                     uint64_t offset, bool backward) {
+  detail::check_float_tensor(op, name, x);
+  check(p >= 0.0 && p <= 1.0, op, "p is {}, expected in [0, 1]", p);
+  const Tensor xc = x.contiguous();
+  Tensor y = Tensor::empty(x.shape(), x.dtype());
+  // p == 0 is the identity; it still returns a fresh tensor so callers may write into it.
+  const ref::DropoutSpec spec{p > 0.0, p, seed, offset};
+  detail::dispatch_float(x.dtype(), [&](auto zero) {
+    using F = decltype(zero);
+    if (backward) {
+      ref::dropout_backward<F>(xc.data<F>(), y.data<F>(), x.numel(), spec);
+    } else {
+      ref::dropout_forward<F>(xc.data<F>(), y.data<F>(), x.numel(), spec);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+Tensor dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset) {
+  return apply_dropout("dropout", "x", x, p, seed, offset, false);
+}
+
+Tensor dropout_backward(const Tensor& dy, double p, uint64_t seed, uint64_t offset) {
+  return apply_dropout("dropout_backward", "dy", dy, p, seed, offset, true);
+}
+
+}  // namespace attn
