@@ -1,0 +1,213 @@
+// oneDNN matmul wrapper; see matmul.hpp for the math, layouts and threading contract.
+#include "kernels/cpu/matmul.hpp"
+
+#include <omp.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+
+namespace attn::cpu {
+namespace {
+
+// Everything that changes the primitive oneDNN builds. Data pointers are not part of it: they
+// are bound at execution through memory objects.
+struct GemmKey {
+  int64_t M, N, K, lda, ldb, ldc;
+  int threads;
+  uint8_t type;
+  bool trans_a, trans_b, has_bias, accumulate;
+  bool operator==(const GemmKey&) const = default;
+};
+
+struct GemmKeyHash {
+  size_t operator()(const GemmKey& k) const {
+    // FNV-1a style mixing of the fields; collisions only cost an equality compare.
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(static_cast<uint64_t>(k.M));
+    mix(static_cast<uint64_t>(k.N));
+    mix(static_cast<uint64_t>(k.K));
+    mix(static_cast<uint64_t>(k.lda));
+    mix(static_cast<uint64_t>(k.ldb));
+    mix(static_cast<uint64_t>(k.ldc));
+    mix(static_cast<uint64_t>(k.threads));
+    mix(k.type | (k.trans_a << 8) | (k.trans_b << 9) | (k.has_bias << 10) | (k.accumulate << 11));
+    return static_cast<size_t>(h);
+  }
+};
+
+struct GemmPlan {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a_md, b_md, c_md, bias_md;
+};
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);  // thread-safe static init
+  return engine;
+}
+
+// A CPU stream carries no state between executions, but oneDNN does not document streams as
+// safe to share between threads, so each calling thread gets its own.
+dnnl::stream& thread_stream() {
+  thread_local dnnl::stream stream(cpu_engine());
+  return stream;
+}
+
+std::mutex cache_mutex;
+std::unordered_map<GemmKey, std::shared_ptr<GemmPlan>, GemmKeyHash> cache;
+
+using dims = dnnl::memory::dims;
+using dt = dnnl::memory::data_type;
+
+std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
+  const dt in = k.type == static_cast<uint8_t>(GemmType::kBF16) ? dt::bf16 : dt::f32;
+  auto plan = std::make_shared<GemmPlan>();
+  // oneDNN's matmul is src (M, K) x weights (K, N) -> dst (M, N) with arbitrary strides, so
+  // each transposition is just a swapped stride pair.
+  plan->a_md = dnnl::memory::desc(dims{k.M, k.K}, in, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
+  plan->b_md = dnnl::memory::desc(dims{k.K, k.N}, in, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
+  plan->c_md = dnnl::memory::desc(dims{k.M, k.N}, dt::f32, dims{k.ldc, 1});
+  if (k.has_bias) plan->bias_md = dnnl::memory::desc(dims{1, k.N}, dt::f32, dims{k.N, 1});
+  dnnl::primitive_attr attr;
+  if (k.accumulate) {
+    // dst = product + bias + 1.0 * dst_old: the sum post-op is oneDNN's beta = 1.
+    dnnl::post_ops po;
+    po.append_sum(1.0f);
+    attr.set_post_ops(po);
+  }
+  auto desc = k.has_bias ? dnnl::matmul::desc(plan->a_md, plan->b_md, plan->bias_md, plan->c_md)
+                         : dnnl::matmul::desc(plan->a_md, plan->b_md, plan->c_md);
+  dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  plan->primitive = dnnl::matmul(pd);
+  return plan;
+}
+
+// The same product in plain loops (f32 accumulation, k innermost): used only when oneDNN
+// rejects a configuration, so that callers never see an exception from a kernel.
+void gemm_fallback(const GemmArgs& g) {
+  auto load = [&g](const void* p, int64_t i) -> float {
+    if (g.type == GemmType::kBF16) {
+      uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return f;
+    }
+    return static_cast<const float*>(p)[i];
+  };
+  for (int64_t m = 0; m < g.M; ++m) {
+    for (int64_t n = 0; n < g.N; ++n) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < g.K; ++k) {
+        float a = load(g.A, g.trans_a ? k * g.lda + m : m * g.lda + k);
+        float b = load(g.B, g.trans_b ? n * g.ldb + k : k * g.ldb + n);
+        acc += a * b;
+      }
+      if (g.bias) acc += g.bias[n];
+      float& c = g.C[m * g.ldc + n];
+      c = g.accumulate ? c + acc : acc;
+    }
+  }
+}
+
+// Restores the calling thread's OpenMP thread count when the call ends (also on exceptions).
+class ScopedOmpThreads {
+ public:
+  explicit ScopedOmpThreads(int threads) : previous_(omp_get_max_threads()) {
+    if (threads != previous_) omp_set_num_threads(threads);
+  }
+  ~ScopedOmpThreads() {
+    if (omp_get_max_threads() != previous_) omp_set_num_threads(previous_);
+  }
+  ScopedOmpThreads(const ScopedOmpThreads&) = delete;
+  ScopedOmpThreads& operator=(const ScopedOmpThreads&) = delete;
+
+ private:
+  int previous_;
+};
+
+}  // namespace
+
+void gemm(const GemmArgs& g, int threads) {
+  if (g.M <= 0 || g.N <= 0) return;
+  if (g.K <= 0) {
+    // Empty contraction: the product is zero, only bias and the old C remain.
+    for (int64_t m = 0; m < g.M; ++m)
+      for (int64_t n = 0; n < g.N; ++n) {
+        float& c = g.C[m * g.ldc + n];
+        c = (g.accumulate ? c : 0.f) + (g.bias ? g.bias[n] : 0.f);
+      }
+    return;
+  }
+  if (threads < 1) threads = 1;
+  const GemmKey key{g.M,
+                    g.N,
+                    g.K,
+                    g.lda,
+                    g.ldb,
+                    g.ldc,
+                    threads,
+                    static_cast<uint8_t>(g.type),
+                    g.trans_a,
+                    g.trans_b,
+                    g.bias != nullptr,
+                    g.accumulate};
+  ScopedOmpThreads omp_threads(threads);
+  std::shared_ptr<GemmPlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) plan = it->second;
+  }
+  try {
+    if (!plan) {
+      // Created outside the lock (creation takes ~0.1 ms); a concurrent duplicate is harmless.
+      plan = make_plan(key);
+      std::lock_guard<std::mutex> lock(cache_mutex);
+      cache.emplace(key, plan);
+    }
+    auto& eng = cpu_engine();
+    // oneDNN's memory objects take non-const handles; it only reads src and weights.
+    dnnl::memory a(plan->a_md, eng, const_cast<void*>(g.A));
+    dnnl::memory b(plan->b_md, eng, const_cast<void*>(g.B));
+    dnnl::memory c(plan->c_md, eng, g.C);
+    std::unordered_map<int, dnnl::memory> exec_args{
+        {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
+    if (g.bias) {
+      exec_args.emplace(DNNL_ARG_BIAS,
+                        dnnl::memory(plan->bias_md, eng, const_cast<float*>(g.bias)));
+    }
+    auto& stream = thread_stream();
+    plan->primitive.execute(stream, exec_args);
+    stream.wait();
+  } catch (const dnnl::error&) {
+    gemm_fallback(g);
+  }
+}
+
+void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
+  if (!accumulate)
+    for (int64_t n = 0; n < N; ++n)
+      db[n] = 0.f;
+  // Row by row so the inner loop is unit-stride over n (vectorizes); the order of the sum over
+  // rows is fixed, hence independent of any thread count.
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = dy + m * lddy;
+    for (int64_t n = 0; n < N; ++n)
+      db[n] += row[n];
+  }
+}
+
+size_t gemm_cache_size() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  return cache.size();
+}
+
+void gemm_cache_clear() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  cache.clear();
+}
+
+}  // namespace attn::cpu

@@ -1,0 +1,71 @@
+// GEMM for the linear layers: a thin, cached wrapper over oneDNN's matmul primitive.
+//
+// Glossary: M rows (B*T tokens), N output features, K input features (the contraction).
+//
+//   C (M, N)  =  op(A) (M, K) * op(B) (K, N)  [+ bias (N) broadcast over rows]  [+ C]
+//
+// All matrices are row-major with a row stride (lda/ldb/ldc, in elements, unit column stride),
+// so views such as one head of a (B, T, E) activation or a column slice need no copy.
+//   op(A) = A        A stored (M, K), row stride lda >= K
+//   op(A) = A^T      A stored (K, M), row stride lda >= M        (trans_a)
+//   op(B) = B        B stored (K, N), row stride ldb >= N
+//   op(B) = B^T      B stored (N, K), row stride ldb >= K        (trans_b: the linear layout)
+// The three products of a linear layer y = x W^T + b, x (M, in), W (out, in):
+//   forward    y  (M, out)   = x (M, in) * W^T                   trans_b, bias
+//   input grad dx (M, in)    = dy (M, out) * W (out, in)         plain
+//   weight grad dW (out, in) += dy^T (out, M) * x (M, in)         trans_a, accumulate
+//
+// Element types: f32 in, f32 out; or bf16 in (A and B), f32 out and f32 bias (AVX512-BF16 on
+// Zen 4 and Cooper Lake+; oneDNN emulates it more slowly elsewhere). Accumulation is always f32.
+//
+// Threads: oneDNN runs on OpenMP. `threads` (resolve Context::threads first, >= 1) is applied
+// with omp_set_num_threads around primitive creation and execution and restored afterwards, and
+// is part of the cache key, because oneDNN fixes its work partition when the primitive is
+// created. Call from outside an OpenMP parallel region (inside one, oneDNN runs serially).
+// Determinism: for a fixed `threads` results are bitwise reproducible. Across thread counts
+// oneDNN 2.6's f32 matmul is bitwise identical on the shapes we tested (it splits M and N over
+// threads, never K, at these sizes; see tests/test_matmul_cpu.cpp, "ThreadCountBitwise"), but
+// oneDNN does not promise it: a K-split (tiny M*N, huge K) could reorder the sums.
+//
+// Cache: one primitive per (shape, strides, flags, dtype, threads), in a mutex-protected map;
+// one engine for the process, one stream per calling thread. Kernels never throw on user input:
+// when oneDNN rejects a configuration, a plain loop computes the same product.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace attn::cpu {
+
+enum class GemmType : uint8_t {
+  kF32,   // A, B float
+  kBF16,  // A, B bfloat16 (uint16_t bits); C and bias float
+};
+
+struct GemmArgs {
+  int64_t M = 0, N = 0, K = 0;
+  const void* A = nullptr;
+  int64_t lda = 0;
+  bool trans_a = false;
+  const void* B = nullptr;
+  int64_t ldb = 0;
+  bool trans_b = false;
+  float* C = nullptr;
+  int64_t ldc = 0;
+  const float* bias = nullptr;  // (N) or null
+  bool accumulate = false;      // C += product (beta = 1) instead of C = product
+  GemmType type = GemmType::kF32;
+};
+
+// C = op(A) op(B) (+ bias) (+ C), on `threads` OpenMP threads (>= 1).
+void gemm(const GemmArgs& args, int threads);
+
+// db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
+// a fixed order (row by row, f32), so it is the same for any thread count.
+void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
+
+// Number of primitives in the cache (tests and benchmarks), and a way to empty it.
+size_t gemm_cache_size();
+void gemm_cache_clear();
+
+}  // namespace attn::cpu
