@@ -1,0 +1,128 @@
+// sinusoidal_encoding: the d2l test vectors of semantics.md section 4 (d = 4, 8, 32), the two
+// accuracy modes, odd widths, dtypes and bad input.
+#include "attn/ops/positional.hpp"
+#include "testing.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+namespace attn {
+namespace {
+
+using testing::close;
+
+Tensor vec(std::vector<double> v) {
+  const int64_t n = static_cast<int64_t>(v.size());
+  return Tensor::from_vector(v, {n}, DType::F64);
+}
+
+TEST(Sinusoidal, D2lVectorsDim4) {
+  Tensor P = sinusoidal_encoding(3, 4);
+  EXPECT_EQ(P.shape(), (Shape{3, 4}));
+  EXPECT_EQ(P.dtype(), DType::F32);
+  EXPECT_TRUE(close(P.select(0, 0), vec({0, 1, 0, 1}), 0, 0));  // exact
+  EXPECT_TRUE(
+      close(P.select(0, 1), vec({0.84147096, 0.54030234, 0.00999983, 0.99994999}), 0, 1e-7));
+  EXPECT_TRUE(
+      close(P.select(0, 2), vec({0.90929741, -0.41614684, 0.01999867, 0.99980003}), 0, 1e-7));
+}
+
+TEST(Sinusoidal, D2lVectorsDim8) {
+  Tensor P = sinusoidal_encoding(2, 8);
+  EXPECT_TRUE(close(P.select(0, 0), vec({0, 1, 0, 1, 0, 1, 0, 1}), 0, 0));
+  EXPECT_TRUE(close(P.select(0, 1),
+                    vec({0.84147096, 0.54030234, 0.09983342, 0.99500418, 0.00999983, 0.99994999,
+                         0.0009999999, 0.99999952}),
+                    0, 1e-7));
+}
+
+TEST(Sinusoidal, D2lFloat32ChainDim32) {
+  // d2l's denominators 10000^(2j/32) in float32: den_0 == 1 exactly, then these (PyTorch CPU).
+  const float den[4] = {1.0f, 0x1.c73d52p+0f, 0x1.94c584p+1f, 0x1.67e6p+2f};
+  EXPECT_EQ(sinusoidal_frequency(0, 32), 1.0);
+  for (int j = 0; j < 4; ++j)
+    EXPECT_NEAR(1.0 / sinusoidal_frequency(j, 32), den[j], 1e-6 * den[j]);
+  Tensor P = sinusoidal_encoding(1000, 32, DType::F32, SinusoidalMode::kMatchD2l);
+  // P[999, 0..3] as d2l's float32 chain computes them on PyTorch CPU.
+  EXPECT_TRUE(close(P.select(0, 999).slice(0, 0, 4),
+                    vec({-0x1.b1887p-6, 0x1.ffd21ap-1, 0x1.129b02p-1, -0x1.b0212p-1}), 0, 1e-6));
+  // Column 0 has den == 1, so it is sinf of the float position.
+  for (int i : {1, 7, 999})
+    EXPECT_EQ(P.at({i, 0}), std::sin(static_cast<float>(i)));
+  // The chain op for op: angle = f32(i) / den with den from the listed float32 values.
+  for (int j = 1; j < 4; ++j) {
+    const float angle = 999.0f / den[j];
+    EXPECT_NEAR(P.at({999, 2 * j}), std::sin(angle), 1.2e-7) << j;
+    EXPECT_NEAR(P.at({999, 2 * j + 1}), std::cos(angle), 1.2e-7) << j;
+  }
+}
+
+TEST(Sinusoidal, ExactModeIsCloserToTheTruth) {
+  const int64_t n = 1001, d = 32;
+  Tensor fast = sinusoidal_encoding(n, d, DType::F32, SinusoidalMode::kMatchD2l);
+  Tensor exact = sinusoidal_encoding(n, d, DType::F32, SinusoidalMode::kExact);
+  double err_fast = 0, err_exact = 0, gap = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < d; ++c) {
+      const long double ang =
+          static_cast<long double>(i) / std::pow(10000.0L, static_cast<long double>(c - c % 2) / d);
+      const double truth = static_cast<double>(c % 2 == 0 ? std::sin(ang) : std::cos(ang));
+      err_fast = std::max(err_fast, std::abs(fast.at({i, c}) - truth));
+      err_exact = std::max(err_exact, std::abs(exact.at({i, c}) - truth));
+      gap = std::max(gap, std::abs(fast.at({i, c}) - exact.at({i, c})));
+    }
+  EXPECT_LE(err_exact, 6e-8);  // rounded once: half an ulp of values below 1
+  EXPECT_LT(err_exact, err_fast);
+  EXPECT_LE(gap, 3e-5);  // the documented bound at position 1000
+  EXPECT_GT(gap, 1e-6);  // and the modes really differ there
+}
+
+TEST(Sinusoidal, DtypesAndDefaultModes) {
+  Tensor p64 = sinusoidal_encoding(50, 6, DType::F64);
+  EXPECT_EQ(p64.dtype(), DType::F64);
+  EXPECT_TRUE(close(p64, sinusoidal_encoding(50, 6, DType::F64, SinusoidalMode::kExact), 0, 0));
+  // F64 output of the d2l chain is the float32 result widened.
+  EXPECT_TRUE(close(sinusoidal_encoding(50, 6, DType::F64, SinusoidalMode::kMatchD2l),
+                    sinusoidal_encoding(50, 6).to(DType::F64), 0, 0));
+  EXPECT_NEAR(p64.at({7, 3}), std::cos(7.0 / std::pow(10000.0, 2.0 / 6.0)), 1e-15);
+  EXPECT_EQ(sinusoidal_encoding(0, 4).shape(), (Shape{0, 4}));
+  EXPECT_EQ(sinusoidal_encoding(5000, 4).shape(), (Shape{5000, 4}));  // no max_len limit
+}
+
+TEST(Sinusoidal, OddWidthEndsWithASine) {
+  for (SinusoidalMode m : {SinusoidalMode::kMatchD2l, SinusoidalMode::kExact}) {
+    Tensor P = sinusoidal_encoding(20, 5, DType::F64, m);
+    Tensor even = sinusoidal_encoding(20, 6, DType::F64, m);
+    for (int64_t i = 0; i < 20; ++i) {
+      // Column 4 is sin(i / 10000^(4/5)), the sine of pair j = 2 for d = 5.
+      EXPECT_NEAR(P.at({i, 4}), std::sin(static_cast<double>(i) * sinusoidal_frequency(2, 5)),
+                  1e-6);
+      EXPECT_EQ(P.at({i, 0}), even.at({i, 0}));  // column 0 (den 1) does not depend on d
+    }
+  }
+  EXPECT_NEAR(sinusoidal_frequency(2, 5), std::pow(10000.0, -0.8), 1e-18);
+}
+
+TEST(Sinusoidal, BadInputNamesTheOp) {
+  auto expect_error = [](auto&& f, const std::string& op) {
+    try {
+      f();
+      ADD_FAILURE() << "expected attn::Error from " << op;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.op(), op);
+      EXPECT_NE(std::string(e.what()).find(op), std::string::npos);
+    }
+  };
+  const std::string op = "sinusoidal_encoding";
+  expect_error([] { sinusoidal_encoding(10, 0); }, op);
+  expect_error([] { sinusoidal_encoding(-1, 4); }, op);
+  expect_error([] { sinusoidal_encoding(10, 4, DType::I32); }, op);
+  expect_error([] { sinusoidal_encoding(10, 4, DType::BF16); }, op);
+  expect_error([] { sinusoidal_frequency(2, 4); }, "sinusoidal_frequency");
+  expect_error([] { sinusoidal_frequency(-1, 4); }, "sinusoidal_frequency");
+}
+
+}  // namespace
+}  // namespace attn
