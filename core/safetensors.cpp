@@ -170,9 +170,9 @@ Entry parse_entry(const std::string& name, const json& v, uint64_t data_size,
   const uint64_t size = dtype_size(e.dtype);
   const auto numel = static_cast<uint64_t>(shape_numel(e.shape, kLoadOp));
   expect(bytes % size == 0 && bytes / size == numel, file,
-         "tensor '{}': data_offsets [{}, {}] span {} bytes, expected {} for shape {} of {}", name,
-         e.begin, e.end, bytes, fmt::format("{} * {}", numel, size), shape_str(e.shape),
-         dtype_name(e.dtype));
+         "tensor '{}': data_offsets [{}, {}] span {} bytes, expected {} elements * {} bytes for "
+         "shape {} of {}",
+         name, e.begin, e.end, bytes, numel, size, shape_str(e.shape), dtype_name(e.dtype));
   return e;
 }
 
