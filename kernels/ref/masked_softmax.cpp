@@ -16,15 +16,19 @@ int64_t keys_kept_by_length(double len, int64_t S) {
 
 std::vector<int64_t> kept_key_counts(const MaskOptions& mask, int64_t B, int64_t T, int64_t S) {
   std::vector<int64_t> kept(static_cast<size_t>(B * T), S);
-  const Tensor& lens = mask.valid_lens;
+  // Lengths as contiguous doubles (int and float lengths alike; NaN stays NaN).
+  const Tensor lens =
+      mask.valid_lens.defined() ? mask.valid_lens.to(DType::F64).contiguous() : Tensor();
+  const double* len_data = lens.defined() ? lens.data<double>() : nullptr;
+  const bool per_query = lens.defined() && lens.ndim() == 2;
   const int64_t r = mask.lens_repeat;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
       int64_t n = S;
-      if (lens.defined()) {
+      if (len_data != nullptr) {
         // 1-D (B/r,): one length per batch (d2l's repeat_interleave over queries);
         // 2-D (B/r, T): one per (batch, query). Row b of the scores reads lens row b / r.
-        double len = lens.ndim() == 1 ? lens.at({b / r}) : lens.at({b / r, t});
+        const double len = per_query ? len_data[(b / r) * T + t] : len_data[b / r];
         n = keys_kept_by_length(len, S);
       }
       if (mask.causal) n = std::min(n, t + 1);  // query t sees keys 0..t
