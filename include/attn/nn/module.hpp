@@ -19,6 +19,9 @@ namespace attn::nn {
 struct Parameter {
   Tensor value;  // undefined until a lazy layer sees its first input or a state dict
   Tensor grad;   // same shape as value; allocated (zeros) with the value
+  // For a lazy parameter (value undefined): the shape load_state_dict accepts, -1 for the
+  // dimensions the first input fixes (a LazyLinear weight is (out, -1)). Empty: any shape.
+  Shape lazy_shape;
 };
 
 // Name -> tensor, names as in PyTorch's state_dict of the d2l model ("W_q.weight", ...).
@@ -70,7 +73,8 @@ class Linear : public Module {
 
   // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.
   void materialize(int64_t in_features, const char* op);
-  int64_t in_features() const { return in_features_; }
+  // 0 while lazy; a loaded state dict fixes it as the first input does.
+  int64_t in_features() const { return weight.value.defined() ? weight.value.dim(1) : 0; }
   int64_t out_features() const { return out_features_; }
   bool has_bias() const { return has_bias_; }
 

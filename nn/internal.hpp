@@ -1,0 +1,36 @@
+// Helpers shared by the modules in nn/ (not part of the public API).
+#pragma once
+
+#include "attn/core/tensor.hpp"
+#include "attn/nn/module.hpp"
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace attn::nn::detail {
+
+// A 64-bit stream id derived from a name (FNV-1a), so that every parameter draws its initial
+// values from its own Philox stream: Rng(seed, name_stream("weight")).
+uint64_t name_stream(std::string_view name);
+// The seed a child module gets from its parent's seed and its attribute name ("W_q"), so that
+// W_q and W_k of one MultiHeadAttention start different (splitmix64 finaliser of the mix).
+uint64_t child_seed(uint64_t seed, std::string_view name);
+
+// "MultiHeadAttention" for a module object (its dynamic type, namespace stripped).
+std::string module_name(const Module& m);
+
+// grad += g elementwise; g may have any strides and any float dtype, but grad.numel() elements
+// in the same row-major order (so (h) accumulates into (1, h)).
+void accumulate(Tensor& grad, const Tensor& g);
+
+// Checks that x is a float tensor of the module's dtype with `ndim` dimensions.
+void check_input(const char* op, const char* what, const Tensor& x, int ndim, DType dtype);
+
+// d2l's transpose_qkv: X (B, L, H*D) -> (B*H, L, D) contiguous, row b*H + h holding features
+// [h*D, (h+1)*D) of X[b]. Any strides of X.
+Tensor split_heads(const Tensor& X, int64_t num_heads);
+// d2l's transpose_output, the inverse: Y (B*H, L, D) -> (B, L, H*D) contiguous.
+Tensor merge_heads(const Tensor& Y, int64_t num_heads);
+
+}  // namespace attn::nn::detail

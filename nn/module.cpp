@@ -1,0 +1,333 @@
+// Module plumbing (state dicts, gradients) and Linear, the layer every other module is built on.
+//
+// Vocabulary: B batch, T queries, S keys/values, H heads, D head dim, E = H*D model width.
+#include "attn/nn/module.hpp"
+
+#include "attn/ops/linear.hpp"
+#include "nn/internal.hpp"
+
+#include <cxxabi.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <typeinfo>
+
+namespace attn::nn {
+
+// ----------------------------------------------------------------------------------------------
+// Internal helpers
+
+namespace detail {
+
+uint64_t name_stream(std::string_view name) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a offset basis
+  for (char c : name) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001b3ull;  // FNV prime
+  }
+  return h;
+}
+
+uint64_t child_seed(uint64_t seed, std::string_view name) {
+  // splitmix64's finaliser spreads the mix over all 64 bits, so nearby seeds give unrelated keys.
+  uint64_t z = seed ^ (name_stream(name) + 0x9e3779b97f4a7c15ull + (seed << 6) + (seed >> 2));
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+std::string module_name(const Module& m) {
+  const char* mangled = typeid(m).name();
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> demangled(
+      abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
+  std::string name = (status == 0 && demangled) ? demangled.get() : mangled;
+  size_t colon = name.rfind("::");
+  return colon == std::string::npos ? name : name.substr(colon + 2);
+}
+
+namespace {
+template <typename T>
+void accumulate_typed(T* dst, const Tensor& g) {
+  if (g.dtype() == dtype_of<T>() && g.is_contiguous()) {
+    const T* src = g.data<T>();
+    for (int64_t i = 0; i < g.numel(); ++i)
+      dst[i] += src[i];
+  } else {
+    for (int64_t i = 0; i < g.numel(); ++i)
+      dst[i] += static_cast<T>(g.flat(i));
+  }
+}
+}  // namespace
+
+void accumulate(Tensor& grad, const Tensor& g) {
+  check(grad.defined() && g.defined() && grad.numel() == g.numel(), "accumulate",
+        "gradient of shape {} cannot accumulate into {}", shape_str(g.shape()),
+        shape_str(grad.shape()));
+  // Parameter gradients are always allocated contiguous (zeros with the value).
+  if (grad.dtype() == DType::F32 && grad.is_contiguous()) {
+    accumulate_typed(grad.data<float>(), g);
+  } else if (grad.dtype() == DType::F64 && grad.is_contiguous()) {
+    accumulate_typed(grad.data<double>(), g);
+  } else {
+    for (int64_t i = 0; i < g.numel(); ++i)
+      grad.set_flat(i, grad.flat(i) + g.flat(i));
+  }
+}
+
+void check_input(const char* op, const char* what, const Tensor& x, int ndim, DType dtype) {
+  check(x.defined(), op, "{} is undefined", what);
+  check(ndim <= 0 || x.ndim() == ndim, op, "{} has shape {}, expected {} dimensions", what,
+        shape_str(x.shape()), ndim);
+  check(ndim > 0 || x.ndim() >= 1, op, "{} is a scalar, expected at least 1 dimension", what);
+  check(x.dtype() == dtype, op, "{} has dtype {}, expected {} (the module's dtype)", what,
+        dtype_name(x.dtype()), dtype_name(dtype));
+}
+
+namespace {
+
+// Copies between the (B, L, H, D) view of an activation and the head-major (B*H, L, D) layout
+// d2l's transpose_qkv produces. kSplit: dst is head-major; otherwise src is.
+template <typename T, bool kSplit>
+void permute_heads(const Tensor& src, Tensor& dst, int64_t B, int64_t L, int64_t H, int64_t D) {
+  const T* s = src.data<T>();
+  T* d = dst.data<T>();
+  const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t j = 0; j < D; ++j) {
+          if constexpr (kSplit) {
+            // head-major row (b*H + h, l) <- features [h*D, (h+1)*D) of X[b, l]
+            d[((b * H + h) * L + l) * D + j] = s[b * s0 + l * s1 + (h * D + j) * s2];
+          } else {
+            d[(b * L + l) * H * D + h * D + j] = s[(b * H + h) * s0 + l * s1 + j * s2];
+          }
+        }
+}
+
+}  // namespace
+
+Tensor split_heads(const Tensor& X, int64_t num_heads) {
+  const int64_t B = X.dim(0), L = X.dim(1), E = X.dim(2), D = E / num_heads;
+  Tensor out = Tensor::empty({B * num_heads, L, D}, X.dtype());
+  if (X.dtype() == DType::F32)
+    permute_heads<float, true>(X, out, B, L, num_heads, D);
+  else
+    permute_heads<double, true>(X, out, B, L, num_heads, D);
+  return out;
+}
+
+Tensor merge_heads(const Tensor& Y, int64_t num_heads) {
+  const int64_t B = Y.dim(0) / num_heads, L = Y.dim(1), D = Y.dim(2);
+  Tensor out = Tensor::empty({B, L, num_heads * D}, Y.dtype());
+  if (Y.dtype() == DType::F32)
+    permute_heads<float, false>(Y, out, B, L, num_heads, D);
+  else
+    permute_heads<double, false>(Y, out, B, L, num_heads, D);
+  return out;
+}
+
+}  // namespace detail
+
+// ----------------------------------------------------------------------------------------------
+// Module
+
+namespace {
+
+std::string expected_shape_str(const Parameter& p) {
+  if (p.value.defined()) return shape_str(p.value.shape());
+  if (p.lazy_shape.empty()) return "any shape";
+  std::string s = "(";
+  for (size_t i = 0; i < p.lazy_shape.size(); ++i) {
+    if (i) s += ", ";
+    s += p.lazy_shape[i] < 0 ? std::string("any") : std::to_string(p.lazy_shape[i]);
+  }
+  return s + ")";
+}
+
+bool shape_fits(const Parameter& p, const Shape& shape) {
+  if (p.value.defined()) return shape == p.value.shape();
+  if (p.lazy_shape.empty()) return true;
+  if (shape.size() != p.lazy_shape.size()) return false;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    // A lazy dimension takes any positive size (a zero-width input is meaningless).
+    if (p.lazy_shape[i] < 0 ? shape[i] <= 0 : shape[i] != p.lazy_shape[i]) return false;
+  }
+  return true;
+}
+
+std::string join(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names)
+    s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+
+}  // namespace
+
+StateDict Module::state_dict() {
+  StateDict dict;
+  // A lazy parameter that has not seen an input has no value yet and is left out (PyTorch would
+  // store an UninitializedParameter, which no file format can hold).
+  for (auto& [name, p] : named_parameters())
+    if (p->value.defined()) dict.emplace(name, p->value.clone());
+  return dict;
+}
+
+void Module::load_state_dict(const StateDict& dict, bool strict) {
+  const std::string op = detail::module_name(*this) + "::load_state_dict";
+  auto params = named_parameters();
+
+  // Pass 1 validates every entry and converts it to the parameter's dtype; nothing is written
+  // until everything has passed, so a bad dict leaves the module exactly as it was.
+  std::vector<std::pair<Parameter*, Tensor>> staged;
+  std::set<std::string> known;
+  std::vector<std::string> missing;
+  for (auto& [key, p] : params) {
+    known.insert(key);
+    auto it = dict.find(key);
+    if (it == dict.end()) {
+      missing.push_back(key);
+      continue;
+    }
+    const Tensor& t = it->second;
+    check(t.defined(), op.c_str(), "'{}' is an undefined tensor", key);
+    check(is_floating(t.dtype()), op.c_str(), "'{}' has dtype {}, expected a float tensor", key,
+          dtype_name(t.dtype()));
+    check(shape_fits(*p, t.shape()), op.c_str(), "'{}' has shape {}, expected {}", key,
+          shape_str(t.shape()), expected_shape_str(*p));
+    const DType target = p->value.defined() ? p->value.dtype() : dtype_;
+    staged.emplace_back(p, t.to(target));
+  }
+  if (strict) {
+    check(missing.empty(), op.c_str(), "missing {} (strict load; the dict has {} entries)",
+          join(missing), dict.size());
+    std::vector<std::string> unexpected;
+    for (const auto& [key, t] : dict)
+      if (!known.count(key)) unexpected.push_back(key);
+    check(unexpected.empty(), op.c_str(), "unexpected {} (strict load; expected names: {})",
+          join(unexpected), join(std::vector<std::string>(known.begin(), known.end())));
+  }
+
+  // Pass 2 commits. Existing values are overwritten in place, so views of them stay valid.
+  for (auto& [p, t] : staged) {
+    if (p->value.defined()) {
+      p->value.copy_from(t);
+    } else {
+      p->value = t.clone();
+    }
+    if (!p->grad.defined() || p->grad.shape() != p->value.shape() ||
+        p->grad.dtype() != p->value.dtype())
+      p->grad = Tensor::zeros(p->value.shape(), p->value.dtype());
+  }
+}
+
+void Module::zero_grad() {
+  for (auto& [name, p] : named_parameters())
+    if (p->grad.defined()) p->grad.fill(0.0);
+}
+
+int64_t Module::num_parameters() {
+  int64_t n = 0;
+  for (auto& [name, p] : named_parameters())
+    if (p->value.defined()) n += p->value.numel();
+  return n;
+}
+
+void append_parameters(std::vector<std::pair<std::string, Parameter*>>& out,
+                       const std::string& prefix, Module& child) {
+  for (auto& [name, p] : child.named_parameters())
+    out.emplace_back(prefix + "." + name, p);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Linear: y = x W^T + b
+
+namespace {
+
+// PyTorch's Linear.reset_parameters: kaiming_uniform_(a=sqrt(5)) on W reduces to
+// U(-1/sqrt(in), 1/sqrt(in)), and the bias uses the same bound. Each tensor has its own stream.
+Parameter make_uniform(const Shape& shape, double bound, DType dtype, uint64_t seed,
+                       std::string_view name) {
+  Parameter p;
+  p.value = Tensor::empty(shape, dtype);
+  Rng rng(seed, detail::name_stream(name));
+  for (int64_t i = 0; i < p.value.numel(); ++i)
+    p.value.set_flat(i, rng.uniform(-bound, bound));
+  p.grad = Tensor::zeros(shape, dtype);
+  return p;
+}
+
+}  // namespace
+
+Linear::Linear(int64_t out_features, int64_t in_features, bool with_bias, DType dtype,
+               uint64_t seed)
+    : Module(dtype),
+      out_features_(out_features),
+      in_features_(in_features),
+      has_bias_(with_bias),
+      seed_(seed) {
+  check(out_features > 0, "Linear", "out_features must be positive, got {}", out_features);
+  check(in_features >= 0, "Linear", "in_features must be >= 0 (0 = lazy), got {}", in_features);
+  check(dtype == DType::F32 || dtype == DType::F64, "Linear",
+        "dtype {} unsupported, expected F32 or F64", dtype_name(dtype));
+  weight.lazy_shape = {out_features, -1};
+  if (with_bias) bias.lazy_shape = {out_features};
+  if (in_features > 0) materialize(in_features, "Linear");
+}
+
+std::vector<std::pair<std::string, Parameter*>> Linear::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out{{"weight", &weight}};
+  if (has_bias_) out.emplace_back("bias", &bias);
+  return out;
+}
+
+void Linear::materialize(int64_t in_features, const char* op) {
+  check(in_features > 0, op, "Linear needs at least one input feature, got {}", in_features);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  if (weight.value.defined()) {
+    check(weight.value.dim(1) == in_features, op,
+          "input has {} features, but the Linear layer's weight is {} (out, in)", in_features,
+          shape_str(weight.value.shape()));
+  } else {
+    Parameter w = make_uniform({out_features_, in_features}, bound, dtype_, seed_, "weight");
+    weight.value = w.value;
+    weight.grad = w.grad;
+  }
+  // A non-strict load may have given the weight but not the bias (or the other way round).
+  if (has_bias_ && !bias.value.defined()) {
+    Parameter b = make_uniform({out_features_}, bound, dtype_, seed_, "bias");
+    bias.value = b.value;
+    bias.grad = b.grad;
+  }
+  in_features_ = in_features;
+}
+
+Tensor Linear::forward(Context& ctx, const Tensor& x) {
+  detail::check_input("Linear", "input", x, 0, dtype_);
+  check(!weight.value.defined() || x.dim(-1) == weight.value.dim(1), "Linear",
+        "input has shape {}, expected last dimension {} (weight {})", shape_str(x.shape()),
+        weight.value.defined() ? weight.value.dim(1) : 0, shape_str(weight.value.shape()));
+  materialize(x.dim(-1), "Linear");
+  x_ = x;
+  return linear(ctx, x, weight.value, has_bias_ ? bias.value : Tensor());
+}
+
+Tensor Linear::backward(Context& ctx, const Tensor& dy) {
+  check(x_.defined(), "Linear::backward", "called before forward");
+  Shape expected = x_.shape();
+  expected.back() = out_features_;
+  check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
+        "dy has shape {} and dtype {}, expected {} and {}", shape_str(dy.shape()),
+        dtype_name(dy.dtype()), shape_str(expected), dtype_name(dtype_));
+  // forward: y = x W^T + b, so dx = dy W, dW += dy^T x, db += sum over rows of dy.
+  LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_);
+  detail::accumulate(weight.grad, g.dW);
+  if (has_bias_) detail::accumulate(bias.grad, g.db);
+  return g.dx;
+}
+
+}  // namespace attn::nn

@@ -1,0 +1,194 @@
+// d2l MultiHeadAttention, forward and backward, and loading PyTorch nn.MultiheadAttention weights.
+//
+// Vocabulary: B batch, T queries, S keys/values, H heads, D = E / H head dim, E = num_hiddens.
+//
+// forward (d2l 11.5):
+//   Q = W_q(queries) (B, T, E),  K = W_k(keys) (B, S, E),  V = W_v(values) (B, S, E)
+//   Q_h = transpose_qkv(Q)       (B*H, T, D): row b*H + h holds features [h*D, (h+1)*D)
+//   O_h = attention(Q_h, K_h, V_h, valid_lens)   valid_lens read with lens_repeat = H, which is
+//                                                d2l's repeat_interleave(valid_lens, H) without
+//                                                the copy
+//   out = W_o(transpose_output(O_h))             (B, T, E)
+// backward runs the same steps in reverse; the head split of a gradient is a head split again.
+#include "attn/nn/attention.hpp"
+
+#include "nn/internal.hpp"
+
+#include <array>
+#include <string_view>
+
+namespace attn::nn {
+
+namespace {
+
+// Runs before any member is built, so a bad (E, H) is reported as MultiHeadAttention's error.
+double checked_dropout(int64_t num_hiddens, int64_t num_heads, double dropout_p) {
+  const char* op = "MultiHeadAttention";
+  check(num_hiddens > 0 && num_heads > 0, op,
+        "num_hiddens ({}) and num_heads ({}) must be positive", num_hiddens, num_heads);
+  check(num_hiddens % num_heads == 0, op,
+        "num_hiddens ({}) is not divisible by num_heads ({}): each head needs D = E / H features",
+        num_hiddens, num_heads);
+  return dropout_p;
+}
+
+}  // namespace
+
+MultiHeadAttention::MultiHeadAttention(int64_t num_hiddens, int64_t num_heads, double dropout_p,
+                                       bool bias, DType dtype, uint64_t seed)
+    : Module(dtype),
+      attention(checked_dropout(num_hiddens, num_heads, dropout_p), dtype),
+      // d2l: W_q = W_k = W_v = W_o = LazyLinear(num_hiddens, bias=bias). Lazy, so queries, keys
+      // and values may have different widths; each layer draws from its own stream.
+      W_q(num_hiddens, 0, bias, dtype, detail::child_seed(seed, "W_q")),
+      W_k(num_hiddens, 0, bias, dtype, detail::child_seed(seed, "W_k")),
+      W_v(num_hiddens, 0, bias, dtype, detail::child_seed(seed, "W_v")),
+      W_o(num_hiddens, 0, bias, dtype, detail::child_seed(seed, "W_o")),
+      num_hiddens_(num_hiddens),
+      num_heads_(num_heads) {
+  attention.lens_repeat = num_heads;
+}
+
+std::vector<std::pair<std::string, Parameter*>> MultiHeadAttention::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  append_parameters(out, "W_q", W_q);
+  append_parameters(out, "W_k", W_k);
+  append_parameters(out, "W_v", W_v);
+  append_parameters(out, "W_o", W_o);
+  return out;
+}
+
+void MultiHeadAttention::train(bool on) {
+  Module::train(on);
+  attention.train(on);
+  for (Linear* l : {&W_q, &W_k, &W_v, &W_o})
+    l->train(on);
+}
+
+Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Tensor& keys,
+                                   const Tensor& values, const Tensor& valid_lens) {
+  const char* op = "MultiHeadAttention";
+  detail::check_input(op, "queries", queries, 3, dtype_);
+  detail::check_input(op, "keys", keys, 3, dtype_);
+  detail::check_input(op, "values", values, 3, dtype_);
+  check(
+      queries.dim(0) == keys.dim(0) && keys.dim(0) == values.dim(0) && keys.dim(1) == values.dim(1),
+      op,
+      "queries {}, keys {} and values {} do not agree: expected (B, T, Dq), (B, S, Dk), "
+      "(B, S, Dv)",
+      shape_str(queries.shape()), shape_str(keys.shape()), shape_str(values.shape()));
+  B_ = queries.dim(0);
+  T_ = queries.dim(1);
+  S_ = keys.dim(1);
+  const int64_t H = num_heads_;
+
+  // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
+  Tensor Qh = detail::split_heads(W_q.forward(ctx, queries), H);
+  Tensor Kh = detail::split_heads(W_k.forward(ctx, keys), H);
+  Tensor Vh = detail::split_heads(W_v.forward(ctx, values), H);
+
+  // Per-(b, h) scaled dot-product attention with D = E / H; the mask of batch b serves its H
+  // rows (lens_repeat = H, set at construction).
+  Tensor Oh = attention.forward(ctx, Qh, Kh, Vh, valid_lens);  // (B*H, T, D)
+
+  // transpose_output: (B*H, T, D) -> (B, T, E), heads concatenated along features.
+  return W_o.forward(ctx, detail::merge_heads(Oh, H));
+}
+
+AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dout) {
+  const char* op = "MultiHeadAttention::backward";
+  check(B_ > 0 || T_ > 0, op, "called before forward");
+  check(dout.shape() == Shape({B_, T_, num_hiddens_}) && dout.dtype() == dtype_, op,
+        "dout has shape {} and dtype {}, expected {} and {}", shape_str(dout.shape()),
+        dtype_name(dout.dtype()), shape_str({B_, T_, num_hiddens_}), dtype_name(dtype_));
+  const int64_t H = num_heads_;
+  // forward: out = W_o(concat)
+  Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E)
+  // forward: concat = transpose_output(O_h); its adjoint is transpose_qkv.
+  AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
+  // forward: Q_h = transpose_qkv(W_q(queries)), and the same for K and V.
+  AttentionInputGrads g;
+  g.dqueries = W_q.backward(ctx, detail::merge_heads(gh.dqueries, H));
+  g.dkeys = W_k.backward(ctx, detail::merge_heads(gh.dkeys, H));
+  g.dvalues = W_v.backward(ctx, detail::merge_heads(gh.dvalues, H));
+  return g;
+}
+
+// ----------------------------------------------------------------------------------------------
+// State dicts: d2l names, or torch.nn.MultiheadAttention's
+//
+//   torch                       d2l
+//   in_proj_weight (3E, E)      rows [0, E) W_q.weight, [E, 2E) W_k.weight, [2E, 3E) W_v.weight
+//   q/k/v_proj_weight           W_q/W_k/W_v.weight    (torch uses these when kdim/vdim != E)
+//   in_proj_bias (3E)           W_q.bias, W_k.bias, W_v.bias in that order
+//   out_proj.weight / .bias     W_o.weight / W_o.bias
+// torch's bias=True gives all four projections a bias, like d2l's bias=True. Extra torch
+// parameters (bias_k, bias_v) have no d2l counterpart and are unexpected names.
+
+void MultiHeadAttention::load_state_dict(const StateDict& dict, bool strict) {
+  const std::string op = "MultiHeadAttention::load_state_dict";
+  static constexpr std::array<std::string_view, 7> kTorchNames = {
+      "in_proj_weight", "q_proj_weight",   "k_proj_weight", "v_proj_weight",
+      "in_proj_bias",   "out_proj.weight", "out_proj.bias"};
+  auto is_torch = [](const std::string& key) {
+    for (auto n : kTorchNames)
+      if (key == n) return true;
+    return false;
+  };
+  bool any_torch = false;
+  for (const auto& [key, t] : dict)
+    any_torch |= is_torch(key);
+  if (!any_torch) return Module::load_state_dict(dict, strict);
+
+  // Translate to d2l names (views of the packed tensors, no copies), then load as usual so
+  // shapes, dtypes and strictness are checked in one place and the load stays atomic.
+  const int64_t E = num_hiddens_;
+  StateDict d2l;
+  std::string translated;
+  for (const auto& [key, t] : dict)
+    if (!is_torch(key)) d2l.emplace(key, t);
+  auto put = [&](const std::string& name, const Tensor& t, const std::string& from) {
+    check(!d2l.count(name), op.c_str(), "'{}' is given twice: directly and as part of '{}'", name,
+          from);
+    d2l.emplace(name, t);
+  };
+  auto get = [&](const char* key) -> const Tensor* {
+    auto it = dict.find(key);
+    if (it == dict.end()) return nullptr;
+    check(it->second.defined(), op.c_str(), "'{}' is an undefined tensor", key);
+    translated += (translated.empty() ? "" : ", ") + std::string(key);
+    return &it->second;
+  };
+  if (const Tensor* w = get("in_proj_weight")) {
+    check(w->ndim() == 2 && w->dim(0) == 3 * E, op.c_str(),
+          "'in_proj_weight' has shape {}, expected (3E, in) = ({}, in): W_q, W_k, W_v stacked",
+          shape_str(w->shape()), 3 * E);
+    put("W_q.weight", w->slice(0, 0, E), "in_proj_weight");
+    put("W_k.weight", w->slice(0, E, 2 * E), "in_proj_weight");
+    put("W_v.weight", w->slice(0, 2 * E, 3 * E), "in_proj_weight");
+  }
+  if (const Tensor* w = get("q_proj_weight")) put("W_q.weight", *w, "q_proj_weight");
+  if (const Tensor* w = get("k_proj_weight")) put("W_k.weight", *w, "k_proj_weight");
+  if (const Tensor* w = get("v_proj_weight")) put("W_v.weight", *w, "v_proj_weight");
+  if (const Tensor* b = get("in_proj_bias")) {
+    check(b->ndim() == 1 && b->dim(0) == 3 * E, op.c_str(),
+          "'in_proj_bias' has shape {}, expected (3E) = ({})", shape_str(b->shape()), 3 * E);
+    put("W_q.bias", b->slice(0, 0, E), "in_proj_bias");
+    put("W_k.bias", b->slice(0, E, 2 * E), "in_proj_bias");
+    put("W_v.bias", b->slice(0, 2 * E, 3 * E), "in_proj_bias");
+  }
+  if (const Tensor* w = get("out_proj.weight")) put("W_o.weight", *w, "out_proj.weight");
+  if (const Tensor* b = get("out_proj.bias")) put("W_o.bias", *b, "out_proj.bias");
+
+  try {
+    Module::load_state_dict(d2l, strict);
+  } catch (const Error& e) {
+    // Say which names were translated, so "missing W_o.bias" makes sense to a PyTorch user.
+    std::string message = e.what();
+    const std::string prefix = e.op() + ": ";
+    if (message.rfind(prefix, 0) == 0) message.erase(0, prefix.size());
+    throw Error(e.op(), message + " (PyTorch names translated to d2l's: " + translated + ")");
+  }
+}
+
+}  // namespace attn::nn
