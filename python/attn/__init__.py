@@ -1,0 +1,78 @@
+"""attn: self-attention, multi-head attention and positional encoding, from C++.
+
+The names follow d2l's PyTorch code ("Dive into Deep Learning", chapter "Self-attention and
+positional encoding"); arrays are NumPy arrays, passed in and out without copies where the
+layout allows, and computation runs with the GIL released.
+
+    import numpy as np, attn
+    mha = attn.MultiHeadAttention(100, 5, 0.5).eval()       # num_hiddens, num_heads, dropout
+    X = np.ones((2, 4, 100), np.float32)                      # (batch, queries, num_hiddens)
+    Y = mha(X, X, X, np.array([3, 2]))                        # (2, 4, 100); valid_lens per batch
+    dX_q, dX_k, dX_v = mha.backward(np.ones_like(Y))          # input gradients; mha.grads too
+
+Functions
+    masked_softmax(X, valid_lens=None)                         d2l's masked_softmax
+    masked_softmax_backward(dY, Y, valid_lens=None)
+    scaled_dot_product_attention(q, k, v, valid_lens=None, causal=False, dropout=0.0)
+    sinusoidal_encoding(num_steps, num_hiddens)                d2l's P matrix
+    linear(x, weight, bias=None), dropout(x, p, seed=, offset=)
+
+Layers (subclasses of attn.Module: train()/eval(), state_dict()/load_state_dict(), backward(),
+grads, zero_grad(), named_parameters(), context)
+    DotProductAttention(dropout)
+    AdditiveAttention(num_hiddens, dropout)
+    MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)
+    PositionalEncoding(num_hiddens, dropout, max_len=1000)
+    LearnedPositionalEmbedding(max_len, num_hiddens, dropout=0.0)
+
+Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
+the shapes and what was expected; .op is the operation's name.
+
+Everything else: docs/python.md in the source tree.
+"""
+
+from ._attn import (  # noqa: F401  (re-exported API)
+    AdditiveAttention,
+    Context,
+    DotProductAttention,
+    Error,
+    LearnedPositionalEmbedding,
+    Module,
+    MultiHeadAttention,
+    PositionalEncoding,
+    __version__,
+    default_context,
+    dropout,
+    linear,
+    masked_softmax,
+    masked_softmax_backward,
+    scaled_dot_product_attention,
+    sinusoidal_encoding,
+)
+
+__all__ = [
+    "AdditiveAttention",
+    "Context",
+    "DotProductAttention",
+    "Error",
+    "LearnedPositionalEmbedding",
+    "Module",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "default_context",
+    "dropout",
+    "linear",
+    "masked_softmax",
+    "masked_softmax_backward",
+    "scaled_dot_product_attention",
+    "sinusoidal_encoding",
+]
+
+# Optional layers that exist only when the C++ library was built with them.
+from . import _attn as _ext
+
+for _name in ("TransformerEncoder", "TransformerEncoderBlock"):
+    if hasattr(_ext, _name):
+        globals()[_name] = getattr(_ext, _name)
+        __all__.append(_name)
+del _ext, _name

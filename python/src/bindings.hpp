@@ -1,0 +1,13 @@
+// The parts of the attn extension module, each defined in its own translation unit to keep the
+// (template-heavy) pybind11 compiles small.
+#pragma once
+
+#include "numpy_tensor.hpp"
+
+namespace attn::python {
+
+void bind_context(py::module_& m);  // attn.Context, attn.default_context   (bind_ops.cpp)
+void bind_ops(py::module_& m);      // free functions                        (bind_ops.cpp)
+void bind_nn(py::module_& m);       // Module and the layer classes          (bind_nn.cpp)
+
+}  // namespace attn::python

@@ -1,0 +1,164 @@
+#include "numpy_tensor.hpp"
+
+#include "attn/core/error.hpp"
+
+#include <string>
+#include <vector>
+
+namespace attn::python {
+
+namespace {
+
+// NumPy's spelling of an attn dtype (BF16 has none: callers convert first).
+const char* numpy_name(DType t) {
+  switch (t) {
+    case DType::F32:
+      return "float32";
+    case DType::F64:
+      return "float64";
+    case DType::F16:
+      return "float16";
+    case DType::I32:
+      return "int32";
+    case DType::I64:
+      return "int64";
+    case DType::BF16:
+      break;
+  }
+  return nullptr;
+}
+
+std::string dtype_str(const py::dtype& dt) {
+  return dt.attr("name").cast<std::string>();
+}
+
+// The attn dtype an array of `dt` is used as without conversion, if any.
+std::optional<DType> usable_dtype(const py::dtype& dt, InputKind kind) {
+  const char k = dt.kind();
+  const auto size = dt.itemsize();
+  if (k == 'f' && size == 4) return DType::F32;
+  if (k == 'f' && size == 8) return DType::F64;
+  if (kind == InputKind::kLens && k == 'i' && size == 4) return DType::I32;
+  if (kind == InputKind::kLens && k == 'i' && size == 8) return DType::I64;
+  return std::nullopt;
+}
+
+// The dtype other real arrays are converted to: data to float32 (float64 for wider floats),
+// integer lengths to int64.
+const char* conversion_target(const py::dtype& dt, InputKind kind) {
+  const char k = dt.kind();
+  if (k == 'f')
+    return dt.itemsize() > 8 ? "float64" : (kind == InputKind::kLens ? "float64" : "float32");
+  if (k == 'b' || k == 'i' || k == 'u') return kind == InputKind::kLens ? "int64" : "float32";
+  return nullptr;
+}
+
+}  // namespace
+
+Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind, bool allow_none) {
+  Input in;
+  in.array = py::none();
+  if (obj.is_none()) {
+    check(allow_none, op, "{} is None, expected an array", name);
+    return in;
+  }
+  py::object src = py::reinterpret_borrow<py::object>(obj);
+  // torch tensors: np.asarray refuses ones that require grad, so detach (a view, no copy).
+  if (!py::isinstance<py::array>(src) && py::hasattr(src, "detach") && py::hasattr(src, "cpu"))
+    src = src.attr("detach")().attr("cpu")();
+  py::array arr = py::array::ensure(src);
+  check(static_cast<bool>(arr), op, "{} of type {} cannot be converted to an array", name,
+        py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>());
+
+  py::dtype dt = arr.dtype();
+  std::optional<DType> dtype = usable_dtype(dt, kind);
+  bool view_ok = dtype.has_value() && dt.attr("isnative").cast<bool>() &&
+                 (arr.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
+  const auto itemsize = static_cast<int64_t>(dt.itemsize());
+  for (py::ssize_t i = 0; view_ok && i < arr.ndim(); ++i) {
+    // Strides of dimensions of size 0 or 1 never move the pointer, so they do not matter.
+    if (arr.shape(i) > 1) view_ok = arr.strides(i) >= 0 && arr.strides(i) % itemsize == 0;
+  }
+  if (!view_ok) {
+    const char* target = dtype ? numpy_name(*dtype) : conversion_target(dt, kind);
+    check(target != nullptr, op, "{} has dtype {}, expected {}", name, dtype_str(dt),
+          kind == InputKind::kLens ? "integer or floating lengths" : "float32 or float64");
+    arr = py::module_::import("numpy").attr("ascontiguousarray")(arr, py::dtype(target));
+    dt = arr.dtype();
+    dtype = usable_dtype(dt, kind);
+    in.copied = true;
+  }
+
+  const int ndim = static_cast<int>(arr.ndim());
+  Shape shape(ndim);
+  for (int i = 0; i < ndim; ++i)
+    shape[i] = arr.shape(i);
+  // Element strides; size-0/1 dimensions get their contiguous stride so that a C-contiguous
+  // array is also contiguous to attn (NumPy leaves arbitrary strides there).
+  Strides strides = contiguous_strides(shape);
+  for (int i = 0; i < ndim; ++i) {
+    if (arr.shape(i) > 1) strides[i] = arr.strides(i) / static_cast<py::ssize_t>(dt.itemsize());
+  }
+  in.tensor = Tensor::wrap(const_cast<void*>(arr.data()), shape, *dtype, std::move(strides));
+  in.array = std::move(arr);
+  return in;
+}
+
+Tensor to_owned_tensor(py::handle obj, DType dtype, const char* op, const std::string& name) {
+  Input in = to_tensor(obj, op, name.c_str(), InputKind::kFloat);
+  Tensor out = Tensor::empty(in.tensor.shape(), dtype);
+  out.copy_from(in.tensor);
+  return out;
+}
+
+py::object to_numpy(const Tensor& tensor, bool writeable) {
+  if (!tensor.defined()) return py::none();
+  Tensor t = tensor;
+  if (!t.owns_memory()) t = t.clone();  // a view of memory nobody here keeps alive
+  if (t.dtype() == DType::BF16) t = t.to(DType::F32);
+  const auto itemsize = static_cast<py::ssize_t>(dtype_size(t.dtype()));
+  std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
+  std::vector<py::ssize_t> strides(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i)
+    strides[i] = t.strides()[i] * itemsize;
+  // The capsule owns a Tensor sharing the storage; NumPy drops it with the last view.
+  auto* keep = new Tensor(t);
+  py::capsule owner(keep, [](void* p) { delete static_cast<Tensor*>(p); });
+  py::array array(py::dtype(numpy_name(t.dtype())), std::move(shape), std::move(strides),
+                  t.raw_data(), owner);
+  if (!writeable) array.attr("setflags")(py::arg("write") = false);
+  return array;
+}
+
+DType parse_float_dtype(py::handle obj, const char* op) {
+  if (obj.is_none()) return DType::F32;
+  const std::string text = py::str(obj).cast<std::string>();
+  if (text == "torch.float32") return DType::F32;  // accept PyTorch's dtype objects too
+  if (text == "torch.float64") return DType::F64;
+  py::dtype dt;
+  try {
+    dt = py::dtype::from_args(py::reinterpret_borrow<py::object>(obj));
+  } catch (const py::error_already_set&) {
+    throw Error(op, "dtype " + text + " is not a NumPy dtype, expected float32 or float64");
+  }
+  std::optional<DType> t = usable_dtype(dt, InputKind::kFloat);
+  check(t.has_value(), op, "dtype {} is not supported, expected float32 or float64", dtype_str(dt));
+  return *t;
+}
+
+MaskedRowPolicy parse_masked_rows(const std::string& name, const char* op) {
+  if (name == "uniform") return MaskedRowPolicy::kUniform;
+  if (name == "zero") return MaskedRowPolicy::kZero;
+  throw Error(op, "masked_rows is '" + name + "', expected 'uniform' (d2l) or 'zero' (PyTorch)");
+}
+
+const char* masked_rows_name(MaskedRowPolicy policy) {
+  return policy == MaskedRowPolicy::kZero ? "zero" : "uniform";
+}
+
+ContextPtr default_context() {
+  static ContextPtr ctx = std::make_shared<SharedContext>();
+  return ctx;
+}
+
+}  // namespace attn::python
