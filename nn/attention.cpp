@@ -50,8 +50,9 @@ AttentionOptions DotProductAttention::options() const {
   o.mask.masked_rows = masked_rows;
   o.dropout = dropout;
   o.training = training_;
-  // d2l always keeps self.attention_weights; so do we (the backward itself needs only lse).
-  o.need_weights = true;
+  // d2l always keeps self.attention_weights; so do we unless asked not to (the backward needs
+  // only the output and logsumexp).
+  o.need_weights = need_weights;
   return o;
 }
 

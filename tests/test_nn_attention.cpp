@@ -457,5 +457,24 @@ TEST(MultiHeadAttention, DropoutOnlyInTraining) {
   EXPECT_TRUE(close(plain.forward(ctx, X, X, X, valid), e1, 0, 1e-15));
 }
 
+// Without stored weights (the path for long sequences) the output and gradients are the same.
+TEST(MultiHeadAttention, WithoutStoredWeights) {
+  Context ctx;
+  MultiHeadAttention a(8, 2, 0.0, true, DType::F64, 4), b(8, 2, 0.0, true, DType::F64, 4);
+  b.attention.need_weights = false;
+  Tensor q = random_tensor({2, 3, 8}, DType::F64, 1), kv = random_tensor({2, 6, 8}, DType::F64, 2);
+  Tensor valid = lens1({6, 2});
+  Tensor out = a.forward(ctx, q, kv, kv, valid);
+  EXPECT_TRUE(close(b.forward(ctx, q, kv, kv, valid), out, 0, 1e-14));
+  EXPECT_TRUE(a.attention_weights().defined());
+  EXPECT_FALSE(b.attention_weights().defined());
+  Tensor R = random_tensor(out.shape(), DType::F64, 3);
+  auto ga = a.backward(ctx, R);
+  auto gb = b.backward(ctx, R);
+  EXPECT_TRUE(close(gb.dqueries, ga.dqueries, 0, 1e-14));
+  EXPECT_TRUE(close(gb.dkeys, ga.dkeys, 0, 1e-14));
+  EXPECT_TRUE(close(b.W_q.weight.grad, a.W_q.weight.grad, 0, 1e-14));
+}
+
 }  // namespace
 }  // namespace attn::nn

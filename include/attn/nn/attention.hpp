@@ -27,6 +27,9 @@ class DotProductAttention : public Module {
   bool causal = false;
   MaskedRowPolicy masked_rows = MaskedRowPolicy::kUniform;
   int64_t lens_repeat = 1;  // used by MultiHeadAttention (valid_lens per batch, rows per head)
+  // d2l always keeps attention_weights (B, T, S). Set false for long sequences: no T x S matrix
+  // is then stored (the fused kernels need O(T*D) memory) and attention_weights() is undefined.
+  bool need_weights = true;
 
  private:
   Tensor q_, k_, v_, valid_lens_;
