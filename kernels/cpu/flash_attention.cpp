@@ -1,0 +1,484 @@
+// Fused CPU attention, float32: forward with online softmax, FlashAttention-2 style backward.
+// The contract (shapes, masks, dropout, threads) is in flash_attention.hpp; this file holds the
+// math and the loops. Per-target code (AVX-512, AVX2, EMU128) is compiled from one source by
+// Highway's foreach_target and picked at run time.
+//
+// Forward (Dao et al., FlashAttention, 2022; Milakov & Gimelshein, "Online normalizer
+// calculation for softmax", 2018). Scores are kept in log2 units, x = (scale * log2 e) q.k, so
+// that one exp2 per weight suffices (q is pre-multiplied by scale * log2 e when packed). For each
+// query block and each key tile j, per row:
+//   m_j = max(m_{j-1}, max_s x_s)                       running max
+//   p_s = 2^(x_s - m_j)                                  unnormalized weights of tile j
+//   l_j = 2^(m_{j-1} - m_j) l_{j-1} + sum_s p_s          running denominator
+//   o_j = 2^(m_{j-1} - m_j) o_{j-1} + sum_s p_s z_s v_s  running numerator (z: dropout, 0 or
+//   1/(1-p))
+// and at the end out = o / l, lse = ln 2 * (m + log2 l). Only (block x tile) scores ever exist.
+//
+// Backward (Dao, FlashAttention-2, 2023, Algorithm 2), with P recomputed from the saved lse:
+//   P_ts  = exp(score_ts - lse_t)
+//   dV_s  = sum_t P_ts Z_ts dO_t                       dropout: the weights that made out
+//   dP_ts = Z_ts (dO_t . V_s)
+//   D_t   = sum_s P_ts dP_ts = dO_t . out_t             (so it needs no pass over the keys)
+//   dS_ts = P_ts (dP_ts - D_t)                           softmax backward
+//   dQ_t  = scale sum_s dS_ts K_s,   dK_s = scale sum_t dS_ts Q_t
+// Work items are (b, key range): an item owns dK and dV of its keys outright and adds its share
+// of dQ into a private fp32 buffer; the buffers are summed in a fixed order at the end, so the
+// result does not depend on which thread ran what.
+//
+// Performance notes (Zen 4, AVX-512; measured numbers in docs/kernels-cpu.md): every product is
+// the one Gemm micro-kernel of flash_kernels-inl.h (6 rows x 64 columns of accumulators). The key
+// tile is 64 keys (one micro-tile wide, so a score row is 4 vectors); the query block is 96 rows
+// (16 micro-panels): the packed K^T tile (64 x D) stays in L1/L2 while all of them stream over it,
+// and packing K and V costs 1/96 of the FMAs.
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/flash_attention.cpp"
+// Compile for AVX-512, AVX2 and the portable EMU128 fallback only: SSSE3/SSE4 would add compile
+// time for machines this library does not target.
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
+#endif
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/highway.h"
+#include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_kernels-inl.h"
+
+#include "attn/core/rng.hpp"
+
+#include <cmath>
+#include <limits>
+
+// Target-independent helpers, compiled once.
+#ifndef ATTN_FLASH_ATTENTION_SHARED_
+#define ATTN_FLASH_ATTENTION_SHARED_
+namespace attn::cpu {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Keys [0, limit) are kept for row (b, t): the length mask and the causal mask both keep a prefix.
+inline int64_t RowLimit(const FlashParams& p, int64_t b, int64_t t) {
+  int64_t lim = p.key_limit ? p.key_limit[b * p.T + t] : p.S;
+  if (p.causal) lim = std::min(lim, t + 1);
+  return std::clamp<int64_t>(lim, 0, p.S);
+}
+
+// Dropout multipliers z[k] (0 or 1/(1-p)) for elements i0 + k, k < n, of the dropout stream;
+// the same draw as attn::dropout_keep, one Philox call per 4 consecutive elements.
+inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint32_t key[2] = {static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32)};
+  uint32_t r[4] = {};
+  uint64_t block = ~uint64_t{0};
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t i = i0 + static_cast<uint64_t>(k);
+    if ((i >> 2) != block) {
+      block = i >> 2;
+      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                               static_cast<uint32_t>(p.offset),
+                               static_cast<uint32_t>(p.offset >> 32)};
+      philox4x32_10(key, ctr, r);
+    }
+    const float u = static_cast<float>(r[i & 3] >> 8) * (1.0f / 16777216.0f);
+    z[k] = u >= p.dropout ? keep_scale : 0.0f;
+  }
+}
+
+}  // namespace
+}  // namespace attn::cpu
+#endif  // ATTN_FLASH_ATTENTION_SHARED_
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+constexpr int64_t kL = HWY_LANES(float);
+constexpr int64_t kBlockK = kNV * kL;  // keys per tile: one micro-tile wide (AVX-512: 64)
+constexpr int64_t kBlockQ = 16 * kMR;  // query rows per block (AVX-512: 96)
+
+int64_t QueryBlockRows() {
+  return kBlockQ;
+}
+const char* TargetName() {
+  return hwy::TargetName(HWY_TARGET);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward
+
+size_t ForwardScratchFloats(const FlashParams& p) {
+  const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
+  return static_cast<size_t>(kBlockQ * Dp + p.D * kBlockK + kBlockK * Dvp + kBlockQ * kBlockK +
+                             kBlockQ * Dvp + 2 * kBlockQ + kBlockK + Dvp);
+}
+
+// out row of a query with no kept key: mean of v over all S keys (d2l), dropout applied to the
+// 1/S weights, or zeros (PyTorch SDPA). acc holds Dvp floats.
+void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z) {
+  std::fill(acc, acc + RoundUpLanes(p.Dv), 0.0f);
+  if (p.zero_masked_rows) return;
+  for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, p.S - s0);
+    if (p.dropout > 0.0f) {
+      DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
+    } else {
+      std::fill(z, z + nk, 1.0f);
+    }
+    for (int64_t s = 0; s < nk; ++s) {
+      const float w = z[s] / static_cast<float>(p.S);
+      const float* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+      for (int64_t c = 0; c < p.Dv; ++c)
+        acc[c] += w * vs[c * p.v_sd];
+    }
+  }
+}
+
+// One work item: rows [t0, t0 + kBlockQ) of batch b.
+void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
+  const DF d;
+  const int64_t D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
+  const int64_t mq = std::min(kBlockQ, p.T - t0);
+  float* qp = scratch;                 // (kBlockQ, Dp)   q * scale * log2 e
+  float* kt = qp + kBlockQ * Dp;       // (D, kBlockK)    K^T of the tile
+  float* vp = kt + D * kBlockK;        // (kBlockK, Dvp)  V of the tile
+  float* sc = vp + kBlockK * Dvp;      // (kBlockQ, nkp)  scores, then weights
+  float* ob = sc + kBlockQ * kBlockK;  // (kBlockQ, Dvp)  unnormalized output
+  float* mrow = ob + kBlockQ * Dvp;    // running max (log2 units)
+  float* lrow = mrow + kBlockQ;        // running denominator
+  float* z = lrow + kBlockQ;           // (kBlockK) dropout multipliers
+  float* tmp = z + kBlockK;            // (Dvp) masked-row output
+
+  int64_t lim[kBlockQ];
+  int64_t max_lim = 0;
+  for (int64_t r = 0; r < mq; ++r) {
+    lim[r] = RowLimit(p, b, t0 + r);
+    max_lim = std::max(max_lim, lim[r]);
+  }
+  PackRows(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qp, Dp);
+  std::fill(ob, ob + mq * Dvp, 0.0f);
+  std::fill(mrow, mrow + mq, kNegInf);
+  std::fill(lrow, lrow + mq, 0.0f);
+
+  // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
+  for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, max_lim - s0), nkp = RoundUpLanes(nk);
+    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, kt, nkp);
+    PackRows(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, 1.0f, vp, Dvp);
+    // x = (scale log2 e) Q K^T: (mq, nkp)
+    Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, sc, nkp, /*accumulate=*/false);
+
+    // Online softmax, row by row (see the recurrence at the top).
+    for (int64_t r = 0; r < mq; ++r) {
+      float* srow = sc + r * nkp;
+      const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);  // kept keys of this tile
+      if (n == 0) {
+        std::fill(srow, srow + nkp, 0.0f);
+        continue;
+      }
+      std::fill(srow + n, srow + nkp, kNegInf);
+      VF vmax = hn::Set(d, kNegInf);
+      for (int64_t c = 0; c < nkp; c += kL)
+        vmax = hn::Max(vmax, hn::LoadU(d, srow + c));
+      const float m_new = std::max(mrow[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
+      const VF vm = hn::Set(d, m_new);
+      VF vsum = hn::Zero(d);
+      for (int64_t c = 0; c < nkp; c += kL) {
+        const VF e = Exp2(d, hn::Sub(hn::LoadU(d, srow + c), vm));
+        hn::StoreU(e, d, srow + c);
+        vsum = hn::Add(vsum, e);
+      }
+      const float alpha = std::exp2(mrow[r] - m_new);  // 0 on the first kept tile
+      lrow[r] = lrow[r] * alpha + hn::GetLane(hn::SumOfLanes(d, vsum));
+      if (alpha != 1.0f) ScaleRow(ob + r * Dvp, Dvp, alpha);
+      mrow[r] = m_new;
+      if (p.dropout > 0.0f) {
+        // Dropout acts after normalization: it scales the numerator's weights only.
+        DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+        for (int64_t s = 0; s < n; ++s)
+          srow[s] *= z[s];
+      }
+    }
+    // o += P V: (mq, Dvp)
+    Gemm(mq, Dvp, nk, sc, nkp, 1, vp, Dvp, ob, Dvp, /*accumulate=*/true);
+  }
+
+  for (int64_t r = 0; r < mq; ++r) {
+    const int64_t t = t0 + r;
+    float* orow = p.out + b * p.o_sb + t * p.o_st;
+    const float* src = ob + r * Dvp;
+    float inv = 1.0f;
+    if (lim[r] == 0) {
+      MaskedRow(p, b, t, tmp, z);
+      src = tmp;
+      p.lse[b * p.T + t] = kNegInf;
+    } else {
+      inv = 1.0f / lrow[r];
+      p.lse[b * p.T + t] = (mrow[r] + std::log2(lrow[r])) * kLn2;
+    }
+    for (int64_t c = 0; c < Dv; ++c)
+      orow[c * p.o_sd] = src[c] * inv;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward
+
+size_t BackwardScratchFloats(const FlashParams& p) {
+  const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
+  return static_cast<size_t>(p.D * kBlockK + kBlockK * Dp + p.Dv * kBlockK + kBlockQ * Dp +
+                             kBlockQ * Dvp + 3 * kBlockQ * kBlockK + kBlockK * Dp + kBlockK * Dvp +
+                             kBlockK + 3 * p.T);
+}
+
+// One work item: dK, dV of keys [sa, sb) of batch b, and their share of dQ (unscaled, summed
+// into dq_part (T, ldq), ldq >= the padded D).
+void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t sa, int64_t sb,
+                  float* dq_part, int64_t ldq, float* scratch) {
+  const DF d;
+  const int64_t T = p.T, D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
+  float* kt = scratch;                     // (D, kBlockK)      K^T of the tile (scores)
+  float* kp = kt + D * kBlockK;            // (kBlockK, Dp)     K of the tile (dQ)
+  float* vt = kp + kBlockK * Dp;           // (Dv, kBlockK)     V^T of the tile (dP)
+  float* qp = vt + Dv * kBlockK;           // (kBlockQ, Dp)     q * scale * log2 e
+  float* dop = qp + kBlockQ * Dp;          // (kBlockQ, Dvp)    dO
+  float* pb = dop + kBlockQ * Dvp;         // (kBlockQ, nkp)    P
+  float* ds = pb + kBlockQ * kBlockK;      // (kBlockQ, nkp)    dP, then dS
+  float* pz = ds + kBlockQ * kBlockK;      // (kBlockQ, nkp)    P * Z (dropout only)
+  float* dk_acc = pz + kBlockQ * kBlockK;  // (kBlockK, Dp)
+  float* dv_acc = dk_acc + kBlockK * Dp;   // (kBlockK, Dvp)
+  float* z = dv_acc + kBlockK * Dvp;       // (kBlockK)
+  float* lse2 = z + kBlockK;               // (T) lse in log2 units
+  float* drow = lse2 + T;                  // (T) D_t = dO_t . out_t
+  float* limf = drow + T;                  // (T) row limits (exact in float below 2^24 keys)
+  const bool dropout = p.dropout > 0.0f;
+  const float c = p.scale * kLog2e;
+
+  bool any_masked = false;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t lim = RowLimit(p, b, t);
+    limf[t] = static_cast<float>(lim);
+    any_masked |= lim == 0;
+    lse2[t] = p.lse[b * T + t] * kLog2e;
+    const float* o = p.out + b * p.o_sb + t * p.o_st;
+    const float* dout = g.dout + b * g.do_sb + t * g.do_st;
+    double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
+    for (int64_t k = 0; k < Dv; ++k)
+      acc += double(o[k * p.o_sd]) * dout[k * g.do_sd];
+    drow[t] = static_cast<float>(acc);
+  }
+
+  for (int64_t s0 = sa; s0 < sb; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, sb - s0), nkp = RoundUpLanes(nk);
+    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, kt, nkp);
+    PackRows(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
+    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, vt, nkp);
+    std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
+    std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
+
+    // Causal: rows t < s0 see none of these keys.
+    const int64_t t_begin = p.causal ? s0 / kBlockQ * kBlockQ : 0;
+    for (int64_t t0 = t_begin; t0 < T; t0 += kBlockQ) {
+      const int64_t mq = std::min(kBlockQ, T - t0);
+      bool any = false;
+      for (int64_t r = 0; r < mq && !any; ++r)
+        any = limf[t0 + r] > static_cast<float>(s0);
+      if (!any) continue;
+      PackRows(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, qp, Dp);
+      PackRows(g.dout + b * g.do_sb + t0 * g.do_st, mq, Dv, g.do_st, g.do_sd, 1.0f, dop, Dvp);
+      Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
+      Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
+
+      for (int64_t r = 0; r < mq; ++r) {
+        const int64_t t = t0 + r;
+        float* prow = pb + r * nkp;
+        float* drw = ds + r * nkp;
+        float* pzrow = pz + r * nkp;
+        const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(limf[t]) - s0, 0, nk);
+        if (n == 0) {
+          std::fill(prow, prow + nkp, 0.0f);
+          std::fill(drw, drw + nkp, 0.0f);
+          if (dropout) std::fill(pzrow, pzrow + nkp, 0.0f);
+          continue;
+        }
+        std::fill(prow + n, prow + nkp, kNegInf);
+        const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
+        if (dropout) {
+          DropoutMultipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
+          std::fill(z + n, z + nkp, 0.0f);
+        }
+        for (int64_t k = 0; k < nkp; k += kL) {
+          const VF pv = Exp2(d, hn::Sub(hn::LoadU(d, prow + k), vl));  // P
+          VF dp = hn::LoadU(d, drw + k);
+          if (dropout) {
+            const VF zv = hn::LoadU(d, z + k);
+            hn::StoreU(hn::Mul(pv, zv), d, pzrow + k);
+            dp = hn::Mul(dp, zv);
+          }
+          hn::StoreU(pv, d, prow + k);
+          hn::StoreU(hn::Mul(pv, hn::Sub(dp, vd)), d, drw + k);  // dS = P (dP - D)
+        }
+      }
+      const float* pzb = dropout ? pz : pb;
+      // dV += (P Z)^T dO, dK += dS^T (c Q), dQ += dS K (A read transposed by its strides).
+      Gemm(nk, Dvp, mq, pzb, 1, nkp, dop, Dvp, dv_acc, Dvp, true);
+      Gemm(nk, Dp, mq, ds, 1, nkp, qp, Dp, dk_acc, Dp, true);
+      Gemm(mq, Dp, nk, ds, nkp, 1, kp, Dp, dq_part + t0 * ldq, ldq, true);
+    }
+
+    // Rows without a kept key: their weights are the constant 1/S (d2l), so only dV sees them.
+    if (any_masked && !p.zero_masked_rows) {
+      for (int64_t t = 0; t < T; ++t) {
+        if (limf[t] != 0.0f) continue;
+        if (dropout) {
+          DropoutMultipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
+        } else {
+          std::fill(z, z + nk, 1.0f);
+        }
+        const float* dout = g.dout + b * g.do_sb + t * g.do_st;
+        for (int64_t s = 0; s < nk; ++s) {
+          const float w = z[s] / static_cast<float>(p.S);
+          for (int64_t k = 0; k < Dv; ++k)
+            dv_acc[s * Dvp + k] += w * dout[k * g.do_sd];
+        }
+      }
+    }
+
+    // dK = scale sum dS Q = ln 2 * sum dS (c Q), since c = scale log2 e.
+    for (int64_t s = 0; s < nk; ++s) {
+      float* dk = g.dk + b * g.dk_sb + (s0 + s) * g.dk_ss;
+      float* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
+      for (int64_t k = 0; k < D; ++k)
+        dk[k * g.dk_sd] = kLn2 * dk_acc[s * Dp + k];
+      for (int64_t k = 0; k < Dv; ++k)
+        dv[k * g.dv_sd] = dv_acc[s * Dvp + k];
+    }
+  }
+}
+
+}  // namespace attn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch and threads (compiled once)
+
+#if HWY_ONCE
+#include "hwy/aligned_allocator.h"
+
+#include <omp.h>
+
+#include <vector>
+
+namespace attn::cpu {
+
+HWY_EXPORT(QueryBlockRows);
+HWY_EXPORT(TargetName);
+HWY_EXPORT(ForwardScratchFloats);
+HWY_EXPORT(ForwardBlock);
+HWY_EXPORT(BackwardScratchFloats);
+HWY_EXPORT(BackwardItem);
+
+const char* flash_attention_target() {
+  return HWY_DYNAMIC_DISPATCH(TargetName)();
+}
+
+std::vector<int64_t> flash_attention_targets() {
+  return hwy::SupportedAndGeneratedTargets();
+}
+
+void flash_attention_set_targets(int64_t mask) {
+  hwy::SetSupportedTargetsForTest(mask);
+}
+
+void flash_attention_forward(const FlashParams& p) {
+  if (p.B == 0 || p.T == 0) return;
+  const int64_t bq = HWY_DYNAMIC_DISPATCH(QueryBlockRows)();
+  const int64_t blocks = (p.T + bq - 1) / bq, items = p.B * blocks;
+  const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p);
+  auto* block_fn = HWY_DYNAMIC_DISPATCH(ForwardBlock);
+  // Items are independent and each one's arithmetic is fixed, so a dynamic schedule (better
+  // balance for causal masks) still gives the same bits for any thread count. Causal blocks grow
+  // with t, so they are handed out last-first (longest first).
+#pragma omp parallel num_threads(std::max(1, p.threads))
+  {
+    hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t i = p.causal ? items - 1 - it : it;
+      const int64_t b = i / blocks, blk = p.causal ? blocks - 1 - i % blocks : i % blocks;
+      block_fn(p, b, blk * bq, scratch.get());
+    }
+  }
+}
+
+// Key ranges of the backward items of one batch row. Enough items to feed a few threads when B
+// is small (a function of the shape only, never of the thread count), each a multiple of 64 keys;
+// with a causal mask the ranges hold equal work (key s is seen by T - s queries), not equal keys.
+static std::vector<int64_t> KeySplits(const FlashParams& p) {
+  constexpr int64_t kGrain = 64;
+  const int64_t grains = (p.S + kGrain - 1) / kGrain;
+  int64_t splits = p.B >= 4 ? 1 : (4 + p.B - 1) / p.B;
+  splits = std::max<int64_t>(1, std::min(splits, grains / 4));
+  std::vector<double> work(grains);
+  double total = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    const double s_mid = (gi + 0.5) * kGrain;
+    work[gi] = p.causal ? std::max(1.0, double(p.T) - s_mid) : 1.0;
+    total += work[gi];
+  }
+  std::vector<int64_t> bounds{0};
+  double acc = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    acc += work[gi];
+    const int64_t j = static_cast<int64_t>(bounds.size());
+    if (j < splits && acc >= total * double(j) / double(splits))
+      bounds.push_back(std::min(p.S, (gi + 1) * kGrain));
+  }
+  while (static_cast<int64_t>(bounds.size()) <= splits)
+    bounds.push_back(p.S);
+  bounds.back() = p.S;
+  return bounds;
+}
+
+void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
+  if (p.B == 0) return;
+  const int64_t Dp = (p.D + 15) / 16 * 16;  // >= every target's padded D; dq_part row stride
+  const std::vector<int64_t> bounds = KeySplits(p);
+  const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
+  const int threads = std::max(1, p.threads);
+  // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
+  const size_t part_floats = static_cast<size_t>(p.T * Dp);
+  hwy::AlignedFreeUniquePtr<float[]> parts =
+      hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
+  const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p);
+  auto* item_fn = HWY_DYNAMIC_DISPATCH(BackwardItem);
+#pragma omp parallel num_threads(threads)
+  {
+    hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; ++i) {
+      float* part = parts.get() + static_cast<size_t>(i) * part_floats;
+      std::fill(part, part + part_floats, 0.0f);
+      const int64_t b = i / splits, j = i % splits;
+      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch.get());
+    }
+    // dQ = scale * sum_j part_j, in j order: the same sum whatever thread made each part.
+    const int64_t rows = p.B * p.T;
+#pragma omp for schedule(static)
+    for (int64_t bt = 0; bt < rows; ++bt) {
+      const int64_t b = bt / p.T, t = bt % p.T;
+      float* dq = g.dq + b * g.dq_sb + t * g.dq_st;
+      for (int64_t k = 0; k < p.D; ++k) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < splits; ++j)
+          acc += parts[static_cast<size_t>(b * splits + j) * part_floats + t * Dp + k];
+        dq[k * g.dq_sd] = p.scale * acc;
+      }
+    }
+  }
+}
+
+}  // namespace attn::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,84 @@
+// Fused ("flash") scaled dot-product attention on the CPU, float32, forward and backward.
+// Internal to the library: ops/attention.cpp validates the user's tensors and calls these.
+//
+// Glossary: B batch (the ops layer flattens batch x heads into it), T queries, S keys, D head dim
+// of q and k, Dv head dim of v.
+//
+//   q (B, T, D), k (B, S, D), v (B, S, Dv), out (B, T, Dv), lse (B, T)
+//   score[b,t,s] = scale * q[b,t] . k[b,s]                    for kept keys, else masked
+//   P[b,t,s]     = exp(score - lse[b,t]),  lse = log sum_s exp(score)   over kept keys
+//   out[b,t]     = sum_s P[b,t,s] * Z[b,t,s] * v[b,s]
+// where Z is the inverted-dropout multiplier (0 or 1/(1-p)) drawn from the dropout stream with
+// index (b*T + t)*S + s (attn/core/rng.hpp), or 1 without dropout. Dropout acts on normalized
+// weights: it does not enter the softmax denominator.
+//
+// Mask: key s of row (b, t) is kept iff s < key_limit[b*T + t] (when key_limit is given; the
+// ops layer turns d2l's valid_lens into it, clamped to [0, S]) and, with `causal`, s <= t (top-left
+// aligned, as attn::MaskOptions). So every row keeps a prefix [0, limit) of the keys. A row with
+// no kept key follows `zero_masked_rows`: false (d2l) gives every key weight 1/S, padding included
+// (then dropout as usual); true (PyTorch SDPA) gives a zero output row. lse is -inf there.
+//
+// Memory: never a T x S matrix. Per thread O(tile * (D + Dv)) scratch for the forward; the
+// backward adds an fp32 dQ accumulator of B * splits * T * D floats (splits is 1 unless B is too
+// small to feed the threads, see flash_attention.cpp).
+//
+// Threads: a fixed list of work items (forward: (b, query block); backward: (b, key range))
+// whose arithmetic does not depend on which thread runs it, so any thread count gives bitwise
+// identical results.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace attn::cpu {
+
+struct FlashParams {
+  int64_t B = 0, T = 0, S = 0, D = 0, Dv = 0;
+  // Element strides (not bytes) of each tensor's three axes; the last may be any value >= 1.
+  const float* q = nullptr;
+  int64_t q_sb = 0, q_st = 0, q_sd = 1;
+  const float* k = nullptr;
+  int64_t k_sb = 0, k_ss = 0, k_sd = 1;
+  const float* v = nullptr;
+  int64_t v_sb = 0, v_ss = 0, v_sd = 1;
+  float* out = nullptr;  // forward output (backward input)
+  int64_t o_sb = 0, o_st = 0, o_sd = 1;
+  float* lse = nullptr;  // (B, T) contiguous; natural log; forward output (backward input)
+
+  const int32_t* key_limit = nullptr;  // B*T entries in [0, S], or null: no length mask
+  bool causal = false;
+  bool zero_masked_rows = false;  // false: uniform 1/S weights (d2l); true: zero output
+  float scale = 1.0f;
+
+  float dropout = 0.0f;  // p in [0, 1]; 0 disables
+  uint64_t seed = 0, offset = 0;
+
+  int threads = 1;
+};
+
+// Gradients of the forward above. dq, dk, dv are overwritten (not accumulated into).
+struct FlashGrads {
+  const float* dout = nullptr;  // (B, T, Dv)
+  int64_t do_sb = 0, do_st = 0, do_sd = 1;
+  float* dq = nullptr;  // (B, T, D)
+  int64_t dq_sb = 0, dq_st = 0, dq_sd = 1;
+  float* dk = nullptr;  // (B, S, D)
+  int64_t dk_sb = 0, dk_ss = 0, dk_sd = 1;
+  float* dv = nullptr;  // (B, S, Dv)
+  int64_t dv_sb = 0, dv_ss = 0, dv_sd = 1;
+};
+
+// Fills p.out and p.lse.
+void flash_attention_forward(const FlashParams& p);
+// Reads p.q, p.k, p.v, p.out, p.lse (as the forward left them) and g.dout; fills g.dq, g.dk, g.dv.
+void flash_attention_backward(const FlashParams& p, const FlashGrads& g);
+
+// Name of the SIMD target the dispatcher picks on this CPU (e.g. "AVX3", "AVX2", "EMU128").
+const char* flash_attention_target();
+// The SIMD targets compiled in and supported by this CPU (Highway target bits, best first), and
+// a switch restricting dispatch to the targets in `mask` (0 restores all). For tests and
+// benchmarks that compare targets on one machine; not thread-safe.
+std::vector<int64_t> flash_attention_targets();
+void flash_attention_set_targets(int64_t mask);
+
+}  // namespace attn::cpu

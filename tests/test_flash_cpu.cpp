@@ -1,0 +1,420 @@
+// kernels/cpu flash attention against a float64 reference written here as the formulas (and,
+// through the ops layer, against kernels/ref): every mask kind, dropout, odd head dims, tails
+// around the tiles, strided and misaligned views, every SIMD target this CPU runs, 1 vs 2 threads
+// bitwise, and finite differences through the fast path.
+//
+// Tolerances. The kernel accumulates in fp32 (unit roundoff u = 6e-8) over K = D (scores) or S
+// (weighted sum) terms; a dot product's error is bounded by K u sum|terms| and behaves like
+// sqrt(K) u in practice: ~1e-6 for K = 256. Outputs and lse are compared with atol = rtol = 2e-6
+// (observed max 1.9e-7 over the sweep, all targets). Gradients chain three such products (dP, dS,
+// dQ/dK) and the lse round trip, so they use 1e-5 relative to the largest gradient entry
+// (observed max 7e-7).
+#include "kernels/cpu/flash_attention.hpp"
+
+#include "attn/core/rng.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace attn::cpu {
+namespace {
+
+constexpr float kSentinel = -12345.0f;  // fills every buffer slot that is not a tensor element
+
+// A (B, N, C) float tensor at `off` in `buf` with element strides. Layouts: 0 contiguous; 1 the
+// middle head of a (B, N, 3C+5) activation at an odd offset (misaligned rows); 2 a feature
+// stride of 2 (non-unit last stride).
+struct View {
+  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
+  std::vector<float> buf;
+  float* ptr() { return buf.data() + off; }
+  const float* ptr() const { return buf.data() + off; }
+  float& at(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
+  float at(int64_t b, int64_t n, int64_t c) const { return buf[off + b * sb + n * sn + c * sc]; }
+};
+
+View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill) {
+  View v;
+  v.B = B, v.N = N, v.C = C;
+  if (layout == 0) {
+    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
+  } else if (layout == 1) {
+    const int64_t E = 3 * C + 5;
+    v.sc = 1, v.sn = E, v.sb = N * E, v.off = C + 1;
+  } else {
+    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
+  }
+  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kSentinel);
+  Rng rng(seed, 99);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c)
+        v.at(b, n, c) = fill ? float(rng.uniform(-1, 1)) : 0.0f;
+  return v;
+}
+
+// Number of buffer slots outside the tensor that no longer hold the sentinel (out-of-bounds
+// writes).
+int64_t guard_damage(const View& v) {
+  std::vector<char> is_elem(v.buf.size(), 0);
+  for (int64_t b = 0; b < v.B; ++b)
+    for (int64_t n = 0; n < v.N; ++n)
+      for (int64_t c = 0; c < v.C; ++c)
+        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
+  int64_t bad = 0;
+  for (size_t i = 0; i < v.buf.size(); ++i)
+    bad += !is_elem[i] && v.buf[i] != kSentinel;
+  return bad;
+}
+
+enum class Lens { kNone, k1D, k2D };
+
+struct Case {
+  int64_t B, T, S, D, Dv;
+  Lens lens;
+  bool causal;
+  bool zero_rows;
+  float dropout;
+  int layout;
+  std::string name() const {
+    static const char* kLens[] = {"none", "lens1d", "lens2d"};
+    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
+           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
+           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
+           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
+  }
+};
+
+// Everything one case needs: inputs, outputs, parameters.
+struct Problem {
+  Case cs;
+  View q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;
+  std::vector<int32_t> key_limit;
+  FlashParams p;
+  FlashGrads g;
+
+  explicit Problem(const Case& c) : cs(c) {
+    const int L = c.layout;
+    q = make_view(c.B, c.T, c.D, L, 1, true);
+    k = make_view(c.B, c.S, c.D, (L + 1) % 3, 2, true);
+    v = make_view(c.B, c.S, c.Dv, (L + 2) % 3, 3, true);
+    dout = make_view(c.B, c.T, c.Dv, L, 4, true);
+    out = make_view(c.B, c.T, c.Dv, L, 0, false);
+    dq = make_view(c.B, c.T, c.D, (L + 1) % 3, 0, false);
+    dk = make_view(c.B, c.S, c.D, L, 0, false);
+    dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
+    lse.assign(c.B * c.T, 0.0f);
+    // Lengths as the ops layer passes them: per row, clamped to [0, S]. They include 0 (a fully
+    // masked row) and values past S; 1-D lengths repeat over the rows of a batch.
+    if (c.lens != Lens::kNone) {
+      Rng rng(7, 1);
+      key_limit.resize(c.B * c.T);
+      for (int64_t b = 0; b < c.B; ++b) {
+        const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
+        for (int64_t t = 0; t < c.T; ++t) {
+          int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
+          if (c.lens == Lens::k2D && t == 1) len = 0;
+          key_limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
+        }
+      }
+    }
+    p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
+    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
+    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
+    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
+    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.lse = lse.data();
+    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.causal = c.causal;
+    p.zero_masked_rows = c.zero_rows;
+    p.scale = float(1.0 / std::sqrt(double(c.D)));
+    p.dropout = c.dropout;
+    p.seed = 1234;
+    p.offset = 5;
+    p.threads = 1;
+    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
+    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
+    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
+    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+  }
+};
+
+int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
+  int64_t lim = pr.key_limit.empty() ? pr.cs.S : pr.key_limit[b * pr.cs.T + t];
+  if (pr.cs.causal) lim = std::min(lim, t + 1);
+  return std::clamp<int64_t>(lim, 0, pr.cs.S);
+}
+
+// The reference, in double, straight from the formulas (full T x S matrices).
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv;  // contiguous (B, T, Dv), (B, T), ...
+};
+
+Reference reference(const Problem& pr, bool backward) {
+  const Case& c = pr.cs;
+  const double scale = pr.p.scale;
+  Reference r;
+  r.out.assign(c.B * c.T * c.Dv, 0.0);
+  r.lse.assign(c.B * c.T, -std::numeric_limits<double>::infinity());
+  r.dq.assign(c.B * c.T * c.D, 0.0);
+  r.dk.assign(c.B * c.S * c.D, 0.0);
+  r.dv.assign(c.B * c.S * c.Dv, 0.0);
+  const double keep_scale = c.dropout < 1 ? 1.0 / (1.0 - c.dropout) : 0.0;
+  std::vector<double> P(c.S), Z(c.S), dP(c.S);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t t = 0; t < c.T; ++t) {
+      const int64_t lim = row_limit(pr, b, t);
+      for (int64_t s = 0; s < c.S; ++s) {
+        const uint64_t i = uint64_t((b * c.T + t) * c.S + s);
+        Z[s] = c.dropout > 0 ? (dropout_keep(pr.p.seed, pr.p.offset, i, c.dropout) ? keep_scale : 0)
+                             : 1.0;
+      }
+      if (lim == 0) {  // masked row: uniform 1/S (d2l) or zero
+        for (int64_t s = 0; s < c.S; ++s)
+          P[s] = c.zero_rows ? 0.0 : 1.0 / double(c.S);
+      } else {
+        double mx = -INFINITY;
+        for (int64_t s = 0; s < lim; ++s) {
+          double x = 0;
+          for (int64_t d = 0; d < c.D; ++d)
+            x += double(pr.q.at(b, t, d)) * pr.k.at(b, s, d);
+          P[s] = x * scale;
+          mx = std::max(mx, P[s]);
+        }
+        double sum = 0;
+        for (int64_t s = 0; s < lim; ++s)
+          sum += std::exp(P[s] - mx);
+        for (int64_t s = 0; s < c.S; ++s)
+          P[s] = s < lim ? std::exp(P[s] - mx) / sum : 0.0;
+        r.lse[b * c.T + t] = mx + std::log(sum);
+      }
+      for (int64_t s = 0; s < c.S; ++s)
+        for (int64_t e = 0; e < c.Dv; ++e)
+          r.out[(b * c.T + t) * c.Dv + e] += P[s] * Z[s] * pr.v.at(b, s, e);
+      if (!backward) continue;
+      // dV_s += P Z dO_t; dP = Z dO_t . V_s; dS = P (dP - sum_s P dP); dQ, dK = scale dS (K, Q).
+      double Dt = 0;
+      for (int64_t s = 0; s < c.S; ++s) {
+        double x = 0;
+        for (int64_t e = 0; e < c.Dv; ++e) {
+          const double go = pr.dout.at(b, t, e);
+          r.dv[(b * c.S + s) * c.Dv + e] += P[s] * Z[s] * go;
+          x += go * pr.v.at(b, s, e);
+        }
+        dP[s] = Z[s] * x;
+        Dt += P[s] * dP[s];
+      }
+      if (lim == 0) continue;  // constant weights: no gradient to q or k
+      for (int64_t s = 0; s < lim; ++s) {
+        const double dS = P[s] * (dP[s] - Dt) * scale;
+        for (int64_t d = 0; d < c.D; ++d) {
+          r.dq[(b * c.T + t) * c.D + d] += dS * pr.k.at(b, s, d);
+          r.dk[(b * c.S + s) * c.D + d] += dS * pr.q.at(b, t, d);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// max |got - want| <= atol + rtol |want| over a view; reports the first offender.
+::testing::AssertionResult close_view(const char* what, const View& got,
+                                      const std::vector<double>& want, double rtol, double atol) {
+  for (int64_t b = 0; b < got.B; ++b)
+    for (int64_t n = 0; n < got.N; ++n)
+      for (int64_t c = 0; c < got.C; ++c) {
+        const double w = want[(b * got.N + n) * got.C + c], x = got.at(b, n, c);
+        if (!(std::abs(x - w) <= atol + rtol * std::abs(w)))
+          return ::testing::AssertionFailure()
+                 << what << "[" << b << "," << n << "," << c << "] = " << x << ", want " << w;
+      }
+  if (int64_t bad = guard_damage(got))
+    return ::testing::AssertionFailure() << what << ": " << bad << " writes outside the tensor";
+  return ::testing::AssertionSuccess();
+}
+
+double max_abs(const std::vector<double>& x) {
+  double m = 1e-30;
+  for (double e : x)
+    m = std::max(m, std::abs(e));
+  return m;
+}
+
+std::vector<Case> sweep() {
+  std::vector<Case> cases;
+  // Sizes straddle the tiles (query block 96 / 48 / 32 rows, key tile 64 / 32 / 4 keys on
+  // AVX-512 / AVX2 / scalar), T != S, odd and large head dims.
+  const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
+                              {2, 64, 64, 64, 64},   {1, 200, 130, 64, 48}, {1, 96, 193, 128, 128},
+                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7}};
+  int layout = 0;
+  for (const auto& sz : sizes) {
+    for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D}) {
+      for (bool causal : {false, true}) {
+        for (float p : {0.0f, 0.3f}) {
+          const bool zero = (layout % 2) == 1;
+          cases.push_back({sz[0], sz[1], sz[2], sz[3], sz[4], lens, causal, zero, p, layout % 3});
+          ++layout;
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+class FlashSweep : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
+  const Case c = GetParam();
+  Problem ref_pr(c);
+  const Reference ref = reference(ref_pr, /*backward=*/true);
+  const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
+  for (int64_t target : flash_attention_targets()) {
+    flash_attention_set_targets(target);
+    SCOPED_TRACE(std::string("target ") + flash_attention_target());
+    Problem pr(c);
+    flash_attention_forward(pr.p);
+    EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
+    for (int64_t i = 0; i < c.B * c.T; ++i) {
+      if (std::isinf(ref.lse[i])) {
+        EXPECT_TRUE(std::isinf(pr.lse[i]) && pr.lse[i] < 0) << "lse[" << i << "]";
+      } else {
+        EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-6 * (1 + std::abs(ref.lse[i]))) << "lse[" << i << "]";
+      }
+    }
+    flash_attention_backward(pr.p, pr.g);
+    EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, 0, 1e-5 * gscale));
+    EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, 0, 1e-5 * gscale));
+    EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, 0, 1e-5 * gscale));
+
+    // Two threads give the same bits (work items do not depend on the thread count).
+    Problem pr2(c);
+    pr2.p.threads = 2;
+    flash_attention_forward(pr2.p);
+    flash_attention_backward(pr2.p, pr2.g);
+    EXPECT_EQ(pr.out.buf, pr2.out.buf);
+    EXPECT_EQ(0, std::memcmp(pr.lse.data(), pr2.lse.data(), pr.lse.size() * sizeof(float)));
+    EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
+    EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
+    EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
+  }
+  flash_attention_set_targets(0);
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
+  return param_info.param.name();
+}
+INSTANTIATE_TEST_SUITE_P(Cases, FlashSweep, ::testing::ValuesIn(sweep()), case_name);
+
+// The reference backward above is itself checked by central differences of its forward, in
+// double, so the sweep's oracle for gradients is not just a second copy of the same algebra.
+TEST(FlashReference, BackwardMatchesFiniteDifferences) {
+  for (Case c : {Case{1, 5, 7, 3, 4, Lens::k2D, true, false, 0.3f, 0},
+                 Case{2, 4, 6, 5, 3, Lens::k1D, false, false, 0.0f, 0}}) {
+    Problem pr(c);
+    const Reference r = reference(pr, true);
+    auto loss = [&] {
+      const Reference f = reference(pr, false);
+      double L = 0;
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t t = 0; t < c.T; ++t)
+          for (int64_t e = 0; e < c.Dv; ++e)
+            L += f.out[(b * c.T + t) * c.Dv + e] * pr.dout.at(b, t, e);
+      return L;
+    };
+    auto check = [&](View& x, const std::vector<double>& grad, const char* name) {
+      for (int64_t b = 0; b < x.B; ++b)
+        for (int64_t n = 0; n < x.N; ++n)
+          for (int64_t e = 0; e < x.C; ++e) {
+            // The views are float, so perturb by a float-representable step and difference in
+            // double: eps = 2^-10 gives truncation ~1e-7 and rounding ~1e-13.
+            const float orig = x.at(b, n, e), eps = 1.0f / 1024;
+            x.at(b, n, e) = orig + eps;
+            const double up = loss();
+            x.at(b, n, e) = orig - eps;
+            const double down = loss();
+            x.at(b, n, e) = orig;
+            const double fd = (up - down) / (2.0 * double(eps));
+            EXPECT_NEAR(grad[(b * x.N + n) * x.C + e], fd, 1e-5) << name << " " << c.name();
+          }
+    };
+    check(pr.q, r.dq, "dq");
+    check(pr.k, r.dk, "dk");
+    check(pr.v, r.dv, "dv");
+  }
+}
+
+// Finite differences through the fast fp32 kernel itself (loss = sum(out * dout)).
+TEST(FlashCpu, BackwardMatchesFiniteDifferencesOfKernel) {
+  const Case c{1, 9, 11, 6, 5, Lens::k2D, true, false, 0.25f, 1};
+  Problem pr(c);
+  flash_attention_forward(pr.p);
+  flash_attention_backward(pr.p, pr.g);
+  auto loss = [&] {
+    flash_attention_forward(pr.p);
+    double L = 0;
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t e = 0; e < c.Dv; ++e)
+        L += double(pr.out.at(0, t, e)) * pr.dout.at(0, t, e);
+    return L;
+  };
+  // fp32 outputs carry ~1e-7 relative noise; with eps = 1e-2 the central difference has
+  // rounding error ~1e-5 and truncation ~1e-4 * third derivative, so compare to 2e-3.
+  auto check = [&](View& x, const View& grad, const char* name) {
+    for (int64_t n = 0; n < x.N; ++n)
+      for (int64_t e = 0; e < x.C; ++e) {
+        const float orig = x.at(0, n, e), eps = 1e-2f;
+        x.at(0, n, e) = orig + eps;
+        const double up = loss();
+        x.at(0, n, e) = orig - eps;
+        const double down = loss();
+        x.at(0, n, e) = orig;
+        EXPECT_NEAR(grad.at(0, n, e), (up - down) / (2.0 * double(eps)), 2e-3)
+            << name << "[" << n << "," << e << "]";
+      }
+  };
+  check(pr.q, pr.dq, "dq");
+  check(pr.k, pr.dk, "dk");
+  check(pr.v, pr.dv, "dv");
+}
+
+// Dropout with p = 1 drops everything: zero output, finite lse, zero dV.
+TEST(FlashCpu, DropoutOneGivesZeros) {
+  Problem pr(Case{1, 10, 12, 8, 8, Lens::kNone, false, false, 1.0f, 0});
+  flash_attention_forward(pr.p);
+  flash_attention_backward(pr.p, pr.g);
+  for (int64_t t = 0; t < 10; ++t) {
+    EXPECT_TRUE(std::isfinite(pr.lse[t]));
+    for (int64_t e = 0; e < 8; ++e)
+      EXPECT_EQ(pr.out.at(0, t, e), 0.0f);
+  }
+  for (int64_t s = 0; s < 12; ++s)
+    for (int64_t e = 0; e < 8; ++e)
+      EXPECT_EQ(pr.dv.at(0, s, e), 0.0f);
+}
+
+// Large scores (no overflow in the online softmax: running max subtraction) and a long row that
+// spans many key tiles with the max in a late tile (exercises the rescale of the accumulator).
+// Scores reach ~1e3 here, and fp32 rounds q.k to ~1e3 u = 6e-5 absolute, hence 3e-5 relative.
+TEST(FlashCpu, LargeScoresAndLateMaximum) {
+  Case c{1, 3, 700, 16, 16, Lens::kNone, false, false, 0.0f, 0};
+  Problem pr(c);
+  for (int64_t s = 0; s < c.S; ++s)
+    for (int64_t d = 0; d < c.D; ++d)
+      pr.k.at(0, s, d) *= s == 650 ? 400.0f : 30.0f;
+  const Reference ref = reference(pr, false);
+  flash_attention_forward(pr.p);
+  EXPECT_TRUE(close_view("out", pr.out, ref.out, 3e-5, 3e-5));
+  for (int t = 0; t < 3; ++t)
+    EXPECT_NEAR(pr.lse[t], ref.lse[t], 3e-5 * std::abs(ref.lse[t]));
+}
+
+}  // namespace
+}  // namespace attn::cpu
