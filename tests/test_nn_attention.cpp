@@ -476,5 +476,29 @@ TEST(MultiHeadAttention, WithoutStoredWeights) {
   EXPECT_TRUE(close(b.W_q.weight.grad, a.W_q.weight.grad, 0, 1e-14));
 }
 
+// float32 forward and backward agree with float64 from the same weights and inputs.
+TEST(MultiHeadAttention, Float32MatchesFloat64) {
+  Context ctx;
+  MultiHeadAttention m64(12, 3, 0.0, true, DType::F64, 6), m32(12, 3, 0.0, true, DType::F32, 7);
+  Tensor q = random_tensor({2, 4, 7}, DType::F64, 1), kv = random_tensor({2, 5, 9}, DType::F64, 2);
+  Tensor valid =
+      Tensor::from_vector(std::vector<double>{1, 5, 3, 2, 4, 5, 0, 2}, {2, 4}, DType::F32);
+  Tensor out64 = m64.forward(ctx, q, kv, kv, valid);
+  m32.load_state_dict(m64.state_dict());
+  Tensor q32 = q.to(DType::F32), kv32 = kv.to(DType::F32);
+  Tensor out32 = m32.forward(ctx, q32, kv32, kv32, valid);
+  EXPECT_EQ(out32.dtype(), DType::F32);
+  EXPECT_TRUE(close(out32, out64, 1e-5, 1e-6));
+  Tensor R = random_tensor(out64.shape(), DType::F64, 3);
+  auto g64 = m64.backward(ctx, R);
+  auto g32 = m32.backward(ctx, R.to(DType::F32));
+  EXPECT_TRUE(close(g32.dqueries, g64.dqueries, 1e-5, 1e-6));
+  EXPECT_TRUE(close(g32.dkeys, g64.dkeys, 1e-5, 1e-6));
+  EXPECT_TRUE(close(g32.dvalues, g64.dvalues, 1e-5, 1e-6));
+  auto p64 = m64.named_parameters(), p32 = m32.named_parameters();
+  for (size_t i = 0; i < p64.size(); ++i)
+    EXPECT_TRUE(close(p32[i].second->grad, p64[i].second->grad, 1e-5, 1e-5)) << p64[i].first;
+}
+
 }  // namespace
 }  // namespace attn::nn
