@@ -35,7 +35,8 @@ class Module {
   // ("attention.W_q.weight").
   virtual std::vector<std::pair<std::string, Parameter*>> named_parameters() = 0;
 
-  // Copies of all parameter values (float tensors of the module's dtype).
+  // Copies of all parameter values (float tensors of the module's dtype). A lazy parameter that
+  // has not been materialised yet has no value and is left out.
   StateDict state_dict();
   // Loads every parameter from `dict`. strict: missing or unexpected names are errors; shapes
   // must always match (a lazy parameter takes the shape it is given). Nothing is modified when
