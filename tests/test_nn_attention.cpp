@@ -500,5 +500,19 @@ TEST(MultiHeadAttention, Float32MatchesFloat64) {
     EXPECT_TRUE(close(p32[i].second->grad, p64[i].second->grad, 1e-5, 1e-5)) << p64[i].first;
 }
 
+// attention.causal equals d2l's decoder mask, 2-D valid_lens [[1, 2, ..., T]] per batch.
+TEST(MultiHeadAttention, CausalEqualsD2lTrainingLengths) {
+  Context ctx;
+  MultiHeadAttention a(8, 2, 0.0, false, DType::F64, 3), b(8, 2, 0.0, false, DType::F64, 3);
+  a.attention.causal = true;
+  Tensor X = random_tensor({2, 5, 8}, DType::F64, 1);
+  Tensor lens = Tensor::empty({2, 5}, DType::I64);
+  for (int64_t i = 0; i < 10; ++i)
+    lens.set_flat(i, 1 + i % 5);
+  EXPECT_TRUE(close(a.forward(ctx, X, X, X), b.forward(ctx, X, X, X, lens), 0, 1e-14));
+  EXPECT_TRUE(close(a.attention_weights(), b.attention_weights(), 0, 1e-14));
+  EXPECT_EQ(a.attention_weights().at({3, 1, 2}), 0.0);  // query 1 does not see key 2
+}
+
 }  // namespace
 }  // namespace attn::nn
