@@ -155,6 +155,7 @@ int64_t Tensor::stride(int i) const {
 }
 
 bool Tensor::is_contiguous() const {
+  if (numel_ == 0) return true;  // nothing to lay out: (2, 0) is as contiguous as it gets
   int64_t expected = 1;
   for (size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] == 1) continue;
