@@ -49,6 +49,7 @@ from ._attn import (  # noqa: F401  (re-exported API)
     scaled_dot_product_attention,
     sinusoidal_encoding,
 )
+from ._attn import _input_view  # noqa: F401  (testing aid, not part of the API)
 
 __all__ = [
     "AdditiveAttention",

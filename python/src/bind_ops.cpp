@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 namespace attn::python {
@@ -205,6 +206,23 @@ float64 (and exact=True) computes angles in double.)doc");
       py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::kw_only(),
       py::arg("ctx") = py::none(),
       "y = x weight^T + bias, weight (out, in) as in PyTorch: (..., in) -> (..., out).");
+
+  m.def(
+      "_input_view",
+      [](py::handle array, bool lens) {
+        Input in =
+            to_tensor(array, "_input_view", "array", lens ? InputKind::kLens : InputKind::kFloat);
+        py::dict info;
+        info["data"] = reinterpret_cast<uintptr_t>(in.tensor.raw_data());
+        info["strides"] = py::cast(in.tensor.strides());
+        info["dtype"] = std::string(dtype_name(in.tensor.dtype()));
+        info["copied"] = in.copied;
+        return info;
+      },
+      py::arg("array"), py::arg("lens") = false,
+      "Testing aid: how an argument reaches C++ (data address, element strides, dtype, and "
+      "copied:\n"
+      "whether it was not a NumPy array usable as is).");
 
   m.def(
       "dropout",

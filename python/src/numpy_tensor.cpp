@@ -67,6 +67,9 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
   if (!py::isinstance<py::array>(src) && py::hasattr(src, "detach") && py::hasattr(src, "cpu"))
     src = src.attr("detach")().attr("cpu")();
   py::array arr = py::array::ensure(src);
+  // Lists, scalars and other array-likes became a new array (torch tensors are shared, but
+  // count as converted too: attn views NumPy's array, not the tensor object).
+  in.copied = !py::isinstance<py::array>(obj);
   check(static_cast<bool>(arr), op, "{} of type {} cannot be converted to an array", name,
         py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>());
 
