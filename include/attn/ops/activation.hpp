@@ -1,0 +1,16 @@
+// Elementwise activations.
+//
+// relu(x) = max(x, 0)    (torch.relu; d2l PositionWiseFFN's nn.ReLU)
+// relu_backward: dx = dy where x > 0, else 0. The derivative at exactly 0 is taken as 0, as
+// PyTorch's threshold_backward does. NaN inputs propagate (relu(NaN) = NaN).
+#pragma once
+
+#include "attn/core/context.hpp"
+#include "attn/core/tensor.hpp"
+
+namespace attn {
+
+Tensor relu(Context& ctx, const Tensor& x);                             // any shape, F32/F64
+Tensor relu_backward(Context& ctx, const Tensor& dy, const Tensor& x);  // x: the forward input
+
+}  // namespace attn

@@ -1,0 +1,88 @@
+// embedding / embedding_backward: validation (dtypes, shapes, every id in range), then the
+// reference kernel (kernels/ref/embedding.cpp).
+#include "attn/ops/embedding.hpp"
+
+#include "kernels/ref/embedding.hpp"
+#include "ops/common.hpp"
+
+namespace attn {
+namespace {
+
+// Every id in [0, V); names the first offender with its position.
+template <typename Id>
+void check_ids_in_range(const char* op, const Id* ids, int64_t N, int64_t V, const Shape& shape) {
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t id = static_cast<int64_t>(ids[n]);
+    check(id >= 0 && id < V, op,
+          "ids {} holds {} at flat position {}, expected ids in [0, {}) (the vocabulary size)",
+          shape_str(shape), id, n, V);
+  }
+}
+
+// Calls f(int32_t{}) or f(int64_t{}) for validated ids.
+template <typename F>
+void dispatch_ids(DType dtype, F&& f) {
+  if (dtype == DType::I32)
+    f(int32_t{});
+  else
+    f(int64_t{});
+}
+
+void check_ids(const char* op, const Tensor& ids) {
+  check(ids.defined(), op, "ids is undefined, expected an I32 or I64 tensor");
+  check(ids.dtype() == DType::I32 || ids.dtype() == DType::I64, op,
+        "ids {} has dtype {}, expected I32 or I64", shape_str(ids.shape()),
+        dtype_name(ids.dtype()));
+}
+
+}  // namespace
+
+Tensor embedding(Context& ctx, const Tensor& ids, const Tensor& weight) {
+  constexpr const char* op = "embedding";
+  check_ids(op, ids);
+  detail::check_float_tensor(op, "weight", weight);
+  detail::check_ndim(op, "weight", weight, 2, "(V, E)");
+  (void)ctx;
+  const int64_t V = weight.dim(0), E = weight.dim(1), N = ids.numel();
+  Shape out_shape = ids.shape();
+  out_shape.push_back(E);
+  const Tensor ic = ids.contiguous(), wc = weight.contiguous();
+  Tensor out = Tensor::empty(out_shape, weight.dtype());
+  dispatch_ids(ids.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    check_ids_in_range(op, ic.data<Id>(), N, V, ids.shape());
+    detail::dispatch_float(weight.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      ref::embedding_forward<Id, F>(ic.data<Id>(), wc.data<F>(), out.data<F>(), N, E);
+    });
+  });
+  return out;
+}
+
+Tensor embedding_backward(Context& ctx, const Tensor& dout, const Tensor& ids, int64_t vocab_size) {
+  constexpr const char* op = "embedding_backward";
+  check_ids(op, ids);
+  detail::check_float_tensor(op, "dout", dout);
+  check(vocab_size >= 1, op, "vocab_size is {}, expected >= 1", vocab_size);
+  check(dout.ndim() == ids.ndim() + 1, op, "dout has shape {}, expected ids' shape {} + (E)",
+        shape_str(dout.shape()), shape_str(ids.shape()));
+  for (int i = 0; i < ids.ndim(); ++i)
+    check(dout.dim(i) == ids.dim(i), op, "dout has shape {}, expected ids' shape {} + (E)",
+          shape_str(dout.shape()), shape_str(ids.shape()));
+  (void)ctx;
+  const int64_t E = dout.dim(-1), N = ids.numel();
+  const Tensor ic = ids.contiguous(), dc = dout.contiguous();
+  Tensor dweight = Tensor::empty({vocab_size, E}, dout.dtype());
+  dispatch_ids(ids.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    check_ids_in_range(op, ic.data<Id>(), N, vocab_size, ids.shape());
+    detail::dispatch_float(dout.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      ref::embedding_backward<Id, F>(dc.data<F>(), ic.data<Id>(), dweight.data<F>(), N, vocab_size,
+                                     E);
+    });
+  });
+  return dweight;
+}
+
+}  // namespace attn

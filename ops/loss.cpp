@@ -1,0 +1,134 @@
+// softmax_cross_entropy / _backward: validation (shapes, target range, valid_lens), the keep
+// mask, then the reference kernel (kernels/ref/loss.cpp).
+#include "attn/ops/loss.hpp"
+
+#include "kernels/ref/loss.hpp"
+#include "kernels/ref/masked_softmax.hpp"
+#include "ops/common.hpp"
+
+#include <limits>
+#include <vector>
+
+namespace attn {
+namespace {
+
+template <typename F>
+void dispatch_ids(DType dtype, F&& f) {
+  if (dtype == DType::I32)
+    f(int32_t{});
+  else
+    f(int64_t{});
+}
+
+// Validates everything and returns keep[n] for the N = numel / C positions.
+std::vector<uint8_t> keep_mask(const char* op, const Tensor& logits, const Tensor& targets,
+                               const CrossEntropyOptions& opts) {
+  detail::check_float_tensor(op, "logits", logits);
+  check(logits.ndim() >= 1 && logits.dim(-1) >= 1, op,
+        "logits has shape {}, expected (..., C) with C >= 1", shape_str(logits.shape()));
+  check(targets.defined(), op, "targets is undefined, expected an I32 or I64 tensor");
+  check(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op,
+        "targets {} has dtype {}, expected I32 or I64", shape_str(targets.shape()),
+        dtype_name(targets.dtype()));
+  const Shape lead(logits.shape().begin(), logits.shape().end() - 1);
+  check(targets.shape() == lead, op, "targets has shape {}, expected logits {} without C: {}",
+        shape_str(targets.shape()), shape_str(logits.shape()), shape_str(lead));
+  const int64_t C = logits.dim(-1), N = targets.numel();
+  std::vector<uint8_t> keep(static_cast<size_t>(N), 1);
+  if (opts.valid_lens.defined()) {
+    check(logits.ndim() == 3, op, "valid_lens needs logits (B, T, C), got {}",
+          shape_str(logits.shape()));
+    const int64_t B = logits.dim(0), T = logits.dim(1);
+    const Tensor& vl = opts.valid_lens;
+    check(is_floating(vl.dtype()) || vl.dtype() == DType::I32 || vl.dtype() == DType::I64, op,
+          "valid_lens has dtype {}", dtype_name(vl.dtype()));
+    check(vl.ndim() == 1 && vl.dim(0) == B, op, "valid_lens has shape {}, expected (B) = ({})",
+          shape_str(vl.shape()), B);
+    // d2l's sequence mask: t counts iff float(t) < len (as masked_softmax's keys).
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t kept = ref::keys_kept_by_length(vl.flat(b), T);
+      for (int64_t t = kept; t < T; ++t)
+        keep[static_cast<size_t>(b * T + t)] = 0;
+    }
+  }
+  const Tensor tc = targets.contiguous();
+  dispatch_ids(targets.dtype(), [&](auto zero) {
+    using Id = decltype(zero);
+    const Id* y = tc.data<Id>();
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t id = static_cast<int64_t>(y[n]);
+      if (id == opts.ignore_index) {
+        keep[static_cast<size_t>(n)] = 0;
+        continue;
+      }
+      // PyTorch checks every target, padded ones included; so do we (a bad id is a bug upstream).
+      check(id >= 0 && id < C, op,
+            "targets {} holds {} at flat position {}, expected a class in [0, {}) or "
+            "ignore_index {}",
+            shape_str(targets.shape()), id, n, C, opts.ignore_index);
+    }
+  });
+  return keep;
+}
+
+int64_t count_kept(const std::vector<uint8_t>& keep) {
+  int64_t n = 0;
+  for (uint8_t k : keep)
+    n += k;
+  return n;
+}
+
+}  // namespace
+
+CrossEntropyResult softmax_cross_entropy(Context& ctx, const Tensor& logits, const Tensor& targets,
+                                         const CrossEntropyOptions& opts) {
+  constexpr const char* op = "softmax_cross_entropy";
+  const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
+  (void)ctx;
+  const int64_t C = logits.dim(-1), N = targets.numel();
+  const Tensor lc = logits.contiguous(), tc = targets.contiguous();
+  double total = 0.0;
+  dispatch_ids(targets.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    detail::dispatch_float(logits.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      total = ref::cross_entropy_forward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(), N, C);
+    });
+  });
+  CrossEntropyResult r;
+  r.kept = count_kept(keep);
+  if (opts.reduction == Reduction::kSum) {
+    r.loss = total;
+  } else {
+    // PyTorch: mean over nothing is 0/0 = NaN.
+    r.loss =
+        r.kept > 0 ? total / static_cast<double>(r.kept) : std::numeric_limits<double>::quiet_NaN();
+  }
+  return r;
+}
+
+Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets,
+                                      const CrossEntropyOptions& opts, double dloss) {
+  constexpr const char* op = "softmax_cross_entropy_backward";
+  const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
+  (void)ctx;
+  const int64_t C = logits.dim(-1), N = targets.numel();
+  const int64_t kept = count_kept(keep);
+  // forward (mean): loss = sum_kept loss_n / kept, so each kept row carries dloss / kept.
+  const double scale = opts.reduction == Reduction::kSum
+                           ? dloss
+                           : (kept > 0 ? dloss / static_cast<double>(kept) : 0.0);
+  const Tensor lc = logits.contiguous(), tc = targets.contiguous();
+  Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype());
+  dispatch_ids(targets.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    detail::dispatch_float(logits.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      ref::cross_entropy_backward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(),
+                                         dlogits.data<F>(), N, C, scale);
+    });
+  });
+  return dlogits;
+}
+
+}  // namespace attn
