@@ -1,0 +1,216 @@
+// SGD (momentum), AdamW and clip_grad_norm with PyTorch's update rules, and optimiser state as
+// named tensors. Each update reads and writes one parameter element at a time in double, so the
+// result does not depend on threads or vector widths, and a resumed run repeats bit for bit.
+#include "attn/nn/optim.hpp"
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+namespace attn::nn {
+
+namespace {
+
+bool has_grad(const Parameter& p) {
+  return p.value.defined() && p.grad.defined();
+}
+
+// Runs f(value*, grad*, n) typed as the parameter's dtype (value and grad contiguous: they are
+// allocated that way by every module).
+template <typename F>
+void with_typed(const Parameter& p, F&& f) {
+  if (p.value.dtype() == DType::F32)
+    f(p.value.data<float>(), p.grad.data<float>(), p.value.numel());
+  else
+    f(p.value.data<double>(), p.grad.data<double>(), p.value.numel());
+}
+
+template <typename T>
+T* buffer_data(const Tensor& t) {
+  return t.data<T>();
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Optimizer: parameters, zero_grad, state dicts
+
+Optimizer::Optimizer(NamedParameters params, double lr_, const char* name)
+    : lr(lr_), buffers_(params.size()), params_(std::move(params)), name_(name) {
+  check(std::isfinite(lr_) && lr_ >= 0.0, name, "lr is {}, expected a finite number >= 0", lr_);
+  std::set<std::string> seen;
+  for (const auto& [n, p] : params_) {
+    check(p != nullptr, name, "parameter '{}' is null", n);
+    check(seen.insert(n).second, name, "parameter '{}' is listed twice", n);
+    check(!p->value.defined() || p->value.dtype() == DType::F32 || p->value.dtype() == DType::F64,
+          name, "parameter '{}' has dtype {}, expected F32 or F64", n,
+          dtype_name(p->value.dtype()));
+  }
+}
+
+void Optimizer::zero_grad() {
+  for (auto& [n, p] : params_)
+    if (p->grad.defined()) p->grad.fill(0.0);
+}
+
+StateDict Optimizer::state_dict() const {
+  StateDict dict;
+  for (size_t i = 0; i < params_.size(); ++i)
+    for (const auto& [buf, t] : buffers_[i])
+      dict.emplace(params_[i].first + "." + buf, t.clone());
+  return dict;
+}
+
+void Optimizer::load_state_dict(const StateDict& dict) {
+  const std::string op = name_ + "::load_state_dict";
+  std::vector<StateDict> staged(params_.size());
+  std::set<std::string> used;
+  const std::vector<std::string> names = buffer_names();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Parameter& p = *params_[i].second;
+    for (const std::string& buf : names) {
+      const std::string key = params_[i].first + "." + buf;
+      auto it = dict.find(key);
+      if (it == dict.end()) continue;
+      used.insert(key);
+      const Tensor& t = it->second;
+      check(t.defined() && is_floating(t.dtype()), op.c_str(), "'{}' must be a float tensor", key);
+      check(p.value.defined(), op.c_str(),
+            "'{}' is state for a parameter that has no value yet (a lazy layer before its first "
+            "input)",
+            key);
+      // "step" is a one-element counter; every other buffer has the parameter's shape.
+      const Shape want = buf == "step" ? Shape{1} : p.value.shape();
+      check(t.shape() == want, op.c_str(), "'{}' has shape {}, expected {}", key,
+            shape_str(t.shape()), shape_str(want));
+      staged[i].emplace(buf, t.to(buf == "step" ? DType::F64 : p.value.dtype()).clone());
+    }
+  }
+  for (const auto& [key, t] : dict)
+    check(used.count(key) != 0, op.c_str(),
+          "unexpected '{}': not a buffer of any parameter (buffers are <parameter>.{{{}}})", key,
+          fmt::join(names, ","));
+  buffers_ = std::move(staged);
+}
+
+// ----------------------------------------------------------------------------------------------
+// SGD
+
+SGD::SGD(NamedParameters params, const SGDOptions& o)
+    : Optimizer(std::move(params), o.lr, "SGD"), options(o) {
+  check(o.momentum >= 0.0 && o.weight_decay >= 0.0 && std::isfinite(o.dampening), "SGD",
+        "momentum ({}) and weight_decay ({}) must be >= 0", o.momentum, o.weight_decay);
+  check(!o.nesterov || (o.momentum > 0.0 && o.dampening == 0.0), "SGD",
+        "nesterov momentum requires a momentum > 0 and zero dampening");
+}
+
+void SGD::step() {
+  const SGDOptions& o = options;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i].second;
+    if (!has_grad(p)) continue;
+    const bool use_momentum = o.momentum != 0.0;
+    bool first = false;
+    if (use_momentum && !buffers_[i].count("momentum_buffer")) {
+      buffers_[i]["momentum_buffer"] = Tensor::zeros(p.value.shape(), p.value.dtype());
+      first = true;
+    }
+    with_typed(p, [&](auto* w, auto* g, int64_t n) {
+      using T = std::remove_pointer_t<decltype(w)>;
+      T* buf = use_momentum ? buffer_data<T>(buffers_[i]["momentum_buffer"]) : nullptr;
+      for (int64_t j = 0; j < n; ++j) {
+        // g = grad + weight_decay * p  (L2 penalty folded into the gradient, as torch.optim.SGD)
+        T d = static_cast<T>(static_cast<double>(g[j]) + o.weight_decay * w[j]);
+        if (use_momentum) {
+          // buf = g (first step) or momentum * buf + (1 - dampening) * g
+          buf[j] = first ? d : static_cast<T>(o.momentum * buf[j] + (1.0 - o.dampening) * d);
+          d = o.nesterov ? static_cast<T>(d + o.momentum * buf[j]) : buf[j];
+        }
+        w[j] = static_cast<T>(w[j] - lr * d);
+      }
+    });
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// AdamW
+
+AdamW::AdamW(NamedParameters params, const AdamWOptions& o)
+    : Optimizer(std::move(params), o.lr, "AdamW"), options(o) {
+  check(o.beta1 >= 0.0 && o.beta1 < 1.0 && o.beta2 >= 0.0 && o.beta2 < 1.0, "AdamW",
+        "betas ({}, {}) must be in [0, 1)", o.beta1, o.beta2);
+  check(o.eps >= 0.0 && o.weight_decay >= 0.0, "AdamW",
+        "eps ({}) and weight_decay ({}) must be >= 0", o.eps, o.weight_decay);
+}
+
+void AdamW::step() {
+  const AdamWOptions& o = options;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Parameter& p = *params_[i].second;
+    if (!has_grad(p)) continue;
+    StateDict& s = buffers_[i];
+    if (!s.count("step")) {
+      s["step"] = Tensor::zeros({1}, DType::F64);
+      s["exp_avg"] = Tensor::zeros(p.value.shape(), p.value.dtype());
+      s["exp_avg_sq"] = Tensor::zeros(p.value.shape(), p.value.dtype());
+    }
+    double* step_count = s["step"].data<double>();
+    *step_count += 1.0;
+    const double t = *step_count;
+    const double bias_correction1 = 1.0 - std::pow(o.beta1, t);
+    const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
+    const double step_size = lr / bias_correction1;
+    with_typed(p, [&](auto* w, auto* g, int64_t n) {
+      using T = std::remove_pointer_t<decltype(w)>;
+      T* m = buffer_data<T>(s["exp_avg"]);
+      T* v = buffer_data<T>(s["exp_avg_sq"]);
+      for (int64_t j = 0; j < n; ++j) {
+        const double gj = g[j];
+        // Decoupled weight decay: shrink p before the Adam step, independent of the gradient.
+        const double wj = static_cast<T>(w[j] * (1.0 - lr * o.weight_decay));
+        m[j] = static_cast<T>(o.beta1 * m[j] + (1.0 - o.beta1) * gj);
+        v[j] = static_cast<T>(o.beta2 * v[j] + (1.0 - o.beta2) * gj * gj);
+        const double denom = std::sqrt(static_cast<double>(v[j])) / bias_correction2_sqrt + o.eps;
+        w[j] = static_cast<T>(wj - step_size * m[j] / denom);
+      }
+    });
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// clip_grad_norm
+
+double clip_grad_norm(const NamedParameters& params, double max_norm, double norm_type) {
+  const char* op = "clip_grad_norm";
+  check(std::isfinite(max_norm) && max_norm >= 0.0, op, "max_norm is {}, expected >= 0", max_norm);
+  const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
+  check(inf_norm || norm_type == 2.0, op, "norm_type {} unsupported, expected 2 or inf", norm_type);
+  // The norm of all gradients as one vector: sqrt(sum g^2) (or max |g|), summed in double.
+  double acc = 0.0;
+  for (const auto& [n, p] : params) {
+    if (!has_grad(*p)) continue;
+    const Tensor& g = p->grad;
+    for (int64_t j = 0; j < g.numel(); ++j) {
+      const double x = g.flat(j);
+      acc = inf_norm ? std::max(acc, std::abs(x)) : acc + x * x;
+      if (std::isnan(x)) acc = std::numeric_limits<double>::quiet_NaN();
+    }
+  }
+  const double total = inf_norm ? acc : std::sqrt(acc);
+  // torch: clip_coef = max_norm / (total + 1e-6), clamped to 1, multiplied into every gradient.
+  const double coef = max_norm / (total + 1e-6);
+  if (coef < 1.0) {
+    for (const auto& [n, p] : params) {
+      if (!has_grad(*p)) continue;
+      with_typed(*p, [&](auto* w, auto* g, int64_t count) {
+        (void)w;
+        using T = std::remove_pointer_t<decltype(g)>;
+        for (int64_t j = 0; j < count; ++j)
+          g[j] = static_cast<T>(g[j] * coef);
+      });
+    }
+  }
+  return total;
+}
+
+}  // namespace attn::nn

@@ -1,0 +1,52 @@
+// Elementwise helpers shared by nn/transformer*.cpp (not part of the public API).
+#pragma once
+
+#include "attn/core/tensor.hpp"
+
+#include <initializer_list>
+
+namespace attn::nn::detail {
+
+// sum of same-shape float tensors of one dtype (any strides) -> a fresh contiguous tensor.
+inline Tensor add_all(std::initializer_list<Tensor> terms) {
+  const Tensor& first = *terms.begin();
+  Tensor out = first.clone();
+  auto run = [&](auto zero) {
+    using F = decltype(zero);
+    F* o = out.data<F>();
+    bool skip = true;
+    for (const Tensor& t : terms) {
+      if (skip) {  // the first term is already in out
+        skip = false;
+        continue;
+      }
+      const Tensor c = t.contiguous();
+      const F* s = c.data<F>();
+      for (int64_t i = 0; i < out.numel(); ++i)
+        o[i] += s[i];
+    }
+  };
+  if (out.dtype() == DType::F32)
+    run(float{});
+  else
+    run(double{});
+  return out;
+}
+
+// x * factor -> a fresh contiguous tensor (x float32 or float64).
+inline Tensor scaled(const Tensor& x, double factor) {
+  Tensor out = x.clone();
+  auto run = [&](auto zero) {
+    using F = decltype(zero);
+    F* o = out.data<F>();
+    for (int64_t i = 0; i < out.numel(); ++i)
+      o[i] = static_cast<F>(static_cast<double>(o[i]) * factor);
+  };
+  if (out.dtype() == DType::F32)
+    run(float{});
+  else
+    run(double{});
+  return out;
+}
+
+}  // namespace attn::nn::detail

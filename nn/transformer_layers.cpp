@@ -1,0 +1,286 @@
+// The layers the Transformer encoder is built from (d2l 11.7): Embedding, LayerNorm,
+// PositionWiseFFN, AddNorm, and the classification and tagging heads; forward and backward side
+// by side. The blocks and the encoder are in nn/transformer.cpp.
+//
+// Vocabulary: B batch, T positions, E = num_hiddens, F = ffn_num_hiddens, V vocabulary.
+#include "attn/nn/transformer.hpp"
+
+#include "attn/ops/activation.hpp"
+#include "attn/ops/embedding.hpp"
+#include "nn/internal.hpp"
+#include "nn/transformer_internal.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace attn::nn {
+
+namespace {
+
+void check_float_dtype(const char* op, DType dtype) {
+  check(dtype == DType::F32 || dtype == DType::F64, op, "dtype {} unsupported, expected F32 or F64",
+        dtype_name(dtype));
+}
+
+void check_dropout(const char* op, double p) {
+  check(p >= 0.0 && p <= 1.0, op, "dropout probability {} is outside [0, 1]", p);
+}
+
+// Checks dout against the shape and dtype the forward produced.
+void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType dtype) {
+  check(dout.defined() && dout.shape() == expected && dout.dtype() == dtype, op,
+        "dout has shape {} and dtype {}, expected {} and {}",
+        dout.defined() ? shape_str(dout.shape()) : std::string("undefined"),
+        dout.defined() ? dtype_name(dout.dtype()) : "none", shape_str(expected), dtype_name(dtype));
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Embedding: out[p] = weight[ids[p]]
+
+Embedding::Embedding(int64_t vocab_size, int64_t num_hiddens, DType dtype, uint64_t seed)
+    : Module(dtype) {
+  const char* op = "Embedding";
+  check(vocab_size > 0 && num_hiddens > 0, op,
+        "vocab_size ({}) and num_hiddens ({}) must be positive", vocab_size, num_hiddens);
+  check_float_dtype(op, dtype);
+  // nn.Embedding.reset_parameters: normal_(0, 1), here from this parameter's own stream.
+  weight.value = Tensor::empty({vocab_size, num_hiddens}, dtype);
+  Rng rng(seed, detail::name_stream("weight"));
+  for (int64_t i = 0; i < weight.value.numel(); ++i)
+    weight.value.set_flat(i, rng.normal());
+  weight.grad = Tensor::zeros({vocab_size, num_hiddens}, dtype);
+}
+
+std::vector<std::pair<std::string, Parameter*>> Embedding::named_parameters() {
+  return {{"weight", &weight}};
+}
+
+Tensor Embedding::forward(Context& ctx, const Tensor& ids) {
+  // The op checks the id dtype and that every id is in [0, V).
+  Tensor out = embedding(ctx, ids, weight.value);
+  ids_ = ids.contiguous();
+  return out;
+}
+
+void Embedding::backward(Context& ctx, const Tensor& dout) {
+  const char* op = "Embedding::backward";
+  check(ids_.defined(), op, "called before forward");
+  Shape expected = ids_.shape();
+  expected.push_back(num_hiddens());
+  check_dout(op, dout, expected, dtype_);
+  // forward: out[p] = weight[ids[p]], so weight.grad[v] += sum over p with ids[p] == v of dout[p].
+  detail::accumulate(weight.grad, embedding_backward(ctx, dout, ids_, vocab_size()));
+}
+
+// ----------------------------------------------------------------------------------------------
+// LayerNorm: y = (x - mean) / sqrt(var + eps) * weight + bias over the last dim
+
+LayerNorm::LayerNorm(int64_t normalized_shape, double eps_, DType dtype)
+    : Module(dtype), eps(eps_) {
+  const char* op = "LayerNorm";
+  check(normalized_shape > 0, op, "normalized_shape must be positive, got {}", normalized_shape);
+  check(std::isfinite(eps_) && eps_ >= 0.0, op, "eps is {}, expected a finite number >= 0", eps_);
+  check_float_dtype(op, dtype);
+  // nn.LayerNorm.reset_parameters: ones_(weight), zeros_(bias).
+  weight.value = Tensor::full({normalized_shape}, 1.0, dtype);
+  weight.grad = Tensor::zeros({normalized_shape}, dtype);
+  bias.value = Tensor::zeros({normalized_shape}, dtype);
+  bias.grad = Tensor::zeros({normalized_shape}, dtype);
+}
+
+std::vector<std::pair<std::string, Parameter*>> LayerNorm::named_parameters() {
+  return {{"weight", &weight}, {"bias", &bias}};
+}
+
+Tensor LayerNorm::forward(Context& ctx, const Tensor& X) {
+  const char* op = "LayerNorm";
+  detail::check_input(op, "X", X, 0, dtype_);
+  check(X.dim(-1) == weight.value.dim(0), op, "X has shape {}, expected (..., {})",
+        shape_str(X.shape()), weight.value.dim(0));
+  x_ = X;
+  saved_ = layer_norm(ctx, X, weight.value, bias.value, eps);
+  return saved_.y;
+}
+
+Tensor LayerNorm::backward(Context& ctx, const Tensor& dout) {
+  const char* op = "LayerNorm::backward";
+  check(x_.defined(), op, "called before forward");
+  check_dout(op, dout, x_.shape(), dtype_);
+  LayerNormGrads g = layer_norm_backward(ctx, dout, x_, weight.value, saved_);
+  detail::accumulate(weight.grad, g.dgamma);
+  detail::accumulate(bias.grad, g.dbeta);
+  return g.dx;
+}
+
+// ----------------------------------------------------------------------------------------------
+// PositionWiseFFN: dense2(relu(dense1(X)))
+
+PositionWiseFFN::PositionWiseFFN(int64_t ffn_num_hiddens, int64_t ffn_num_outputs, DType dtype,
+                                 uint64_t seed)
+    : Module(dtype),
+      // d2l: nn.LazyLinear(ffn_num_hiddens), nn.LazyLinear(ffn_num_outputs), biases on.
+      dense1(ffn_num_hiddens, 0, true, dtype, detail::child_seed(seed, "dense1")),
+      dense2(ffn_num_outputs, 0, true, dtype, detail::child_seed(seed, "dense2")) {}
+
+std::vector<std::pair<std::string, Parameter*>> PositionWiseFFN::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  append_parameters(out, "dense1", dense1);
+  append_parameters(out, "dense2", dense2);
+  return out;
+}
+
+void PositionWiseFFN::train(bool on) {
+  Module::train(on);
+  dense1.train(on);
+  dense2.train(on);
+}
+
+Tensor PositionWiseFFN::forward(Context& ctx, const Tensor& X) {
+  detail::check_input("PositionWiseFFN", "X", X, 0, dtype_);
+  hidden_ = dense1.forward(ctx, X);  // (..., F)
+  return dense2.forward(ctx, relu(ctx, hidden_));
+}
+
+Tensor PositionWiseFFN::backward(Context& ctx, const Tensor& dout) {
+  check(hidden_.defined(), "PositionWiseFFN::backward", "called before forward");
+  // forward: out = dense2(relu(h)), h = dense1(X)
+  Tensor drelu = dense2.backward(ctx, dout);
+  return dense1.backward(ctx, relu_backward(ctx, drelu, hidden_));
+}
+
+// ----------------------------------------------------------------------------------------------
+// AddNorm: ln(dropout(Y) + X)
+
+AddNorm::AddNorm(int64_t norm_shape, double dropout_p, DType dtype)
+    : Module(dtype), ln(norm_shape, 1e-5, dtype), dropout(dropout_p) {
+  check_dropout("AddNorm", dropout_p);
+}
+
+std::vector<std::pair<std::string, Parameter*>> AddNorm::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  append_parameters(out, "ln", ln);
+  return out;
+}
+
+void AddNorm::train(bool on) {
+  Module::train(on);
+  ln.train(on);
+}
+
+Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
+  const char* op = "AddNorm";
+  detail::check_input(op, "X", X, 0, dtype_);
+  detail::check_input(op, "Y", Y, 0, dtype_);
+  check(X.shape() == Y.shape(), op, "X {} and Y {} must have the same shape", shape_str(X.shape()),
+        shape_str(Y.shape()));
+  check_dropout(op, dropout);
+  // Dropout acts on the sublayer output Y only, never on the residual X (d2l).
+  dropped_ = training_ && dropout > 0.0;
+  Tensor Yd = Y;
+  if (dropped_) {
+    dropout_offset_ = ctx.next_dropout_offset();
+    Yd = attn::dropout(Y, dropout, ctx.seed, dropout_offset_);
+  }
+  return ln.forward(ctx, detail::add_all({Yd, X}));
+}
+
+AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
+  // forward: Z = dropout(Y) + X; out = ln(Z). So dX = dZ and dY = dropout_backward(dZ).
+  Tensor dZ = ln.backward(ctx, dout);
+  AddNormGrads g;
+  g.dY = dropped_ ? dropout_backward(dZ, dropout, ctx.seed, dropout_offset_) : dZ;
+  g.dX = dZ;
+  return g;
+}
+
+// ----------------------------------------------------------------------------------------------
+// ClassificationHead: logits = dense(masked mean over t < n_b of X[b, t])
+
+namespace {
+
+// n_b = #{t in [0, T) : t < len}: d2l's "kept iff float(t) < len" rule (NaN and len <= 0 keep
+// nothing).
+int64_t positions_kept(double len, int64_t T) {
+  if (!(len > 0.0)) return 0;
+  return std::min<int64_t>(T, static_cast<int64_t>(std::ceil(std::min(len, 9.0e18))));
+}
+
+}  // namespace
+
+ClassificationHead::ClassificationHead(int64_t num_classes, int64_t num_hiddens, DType dtype,
+                                       uint64_t seed)
+    : Module(dtype),
+      dense(num_classes, num_hiddens, true, dtype, detail::child_seed(seed, "dense")) {}
+
+std::vector<std::pair<std::string, Parameter*>> ClassificationHead::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  append_parameters(out, "dense", dense);
+  return out;
+}
+
+Tensor ClassificationHead::forward(Context& ctx, const Tensor& X, const Tensor& valid_lens) {
+  const char* op = "ClassificationHead";
+  detail::check_input(op, "X", X, 3, dtype_);
+  const int64_t B = X.dim(0), T = X.dim(1), E = X.dim(2);
+  counts_.assign(static_cast<size_t>(B), T);
+  if (valid_lens.defined()) {
+    check(valid_lens.ndim() == 1 && valid_lens.dim(0) == B, op,
+          "valid_lens has shape {}, expected (B) = ({}) for X {}", shape_str(valid_lens.shape()), B,
+          shape_str(X.shape()));
+    for (int64_t b = 0; b < B; ++b)
+      counts_[static_cast<size_t>(b)] = positions_kept(valid_lens.flat(b), T);
+  }
+  T_ = T;
+  // pooled[b, e] = (1/n_b) sum_{t < n_b} X[b, t, e]   (B, E), summed in double
+  Tensor pooled = Tensor::zeros({B, E}, dtype_);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = counts_[static_cast<size_t>(b)];
+    for (int64_t e = 0; e < E; ++e) {
+      double s = 0.0;
+      for (int64_t t = 0; t < n; ++t)
+        s += X.at({b, t, e});
+      pooled.set({b, e}, n > 0 ? s / static_cast<double>(n) : 0.0);
+    }
+  }
+  return dense.forward(ctx, pooled);
+}
+
+Tensor ClassificationHead::backward(Context& ctx, const Tensor& dlogits) {
+  check(!counts_.empty(), "ClassificationHead::backward", "called before forward");
+  Tensor dpooled = dense.backward(ctx, dlogits);  // (B, E)
+  const int64_t B = dpooled.dim(0), E = dpooled.dim(1);
+  // forward: pooled[b] = mean_{t < n_b} X[b, t], so dX[b, t] = dpooled[b] / n_b for t < n_b.
+  Tensor dX = Tensor::zeros({B, T_, E}, dtype_);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = counts_[static_cast<size_t>(b)];
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t e = 0; e < E; ++e)
+        dX.set({b, t, e}, dpooled.at({b, e}) / static_cast<double>(n));
+  }
+  return dX;
+}
+
+// ----------------------------------------------------------------------------------------------
+// TaggingHead: logits[b, t] = dense(X[b, t])
+
+TaggingHead::TaggingHead(int64_t num_tags, int64_t num_hiddens, DType dtype, uint64_t seed)
+    : Module(dtype), dense(num_tags, num_hiddens, true, dtype, detail::child_seed(seed, "dense")) {}
+
+std::vector<std::pair<std::string, Parameter*>> TaggingHead::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out;
+  append_parameters(out, "dense", dense);
+  return out;
+}
+
+Tensor TaggingHead::forward(Context& ctx, const Tensor& X) {
+  detail::check_input("TaggingHead", "X", X, 3, dtype_);
+  return dense.forward(ctx, X);
+}
+
+Tensor TaggingHead::backward(Context& ctx, const Tensor& dlogits) {
+  return dense.backward(ctx, dlogits);
+}
+
+}  // namespace attn::nn
