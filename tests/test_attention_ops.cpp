@@ -2,7 +2,9 @@
 // semantics.md section 2, agreement with masked_softmax + matmul written out here, dropout
 // determinism, NaN robustness, finite-difference gradients (float64) and bad input.
 #include "attn/core/rng.hpp"
+#include "attn/core/safetensors.hpp"
 #include "attn/ops/attention.hpp"
+#include "attn/ops/linear.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -551,6 +553,91 @@ TEST(AttentionErrors, BadInputNamesTheOp) {
   expect_error([&] { dropout(q, 1.01, 0, 0); }, "dropout");
   expect_error([&] { dropout(Tensor::zeros({3}, DType::I32), 0.5, 0, 0); }, "dropout");
   expect_error([&] { dropout_backward(q, -1, 0, 0); }, "dropout_backward");
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch parity: tests/fixtures/dot_product_attention.safetensors, written by
+// tests/fixtures/generate.py running the d2l code on PyTorch 1.13 (regenerate: python3
+// tests/fixtures/generate.py --out tests/fixtures). "<case>.exact.<x>" is the float64 run rounded
+// to float32: attn's double accumulation lands within a float32 ulp or two of it; torch's own
+// float32 result within rtol 1e-5 / atol 1e-6.
+
+SafetensorsFile load_fixture(const std::string& name) {
+  return load_safetensors(std::string(ATTN_FIXTURE_DIR) + "/" + name + ".safetensors");
+}
+
+std::vector<std::string> fixture_cases(const SafetensorsFile& f) {
+  std::vector<std::string> cases;
+  for (const auto& [key, value] : f.metadata)
+    if (key.rfind("case.", 0) == 0) cases.push_back(key.substr(5));
+  return cases;
+}
+
+// Compares attn's result with the fixture's float32 (PyTorch) and exact values of `name`.
+void expect_parity(const SafetensorsFile& f, const std::string& c, const std::string& name,
+                   const Tensor& ours) {
+  SCOPED_TRACE(c + "." + name +
+               " (regenerate: python3 tests/fixtures/generate.py --out "
+               "tests/fixtures)");
+  const Tensor& torch32 = f.tensors.at(c + "." + name);
+  const Tensor& exact = f.tensors.at(c + ".exact." + name);
+  ASSERT_EQ(ours.shape(), torch32.shape());
+  EXPECT_TRUE(close(ours.to(DType::F64), exact.to(DType::F64), 2.5e-7, 1e-7)) << "vs exact";
+  EXPECT_TRUE(close(ours.to(DType::F64), torch32.to(DType::F64), 1e-5, 1e-6)) << "vs torch";
+}
+
+TEST(SdpaParity, MatchesD2lDotProductAttentionOnPyTorch) {
+  const SafetensorsFile f = load_fixture("dot_product_attention");
+  const std::vector<std::string> cases = fixture_cases(f);
+  ASSERT_GE(cases.size(), 5u);
+  for (const std::string& c : cases) {
+    Context ctx;
+    AttentionOptions o;  // eval: the fixtures' dropout 0.5 is inactive
+    o.dropout = 0.5;
+    o.need_weights = true;
+    if (f.tensors.count(c + ".valid_lens")) o.mask.valid_lens = f.tensors.at(c + ".valid_lens");
+    const Tensor &q = f.tensors.at(c + ".queries"), &k = f.tensors.at(c + ".keys"),
+                 &v = f.tensors.at(c + ".values");
+    AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, o);
+    expect_parity(f, c, "output", r.output);
+    expect_parity(f, c, "attention_weights", r.weights);
+    AttentionGrads g =
+        scaled_dot_product_attention_backward(ctx, f.tensors.at(c + ".G"), q, k, v, r, o);
+    expect_parity(f, c, "grad.queries", g.dq);
+    expect_parity(f, c, "grad.keys", g.dk);
+    expect_parity(f, c, "grad.values", g.dv);
+  }
+}
+
+// d2l AdditiveAttention = linear projections (ops/linear) + additive_attention.
+TEST(AdditiveParity, MatchesD2lAdditiveAttentionOnPyTorch) {
+  const SafetensorsFile f = load_fixture("additive_attention");
+  const std::vector<std::string> cases = fixture_cases(f);
+  ASSERT_GE(cases.size(), 5u);
+  for (const std::string& c : cases) {
+    Context ctx;
+    AttentionOptions o;
+    if (f.tensors.count(c + ".valid_lens")) o.mask.valid_lens = f.tensors.at(c + ".valid_lens");
+    const Tensor &queries = f.tensors.at(c + ".queries"), &keys = f.tensors.at(c + ".keys"),
+                 &v = f.tensors.at(c + ".values");
+    const Tensor &W_q = f.tensors.at(c + ".param.W_q.weight"),
+                 &W_k = f.tensors.at(c + ".param.W_k.weight"),
+                 &w_v = f.tensors.at(c + ".param.w_v.weight");
+    Tensor qp = linear(ctx, queries, W_q), kp = linear(ctx, keys, W_k);
+    AdditiveResult r = additive_attention(ctx, qp, kp, w_v, v, o);
+    expect_parity(f, c, "output", r.output);
+    expect_parity(f, c, "attention_weights", r.weights);
+    AdditiveGrads g =
+        additive_attention_backward(ctx, f.tensors.at(c + ".G"), qp, kp, w_v, v, r, o);
+    LinearGrads gq = linear_backward(ctx, g.dqp, queries, W_q, false);
+    LinearGrads gk = linear_backward(ctx, g.dkp, keys, W_k, false);
+    expect_parity(f, c, "grad.values", g.dv);
+    expect_parity(f, c, "grad.w_v.weight", g.dw_v);
+    expect_parity(f, c, "grad.queries", gq.dx);
+    expect_parity(f, c, "grad.keys", gk.dx);
+    expect_parity(f, c, "grad.W_q.weight", gq.dW);
+    expect_parity(f, c, "grad.W_k.weight", gk.dW);
+  }
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // masked_softmax forward and backward: the d2l test vectors of semantics.md section 1, the
 // fully-masked-row policies, causal masks, NaN robustness, finite-difference gradients and bad
 // input.
+#include "attn/core/safetensors.hpp"
 #include "attn/ops/masked_softmax.hpp"
 #include "testing.hpp"
 
@@ -311,6 +312,52 @@ TEST(MaskedSoftmaxErrors, BadInputNamesTheOp) {
   expect_error([&] { masked_softmax_backward(ctx, Tensor::zeros({2, 2, 3}), Y); }, bop);
   expect_error([&] { masked_softmax_backward(ctx, Y.to(DType::F64), Y); }, bop);
   expect_error([&] { masked_softmax_backward(ctx, Y.reshape({4, 4}), Y.reshape({4, 4})); }, bop);
+}
+
+// ---------------------------------------------------------------------------------------------
+// PyTorch parity: tests/fixtures/masked_softmax.safetensors, written by tests/fixtures/generate.py
+// running the d2l code on PyTorch 1.13 (regenerate: python3 tests/fixtures/generate.py --out
+// tests/fixtures). "<case>.exact.<x>" is the float64 run rounded to float32: attn's double
+// accumulation lands within a float32 ulp or two of it; torch's own float32 result within
+// rtol 1e-5 / atol 1e-6.
+
+SafetensorsFile load_fixture(const std::string& name) {
+  return load_safetensors(std::string(ATTN_FIXTURE_DIR) + "/" + name + ".safetensors");
+}
+
+std::vector<std::string> fixture_cases(const SafetensorsFile& f) {
+  std::vector<std::string> cases;
+  for (const auto& [key, value] : f.metadata)
+    if (key.rfind("case.", 0) == 0) cases.push_back(key.substr(5));
+  return cases;
+}
+
+// Compares attn's result with the fixture's float32 (PyTorch) and exact values of `name`.
+void expect_parity(const SafetensorsFile& f, const std::string& c, const std::string& name,
+                   const Tensor& ours) {
+  SCOPED_TRACE(c + "." + name +
+               " (regenerate: python3 tests/fixtures/generate.py --out "
+               "tests/fixtures)");
+  const Tensor& torch32 = f.tensors.at(c + "." + name);
+  const Tensor& exact = f.tensors.at(c + ".exact." + name);
+  ASSERT_EQ(ours.shape(), torch32.shape());
+  EXPECT_TRUE(close(ours.to(DType::F64), exact.to(DType::F64), 2.5e-7, 1e-7)) << "vs exact";
+  EXPECT_TRUE(close(ours.to(DType::F64), torch32.to(DType::F64), 1e-5, 1e-6)) << "vs torch";
+}
+
+TEST(MaskedSoftmaxParity, MatchesD2lOnPyTorch) {
+  const SafetensorsFile f = load_fixture("masked_softmax");
+  const std::vector<std::string> cases = fixture_cases(f);
+  ASSERT_GE(cases.size(), 10u);
+  for (const std::string& c : cases) {
+    Context ctx;
+    MaskOptions m;
+    if (f.tensors.count(c + ".valid_lens")) m.valid_lens = f.tensors.at(c + ".valid_lens");
+    const Tensor& X = f.tensors.at(c + ".X");
+    Tensor Y = masked_softmax(ctx, X, m);
+    expect_parity(f, c, "Y", Y);
+    expect_parity(f, c, "dX", masked_softmax_backward(ctx, f.tensors.at(c + ".G"), Y, m));
+  }
 }
 
 }  // namespace
