@@ -20,6 +20,21 @@ uint64_t child_seed(uint64_t seed, std::string_view name);
 // "MultiHeadAttention" for a module object (its dynamic type, namespace stripped).
 std::string module_name(const Module& m);
 
+// Fills a fresh contiguous F32/F64 tensor with draw() in row-major order (a typed loop: a large
+// embedding table has millions of entries).
+template <typename Draw>
+void fill_with(Tensor& t, Draw&& draw) {
+  if (t.dtype() == DType::F32) {
+    float* p = t.data<float>();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      p[i] = static_cast<float>(draw());
+  } else {
+    double* p = t.data<double>();
+    for (int64_t i = 0; i < t.numel(); ++i)
+      p[i] = draw();
+  }
+}
+
 // grad += g elementwise; g may have any strides and any float dtype, but grad.numel() elements
 // in the same row-major order (so (h) accumulates into (1, h)).
 void accumulate(Tensor& grad, const Tensor& g);

@@ -255,8 +255,7 @@ Parameter make_uniform(const Shape& shape, double bound, DType dtype, uint64_t s
   Parameter p;
   p.value = Tensor::empty(shape, dtype);
   Rng rng(seed, detail::name_stream(name));
-  for (int64_t i = 0; i < p.value.numel(); ++i)
-    p.value.set_flat(i, rng.uniform(-bound, bound));
+  detail::fill_with(p.value, [&] { return rng.uniform(-bound, bound); });
   p.grad = Tensor::zeros(shape, dtype);
   return p;
 }

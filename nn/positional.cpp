@@ -121,8 +121,7 @@ LearnedPositionalEmbedding::LearnedPositionalEmbedding(int64_t max_len, int64_t 
   // nn.Embedding's init: N(0, 1), from this parameter's own stream.
   weight.value = Tensor::empty({max_len, num_hiddens}, dtype);
   Rng rng(seed, detail::name_stream("weight"));
-  for (int64_t i = 0; i < weight.value.numel(); ++i)
-    weight.value.set_flat(i, rng.normal());
+  detail::fill_with(weight.value, [&] { return rng.normal(); });
   weight.grad = Tensor::zeros({max_len, num_hiddens}, dtype);
 }
 
