@@ -11,6 +11,7 @@
 
 #include "kernels/ref/masked_softmax.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
