@@ -94,7 +94,7 @@ struct Case {
 // Everything one case needs: inputs, outputs, parameters.
 struct Problem {
   Case cs;
-  View q, k, v, out, dout, dq, dk, dv;
+  View q, k, v, out, dout, dq, dk, dv, weights;
   std::vector<float> lse;
   std::vector<int32_t> key_limit;
   FlashParams p;
@@ -110,6 +110,7 @@ struct Problem {
     dq = make_view(c.B, c.T, c.D, (L + 1) % 3, 0, false);
     dk = make_view(c.B, c.S, c.D, L, 0, false);
     dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
+    weights = make_view(c.B, c.T, c.S, L % 2, 0, false);  // unit stride along S
     lse.assign(c.B * c.T, 0.0f);
     // Lengths as the ops layer passes them: per row, clamped to [0, S]. They include 0 (a fully
     // masked row) and values past S; 1-D lengths repeat over the rows of a batch.
@@ -131,6 +132,7 @@ struct Problem {
     p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
     p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
     p.lse = lse.data();
+    p.weights = weights.ptr(), p.w_sb = weights.sb, p.w_st = weights.sn;
     p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
     p.zero_masked_rows = c.zero_rows;
@@ -154,7 +156,7 @@ int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
 
 // The reference, in double, straight from the formulas (full T x S matrices).
 struct Reference {
-  std::vector<double> out, lse, dq, dk, dv;  // contiguous (B, T, Dv), (B, T), ...
+  std::vector<double> out, lse, weights, dq, dk, dv;  // contiguous (B, T, Dv), (B, T), ...
 };
 
 Reference reference(const Problem& pr, bool backward) {
@@ -163,6 +165,7 @@ Reference reference(const Problem& pr, bool backward) {
   Reference r;
   r.out.assign(c.B * c.T * c.Dv, 0.0);
   r.lse.assign(c.B * c.T, -std::numeric_limits<double>::infinity());
+  r.weights.assign(c.B * c.T * c.S, 0.0);
   r.dq.assign(c.B * c.T * c.D, 0.0);
   r.dk.assign(c.B * c.S * c.D, 0.0);
   r.dv.assign(c.B * c.S * c.Dv, 0.0);
@@ -195,6 +198,8 @@ Reference reference(const Problem& pr, bool backward) {
           P[s] = s < lim ? std::exp(P[s] - mx) / sum : 0.0;
         r.lse[b * c.T + t] = mx + std::log(sum);
       }
+      for (int64_t s = 0; s < c.S; ++s)
+        r.weights[(b * c.T + t) * c.S + s] = P[s];
       for (int64_t s = 0; s < c.S; ++s)
         for (int64_t e = 0; e < c.Dv; ++e)
           r.out[(b * c.T + t) * c.Dv + e] += P[s] * Z[s] * pr.v.at(b, s, e);
@@ -282,6 +287,7 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
     Problem pr(c);
     flash_attention_forward(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
+    EXPECT_TRUE(close_view("weights", pr.weights, ref.weights, 2e-6, 2e-6));
     for (int64_t i = 0; i < c.B * c.T; ++i) {
       if (std::isinf(ref.lse[i])) {
         EXPECT_TRUE(std::isinf(pr.lse[i]) && pr.lse[i] < 0) << "lse[" << i << "]";
@@ -297,6 +303,7 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
     // Two threads give the same bits (work items do not depend on the thread count).
     Problem pr2(c);
     pr2.p.threads = 2;
+    pr2.p.weights = nullptr;  // the output must not depend on whether weights are written
     flash_attention_forward(pr2.p);
     flash_attention_backward(pr2.p, pr2.g);
     EXPECT_EQ(pr.out.buf, pr2.out.buf);

@@ -96,8 +96,9 @@ namespace attn::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr int64_t kL = HWY_LANES(float);
-constexpr int64_t kBlockK = kNV * kL;  // keys per tile: one micro-tile wide (AVX-512: 64)
-constexpr int64_t kBlockQ = 16 * kMR;  // query rows per block (AVX-512: 96)
+constexpr int64_t kBlockK = kNV * kL;     // keys per tile: one micro-tile wide (AVX-512: 64)
+constexpr int64_t kBlockQ = 12 * kL;      // forward query rows per block (AVX-512: 192)
+constexpr int64_t kBwdBlockQ = 16 * kMR;  // backward query rows per tile (AVX-512: 96)
 
 int64_t QueryBlockRows() {
   return kBlockQ;
@@ -110,9 +111,7 @@ const char* TargetName() {
 // Forward
 
 size_t ForwardScratchFloats(const FlashParams& p) {
-  const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
-  return static_cast<size_t>(kBlockQ * Dp + p.D * kBlockK + kBlockK * Dvp + kBlockQ * kBlockK +
-                             kBlockQ * Dvp + 2 * kBlockQ + kBlockK + Dvp);
+  return static_cast<size_t>((p.D + kBlockK + p.Dv + 4) * kBlockQ + kBlockK + RoundUpLanes(p.Dv));
 }
 
 // out row of a query with no kept key: mean of v over all S keys (d2l), dropout applied to the
@@ -136,90 +135,154 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
   }
 }
 
+// weights[b, t0 + r, s] = 2^(x - m - log2 l) for kept keys, 0 for masked ones, and the masked-row
+// policy (1/S or 0) for queries without keys: X^T recomputed tile by tile once m and l are final.
+void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64_t mqp,
+                  const int64_t* lim, const float* qt, const float* mv, const float* lv, float* xt,
+                  float* lse2) {
+  const DF d;
+  for (int64_t r = 0; r < mq; ++r) {
+    float* w = p.weights + b * p.w_sb + (t0 + r) * p.w_st;
+    const float fill = lim[r] == 0 && !p.zero_masked_rows ? 1.0f / static_cast<float>(p.S) : 0.0f;
+    std::fill(w + lim[r], w + p.S, fill);
+  }
+  for (int64_t r = 0; r < mqp; ++r)  // m + log2 l per query
+    lse2[r] = r < mq && lim[r] > 0 ? mv[r] + std::log2(lv[r]) : 0.0f;
+  int64_t max_lim = 0;
+  for (int64_t r = 0; r < mq; ++r)
+    max_lim = std::max(max_lim, lim[r]);
+  for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, max_lim - s0);
+    Gemm(nk, mqp, p.D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
+    for (int64_t s = 0; s < nk; ++s)
+      for (int64_t c = 0; c < mqp; c += kL) {
+        float* x = xt + s * mqp + c;
+        hn::StoreU(Exp2(d, hn::Sub(hn::LoadU(d, x), hn::LoadU(d, lse2 + c))), d, x);
+      }
+    for (int64_t r = 0; r < mq; ++r) {
+      float* w = p.weights + b * p.w_sb + (t0 + r) * p.w_st + s0;
+      const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
+      for (int64_t s = 0; s < n; ++s)
+        w[s] = xt[s * mqp + r];
+    }
+  }
+}
+
 // One work item: rows [t0, t0 + kBlockQ) of batch b.
+//
+// The block is computed transposed, queries along the vector lanes: X^T = K Q^T (keys x queries)
+// and O^T += V^T P^T. Then every softmax step is elementwise across the lanes (the running max
+// and sum of 16 queries at once, no horizontal reductions, the rescale a vector multiply), and
+// both products read K and V as broadcast scalars straight from the caller's strided tensors:
+// only Q^T (once per block) is packed.
 void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
   const DF d;
-  const int64_t D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
-  const int64_t mq = std::min(kBlockQ, p.T - t0);
-  float* qp = scratch;                 // (kBlockQ, Dp)   q * scale * log2 e
-  float* kt = qp + kBlockQ * Dp;       // (D, kBlockK)    K^T of the tile
-  float* vp = kt + D * kBlockK;        // (kBlockK, Dvp)  V of the tile
-  float* sc = vp + kBlockK * Dvp;      // (kBlockQ, nkp)  scores, then weights
-  float* ob = sc + kBlockQ * kBlockK;  // (kBlockQ, Dvp)  unnormalized output
-  float* mrow = ob + kBlockQ * Dvp;    // running max (log2 units)
-  float* lrow = mrow + kBlockQ;        // running denominator
-  float* z = lrow + kBlockQ;           // (kBlockK) dropout multipliers
-  float* tmp = z + kBlockK;            // (Dvp) masked-row output
+  const int64_t D = p.D, Dv = p.Dv;
+  const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = RoundUpLanes(mq);
+  float* qt = scratch;             // (D, mqp)       (scale log2 e) Q^T
+  float* xt = qt + D * mqp;        // (kBlockK, mqp) X^T scores, then P^T weights
+  float* ot = xt + kBlockK * mqp;  // (Dv, mqp)      O^T unnormalized output
+  float* mv = ot + Dv * mqp;       // (mqp) running max (log2 units)
+  float* lv = mv + mqp;            // (mqp) running denominator
+  float* limv = lv + mqp;          // (mqp) key limit per query, as float
+  float* alpha = limv + mqp;       // (mqp) rescale factor of this tile
+  float* z = alpha + mqp;          // (kBlockK) dropout multipliers
+  float* tmp = z + kBlockK;        // (Dvp) masked-row output
 
   int64_t lim[kBlockQ];
   int64_t max_lim = 0;
   for (int64_t r = 0; r < mq; ++r) {
     lim[r] = RowLimit(p, b, t0 + r);
     max_lim = std::max(max_lim, lim[r]);
+    limv[r] = static_cast<float>(lim[r]);
   }
-  PackRows(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qp, Dp);
-  std::fill(ob, ob + mq * Dvp, 0.0f);
-  std::fill(mrow, mrow + mq, kNegInf);
-  std::fill(lrow, lrow + mq, 0.0f);
+  std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: independent junk columns, never stored
+  PackTransposed(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qt, mqp);
+  std::fill(ot, ot + Dv * mqp, 0.0f);
+  std::fill(mv, mv + mqp, kNegInf);
+  std::fill(lv, lv + mqp, 0.0f);
+  const VF neg_inf = hn::Set(d, kNegInf);
 
   // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
-    const int64_t nk = std::min(kBlockK, max_lim - s0), nkp = RoundUpLanes(nk);
-    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, kt, nkp);
-    PackRows(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, 1.0f, vp, Dvp);
-    // x = (scale log2 e) Q K^T: (mq, nkp)
-    Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, sc, nkp, /*accumulate=*/false);
+    const int64_t nk = std::min(kBlockK, max_lim - s0);
+    // Queries before the first one that keeps a key of this tile are skipped, a vector at a time
+    // (causal: those above the diagonal).
+    int64_t r_first = 0;
+    while (lim[r_first] <= s0)
+      ++r_first;
+    const int64_t c0 = r_first / kL * kL, ncol = mqp - c0;
+    int64_t min_lim = p.S;
+    for (int64_t r = c0; r < mq; ++r)
+      min_lim = std::min(min_lim, lim[r]);
 
-    // Online softmax, row by row (see the recurrence at the top).
-    for (int64_t r = 0; r < mq; ++r) {
-      float* srow = sc + r * nkp;
-      const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);  // kept keys of this tile
-      if (n == 0) {
-        std::fill(srow, srow + nkp, 0.0f);
-        continue;
-      }
-      std::fill(srow + n, srow + nkp, kNegInf);
-      VF vmax = hn::Set(d, kNegInf);
-      for (int64_t c = 0; c < nkp; c += kL)
-        vmax = hn::Max(vmax, hn::LoadU(d, srow + c));
-      const float m_new = std::max(mrow[r], hn::GetLane(hn::MaxOfLanes(d, vmax)));
-      const VF vm = hn::Set(d, m_new);
-      VF vsum = hn::Zero(d);
-      for (int64_t c = 0; c < nkp; c += kL) {
-        const VF e = Exp2(d, hn::Sub(hn::LoadU(d, srow + c), vm));
-        hn::StoreU(e, d, srow + c);
-        vsum = hn::Add(vsum, e);
-      }
-      const float alpha = std::exp2(mrow[r] - m_new);  // 0 on the first kept tile
-      lrow[r] = lrow[r] * alpha + hn::GetLane(hn::SumOfLanes(d, vsum));
-      if (alpha != 1.0f) ScaleRow(ob + r * Dvp, Dvp, alpha);
-      mrow[r] = m_new;
-      if (p.dropout > 0.0f) {
-        // Dropout acts after normalization: it scales the numerator's weights only.
-        DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
-        for (int64_t s = 0; s < n; ++s)
-          srow[s] *= z[s];
+    // X^T = K (Q^T scaled): (nk, ncol)
+    Gemm(nk, ncol, D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
+         /*accumulate=*/false);
+    if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
+      for (int64_t s = 0; s < nk; ++s) {
+        const VF key = hn::Set(d, static_cast<float>(s0 + s));
+        float* row = xt + s * mqp;
+        for (int64_t c = c0; c < mqp; c += kL)
+          hn::StoreU(
+              hn::IfThenElse(hn::Lt(key, hn::LoadU(d, limv + c)), hn::LoadU(d, row + c), neg_inf),
+              d, row + c);
       }
     }
-    // o += P V: (mq, Dvp)
-    Gemm(mq, Dvp, nk, sc, nkp, 1, vp, Dvp, ob, Dvp, /*accumulate=*/true);
+
+    // Online softmax, 16 queries per vector (the recurrence at the top of the file).
+    for (int64_t c = c0; c < mqp; c += kL) {
+      const VF m_old = hn::LoadU(d, mv + c);
+      VF m_new = m_old;
+      for (int64_t s = 0; s < nk; ++s)
+        m_new = hn::Max(m_new, hn::LoadU(d, xt + s * mqp + c));
+      // A query with no kept key so far keeps m = -inf; subtract 0 instead so that its weights
+      // come out 0 (2^-inf) rather than NaN (-inf - -inf).
+      const VF m_use = hn::IfThenElse(hn::Eq(m_new, neg_inf), hn::Zero(d), m_new);
+      VF sum = hn::Zero(d);
+      for (int64_t s = 0; s < nk; ++s) {
+        float* x = xt + s * mqp + c;
+        const VF e = Exp2(d, hn::Sub(hn::LoadU(d, x), m_use));
+        hn::StoreU(e, d, x);
+        sum = hn::Add(sum, e);
+      }
+      const VF a = Exp2(d, hn::Sub(m_old, m_use));  // 0 on a query's first kept tile
+      hn::StoreU(hn::MulAdd(hn::LoadU(d, lv + c), a, sum), d, lv + c);
+      hn::StoreU(m_new, d, mv + c);
+      hn::StoreU(a, d, alpha + c);
+    }
+    for (int64_t e = 0; e < Dv; ++e)
+      MulRow(ot + e * mqp + c0, alpha + c0, ncol);
+    if (p.dropout > 0.0f) {
+      // Dropout acts after normalization: it scales the numerator's weights only.
+      for (int64_t r = r_first; r < mq; ++r) {
+        const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
+        DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+        for (int64_t s = 0; s < n; ++s)
+          xt[s * mqp + r] *= z[s];
+      }
+    }
+    // O^T += V^T P^T: (Dv, ncol)
+    Gemm(Dv, ncol, nk, p.v + b * p.v_sb + s0 * p.v_ss, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0, mqp,
+         /*accumulate=*/true);
   }
+
+  if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);
 
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
     float* orow = p.out + b * p.o_sb + t * p.o_st;
-    const float* src = ob + r * Dvp;
-    float inv = 1.0f;
     if (lim[r] == 0) {
       MaskedRow(p, b, t, tmp, z);
-      src = tmp;
       p.lse[b * p.T + t] = kNegInf;
+      for (int64_t e = 0; e < Dv; ++e)
+        orow[e * p.o_sd] = tmp[e];
     } else {
-      inv = 1.0f / lrow[r];
-      p.lse[b * p.T + t] = (mrow[r] + std::log2(lrow[r])) * kLn2;
+      const float inv = 1.0f / lv[r];
+      p.lse[b * p.T + t] = (mv[r] + std::log2(lv[r])) * kLn2;
+      for (int64_t e = 0; e < Dv; ++e)
+        orow[e * p.o_sd] = ot[e * mqp + r] * inv;
     }
-    for (int64_t c = 0; c < Dv; ++c)
-      orow[c * p.o_sd] = src[c] * inv;
   }
 }
 
@@ -228,9 +291,9 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
 
 size_t BackwardScratchFloats(const FlashParams& p) {
   const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
-  return static_cast<size_t>(p.D * kBlockK + kBlockK * Dp + p.Dv * kBlockK + kBlockQ * Dp +
-                             kBlockQ * Dvp + 3 * kBlockQ * kBlockK + kBlockK * Dp + kBlockK * Dvp +
-                             kBlockK + 3 * p.T);
+  return static_cast<size_t>(p.D * kBlockK + kBlockK * Dp + p.Dv * kBlockK + kBwdBlockQ * Dp +
+                             kBwdBlockQ * Dvp + 3 * kBwdBlockQ * kBlockK + kBlockK * Dp +
+                             kBlockK * Dvp + kBlockK + 3 * p.T);
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch b, and their share of dQ (unscaled, summed
@@ -239,20 +302,20 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
                   float* dq_part, int64_t ldq, float* scratch) {
   const DF d;
   const int64_t T = p.T, D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
-  float* kt = scratch;                     // (D, kBlockK)      K^T of the tile (scores)
-  float* kp = kt + D * kBlockK;            // (kBlockK, Dp)     K of the tile (dQ)
-  float* vt = kp + kBlockK * Dp;           // (Dv, kBlockK)     V^T of the tile (dP)
-  float* qp = vt + Dv * kBlockK;           // (kBlockQ, Dp)     q * scale * log2 e
-  float* dop = qp + kBlockQ * Dp;          // (kBlockQ, Dvp)    dO
-  float* pb = dop + kBlockQ * Dvp;         // (kBlockQ, nkp)    P
-  float* ds = pb + kBlockQ * kBlockK;      // (kBlockQ, nkp)    dP, then dS
-  float* pz = ds + kBlockQ * kBlockK;      // (kBlockQ, nkp)    P * Z (dropout only)
-  float* dk_acc = pz + kBlockQ * kBlockK;  // (kBlockK, Dp)
-  float* dv_acc = dk_acc + kBlockK * Dp;   // (kBlockK, Dvp)
-  float* z = dv_acc + kBlockK * Dvp;       // (kBlockK)
-  float* lse2 = z + kBlockK;               // (T) lse in log2 units
-  float* drow = lse2 + T;                  // (T) D_t = dO_t . out_t
-  float* limf = drow + T;                  // (T) row limits (exact in float below 2^24 keys)
+  float* kt = scratch;                        // (D, kBlockK)      K^T of the tile (scores)
+  float* kp = kt + D * kBlockK;               // (kBlockK, Dp)     K of the tile (dQ)
+  float* vt = kp + kBlockK * Dp;              // (Dv, kBlockK)     V^T of the tile (dP)
+  float* qp = vt + Dv * kBlockK;              // (kBwdBlockQ, Dp)     q * scale * log2 e
+  float* dop = qp + kBwdBlockQ * Dp;          // (kBwdBlockQ, Dvp)    dO
+  float* pb = dop + kBwdBlockQ * Dvp;         // (kBwdBlockQ, nkp)    P
+  float* ds = pb + kBwdBlockQ * kBlockK;      // (kBwdBlockQ, nkp)    dP, then dS
+  float* pz = ds + kBwdBlockQ * kBlockK;      // (kBwdBlockQ, nkp)    P * Z (dropout only)
+  float* dk_acc = pz + kBwdBlockQ * kBlockK;  // (kBlockK, Dp)
+  float* dv_acc = dk_acc + kBlockK * Dp;      // (kBlockK, Dvp)
+  float* z = dv_acc + kBlockK * Dvp;          // (kBlockK)
+  float* lse2 = z + kBlockK;                  // (T) lse in log2 units
+  float* drow = lse2 + T;                     // (T) D_t = dO_t . out_t
+  float* limf = drow + T;                     // (T) row limits (exact in float below 2^24 keys)
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
 
@@ -272,16 +335,16 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
 
   for (int64_t s0 = sa; s0 < sb; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, sb - s0), nkp = RoundUpLanes(nk);
-    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, kt, nkp);
+    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
     PackRows(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
-    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, vt, nkp);
+    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
     std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
     std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
 
     // Causal: rows t < s0 see none of these keys.
-    const int64_t t_begin = p.causal ? s0 / kBlockQ * kBlockQ : 0;
-    for (int64_t t0 = t_begin; t0 < T; t0 += kBlockQ) {
-      const int64_t mq = std::min(kBlockQ, T - t0);
+    const int64_t t_begin = p.causal ? s0 / kBwdBlockQ * kBwdBlockQ : 0;
+    for (int64_t t0 = t_begin; t0 < T; t0 += kBwdBlockQ) {
+      const int64_t mq = std::min(kBwdBlockQ, T - t0);
       bool any = false;
       for (int64_t r = 0; r < mq && !any; ++r)
         any = limf[t0 + r] > static_cast<float>(s0);

@@ -44,6 +44,10 @@ struct FlashParams {
   float* out = nullptr;  // forward output (backward input)
   int64_t o_sb = 0, o_st = 0, o_sd = 1;
   float* lse = nullptr;  // (B, T) contiguous; natural log; forward output (backward input)
+  // Optional forward output: the pre-dropout weights P (B, T, S), unit stride along S. Costs a
+  // second Q K^T pass (the weights need the final lse); null (the default) skips it.
+  float* weights = nullptr;
+  int64_t w_sb = 0, w_st = 0;
 
   const int32_t* key_limit = nullptr;  // B*T entries in [0, S], or null: no length mask
   bool causal = false;
@@ -68,7 +72,7 @@ struct FlashGrads {
   int64_t dv_sb = 0, dv_ss = 0, dv_sd = 1;
 };
 
-// Fills p.out and p.lse.
+// Fills p.out and p.lse (and p.weights when set).
 void flash_attention_forward(const FlashParams& p);
 // Reads p.q, p.k, p.v, p.out, p.lse (as the forward left them) and g.dout; fills g.dq, g.dk, g.dv.
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g);

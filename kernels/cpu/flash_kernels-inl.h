@@ -46,20 +46,21 @@ HWY_INLINE int64_t RoundUpLanes(int64_t n) {
   return (n + L - 1) / L * L;
 }
 
-// One micro-tile of C (rows x NV*L) = / += A (rows x K) B (K x NV*L).
-// A element (i, k) is a[i*a_rs + k*a_ks] (broadcast, so A may be read transposed for free);
-// B and C are row-major with unit column stride. Rows past `rows` reuse the last valid row of A
-// (a harmless duplicate computation) and are not stored, so M needs no padding.
-template <int NV>
+// One micro-tile of C (rows x NV*L) = / += A (rows x K) B (K x NV*L), rows <= MR.
+// A element (i, k) is a[i*a_rs + k*a_ks] (broadcast one element at a time, so A may be any
+// strided view, transposed or not, straight from the caller's tensor); B and C are row-major with
+// unit column stride. Rows past `rows` reuse the last valid row of A (a harmless duplicate
+// computation) and are not stored, so M needs no padding.
+template <int MR, int NV>
 HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, int64_t a_ks,
                           int rows, const float* HWY_RESTRICT b, int64_t ldb, float* HWY_RESTRICT c,
                           int64_t ldc, bool accumulate) {
   const DF d;
   const size_t L = hn::Lanes(d);
-  const float* ar[kMR];
-  VF acc[kMR][NV];
+  const float* ar[MR];
+  VF acc[MR][NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < kMR; ++i) {
+  for (int i = 0; i < MR; ++i) {
     ar[i] = a + (i < rows ? i : rows - 1) * a_rs;
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
@@ -73,7 +74,7 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
       bv[j] = hn::LoadU(d, bk + j * L);
     const int64_t ak = k * a_ks;
 #pragma GCC unroll 8
-    for (int i = 0; i < kMR; ++i) {
+    for (int i = 0; i < MR; ++i) {
       const VF ai = hn::Set(d, ar[i][ak]);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j)
@@ -81,7 +82,7 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < kMR; ++i) {
+  for (int i = 0; i < MR; ++i) {
     if (i >= rows) break;
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
@@ -90,19 +91,25 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
 }
 
 // C (M x N) = / += A (M x K) B (K x N), N a multiple of L; A addressed as in MicroTile.
-// The loop order keeps one micro-panel of A rows hot while it sweeps the columns of B.
+// Columns outside, rows inside: one (K x kNV*L) panel of B stays in L1 while every MR-row panel
+// of A streams past it.
 HWY_NOINLINE void Gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t L = static_cast<int64_t>(Lanes());
-  for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-    const int rows = static_cast<int>(std::min<int64_t>(kMR, M - i0));
-    const float* ai = a + i0 * a_rs;
-    float* ci = c + i0 * ldc;
-    int64_t j0 = 0;
-    for (; j0 + kNV * L <= N; j0 += kNV * L)
-      MicroTile<kNV>(K, ai, a_rs, a_ks, rows, b + j0, ldb, ci + j0, ldc, accumulate);
-    for (; j0 < N; j0 += L)
-      MicroTile<1>(K, ai, a_rs, a_ks, rows, b + j0, ldb, ci + j0, ldc, accumulate);
+  int64_t j0 = 0;
+  for (; j0 + kNV * L <= N; j0 += kNV * L) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - i0));
+      MicroTile<kMR, kNV>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
+                          accumulate);
+    }
+  }
+  for (; j0 < N; j0 += L) {
+    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - i0));
+      MicroTile<kMR, 1>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
+                        accumulate);
+    }
   }
 }
 
@@ -149,16 +156,16 @@ HWY_INLINE void PackRows(const float* src, int64_t rows, int64_t cols, int64_t s
   }
 }
 
-// dst[c*ld + r] = src[r*s_r + c*s_c]: the transpose of a (rows x cols) tile, with rows [rows, ld)
-// zeroed. Used for K^T (D x keys) and V^T (Dv x keys), so that the score micro-kernel reads a
-// vector of consecutive keys per feature.
+// dst[c*ld + r] = mul * src[r*s_r + c*s_c]: the transpose of a (rows x cols) tile, with rows
+// [rows, ld) zeroed. Used for Q^T (D x queries), K^T (D x keys) and V^T (Dv x keys), so that a
+// micro-kernel reads a vector of consecutive queries or keys per feature.
 HWY_INLINE void PackTransposed(const float* src, int64_t rows, int64_t cols, int64_t s_r,
-                               int64_t s_c, float* dst, int64_t ld) {
+                               int64_t s_c, float mul, float* dst, int64_t ld) {
   for (int64_t c = 0; c < cols; ++c) {
     float* o = dst + c * ld;
     const float* s = src + c * s_c;
     for (int64_t r = 0; r < rows; ++r)
-      o[r] = s[r * s_r];
+      o[r] = mul * s[r * s_r];
     for (int64_t r = rows; r < ld; ++r)
       o[r] = 0.0f;
   }

@@ -1,0 +1,165 @@
+// Fused CPU attention (kernels/cpu flash_attention), fp32, forward and backward, with the
+// machine's FP32 FMA peak measured in the same run so that every result reads as % of peak.
+//
+// Shapes of the issue: B*H = 16, D in {64, 128}, T = S in {1024, 4096}, non-causal and causal;
+// and one long sequence, T = S = 65536, D = 64, B*H = 1, forward + backward once, reporting the
+// memory the kernels use beyond their inputs and outputs (peak RSS growth).
+// FLOPs (FlashAttention convention): forward 4*BH*T*S*D, backward 2.5x, causal halves both.
+// Threads: ATTN_THREADS (default 2). bench/run_cpu.sh runs this next to PyTorch and writes
+// docs/performance.md.
+#include "bench/fma_peak.hpp"
+#include "kernels/cpu/flash_attention.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+int bench_threads() {
+  const char* env = std::getenv("ATTN_THREADS");
+  return env != nullptr ? std::max(1, std::atoi(env)) : 2;
+}
+
+double peak_gflops() {
+  static const double peak = attn::bench::measure_fma_peak_gflops(bench_threads());
+  return peak;
+}
+
+// Contiguous q, k, v, out, dout, grads of one shape, filled with uniform [-1, 1).
+struct Buffers {
+  int64_t BH, T, S, D;
+  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
+  attn::cpu::FlashParams p;
+  attn::cpu::FlashGrads g;
+  Buffers(int64_t bh, int64_t t, int64_t d, bool causal, bool grads)
+      : BH(bh), T(t), S(t), D(d) {
+    std::mt19937 gen(42);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto fill = [&](std::vector<float>& x, int64_t n) {
+      x.resize(n);
+      for (auto& e : x) e = u(gen);
+    };
+    fill(q, BH * T * D);
+    fill(k, BH * S * D);
+    fill(v, BH * S * D);
+    out.assign(BH * T * D, 0.0f);
+    lse.assign(BH * T, 0.0f);
+    if (grads) {
+      fill(dout, BH * T * D);
+      dq.assign(BH * T * D, 0.0f);
+      dk.assign(BH * S * D, 0.0f);
+      dv.assign(BH * S * D, 0.0f);
+    }
+    p.B = BH, p.T = T, p.S = S, p.D = D, p.Dv = D;
+    p.q = q.data(), p.q_sb = T * D, p.q_st = D;
+    p.k = k.data(), p.k_sb = S * D, p.k_ss = D;
+    p.v = v.data(), p.v_sb = S * D, p.v_ss = D;
+    p.out = out.data(), p.o_sb = T * D, p.o_st = D;
+    p.lse = lse.data();
+    p.causal = causal;
+    p.scale = 1.0f / std::sqrt(float(D));
+    p.threads = bench_threads();
+    g.dout = dout.data(), g.do_sb = T * D, g.do_st = D;
+    g.dq = dq.data(), g.dq_sb = T * D, g.dq_st = D;
+    g.dk = dk.data(), g.dk_sb = S * D, g.dk_ss = D;
+    g.dv = dv.data(), g.dv_sb = S * D, g.dv_ss = D;
+  }
+};
+
+double forward_flops(int64_t bh, int64_t t, int64_t d, bool causal) {
+  return 4.0 * double(bh) * double(t) * double(t) * double(d) * (causal ? 0.5 : 1.0);
+}
+
+void set_counters(benchmark::State& state, double flops) {
+  state.counters["GFLOPS"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pct_peak"] = benchmark::Counter(flops * 1e-9 / peak_gflops() * 100.0,
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["peak_GFLOPS"] = peak_gflops();
+  state.counters["threads"] = bench_threads();
+}
+
+// Args: BH, T (= S), D, causal.
+void BM_FlashForward(benchmark::State& state) {
+  const bool causal = state.range(3) != 0;
+  Buffers buf(state.range(0), state.range(1), state.range(2), causal, false);
+  for (auto _ : state) {
+    attn::cpu::flash_attention_forward(buf.p);
+    benchmark::DoNotOptimize(buf.out.data());
+  }
+  set_counters(state, forward_flops(buf.BH, buf.T, buf.D, causal));
+}
+
+void BM_FlashBackward(benchmark::State& state) {
+  const bool causal = state.range(3) != 0;
+  Buffers buf(state.range(0), state.range(1), state.range(2), causal, true);
+  attn::cpu::flash_attention_forward(buf.p);
+  for (auto _ : state) {
+    attn::cpu::flash_attention_backward(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+  }
+  set_counters(state, 2.5 * forward_flops(buf.BH, buf.T, buf.D, causal));
+}
+
+void IssueShapes(benchmark::internal::Benchmark* b) {
+  for (int64_t t : {1024, 4096})
+    for (int64_t d : {64, 128})
+      for (int64_t causal : {0, 1}) b->Args({16, t, d, causal});
+  b->ArgNames({"BH", "T", "D", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+BENCHMARK(BM_FlashForward)->Apply(IssueShapes);
+BENCHMARK(BM_FlashBackward)->Apply(IssueShapes);
+
+// Resident-set high-water mark (VmHWM) in bytes; reset_peak() sets it to the current RSS.
+int64_t read_status_kb(const char* key) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + std::string(key).size());
+  return -1;
+}
+void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// T = S = 65536, D = 64, one head: forward then backward, once. extra_MiB is the growth of the
+// peak RSS over the RSS with all inputs and outputs allocated and touched.
+void BM_FlashLongForwardBackward(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  Buffers buf(1, t, 64, false, true);
+  double extra_mib = 0;
+  for (auto _ : state) {
+    reset_peak();
+    const int64_t base_kb = read_status_kb("VmRSS:");
+    attn::cpu::flash_attention_forward(buf.p);
+    attn::cpu::flash_attention_backward(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+    extra_mib = double(read_status_kb("VmHWM:") - base_kb) / 1024.0;
+  }
+  set_counters(state, 3.5 * forward_flops(1, t, 64, false));
+  state.counters["extra_MiB"] = extra_mib;
+}
+BENCHMARK(BM_FlashLongForwardBackward)
+    ->Arg(65536)
+    ->ArgName("T")
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond)
+    ->UseRealTime();
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("flash_target", attn::cpu::flash_attention_target());
+  benchmark::AddCustomContext("fma_peak_target", attn::bench::fma_peak_target());
+  benchmark::AddCustomContext("fma_peak_GFLOPS", std::to_string(peak_gflops()));
+  benchmark::AddCustomContext("threads", std::to_string(bench_threads()));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

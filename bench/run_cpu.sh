@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Runs bench_attention (the fused CPU kernels) and bench/torch_attention.py (PyTorch's unfused
+# bmm + softmax + bmm) on the same shapes and thread count, and writes the side-by-side table to
+# docs/performance.md. The only writer of that file: numbers there are never typed by hand.
+#
+#   bench/run_cpu.sh [build_dir] [repetitions]        (default build/default, 5)
+#   ATTN_THREADS=2 (default) sets both sides' thread count.
+# Needs a quiet machine: the script records the load average before and after, and the spread
+# (min / median) of the repetitions, so a noisy run is visible in the table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build/default}
+reps=${2:-5}
+export ATTN_THREADS=${ATTN_THREADS:-2}
+bin="$build/bench/bench_attention"
+[[ -x "$bin" ]] || { echo "run_cpu.sh: $bin not built (cmake --build $build --target bench_attention)" >&2; exit 2; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+"$bin" --benchmark_filter='BM_Flash(Forward|Backward)/' --benchmark_repetitions="$reps" \
+  --benchmark_format=json --benchmark_out="$tmp/attn.json" --benchmark_out_format=json >/dev/null
+"$bin" --benchmark_filter='BM_FlashLong' --benchmark_format=json \
+  --benchmark_out="$tmp/long.json" --benchmark_out_format=json >/dev/null
+GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
+OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 bench/torch_attention.py --threads "$ATTN_THREADS" \
+  --reps "$reps" >"$tmp/torch.jsonl"
+load_after=$(cut -d' ' -f1-3 /proc/loadavg)
+
+/usr/bin/python3 - "$tmp" "$load_before" "$load_after" "$reps" >docs/performance.md <<'PY'
+import json, re, statistics, sys, platform, datetime
+tmp, load_before, load_after, reps = sys.argv[1:5]
+attn = json.load(open(f"{tmp}/attn.json"))
+long = json.load(open(f"{tmp}/long.json"))
+ctx = attn["context"]
+peak = float(ctx["fma_peak_GFLOPS"])
+runs = {}
+for b in attn["benchmarks"]:
+    if b.get("run_type") != "iteration":
+        continue
+    m = re.match(r"BM_Flash(Forward|Backward)/BH:(\d+)/T:(\d+)/D:(\d+)/causal:(\d)", b["name"])
+    key = (m.group(1).lower(), int(m.group(3)), int(m.group(4)), int(m.group(5)))
+    runs.setdefault(key, []).append(b["GFLOPS"])
+torch = {}
+for line in open(f"{tmp}/torch.jsonl"):
+    r = json.loads(line)
+    torch[(r["pass"], r["T"], r["D"], r["causal"])] = r
+cpu = "?"
+for line in open("/proc/cpuinfo"):
+    if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+print("# Performance (CPU)\n")
+print("Written by `bench/run_cpu.sh`; do not edit by hand. "
+      f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {cpu}, "
+      f"{ctx['threads']} threads, flash target {ctx['flash_target']}.\n")
+print(f"- FP32 FMA peak measured in the same run ({ctx['fma_peak_target']}, register-only FMA "
+      f"loop, {ctx['threads']} threads): **{peak:.0f} GFLOP/s**.")
+print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. "
+      f"{reps} repetitions; best and median shown.")
+print("- FLOPs: forward 4·BH·T·S·D, backward 2.5× forward, causal halves both (useful FLOPs).")
+print("- PyTorch: Debian's 1.13, `bmm + softmax + bmm` (`bench/torch_attention.py`), same "
+      "threads, with `GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 "
+      "OMP_WAIT_POLICY=PASSIVE`; its causal case computes the full square and masks it.\n")
+print("| pass | BH | T=S | D | causal | attn GFLOP/s best (median) | % of peak | PyTorch GFLOP/s | speed-up |")
+print("|---|---|---|---|---|---|---|---|---|")
+for key in sorted(runs, key=lambda k: (k[0] != "forward", k[1], k[2], k[3])):
+    pas, T, D, causal = key
+    g = runs[key]
+    best, med = max(g), statistics.median(g)
+    t = torch.get(key)
+    tg = f"{t['gflops']:.1f}" if t else "—"
+    sp = f"{best / t['gflops']:.2f}×" if t else "—"
+    print(f"| {pas} | 16 | {T} | {D} | {'yes' if causal else 'no'} | {best:.1f} ({med:.1f}) | "
+          f"{100 * best / peak:.0f}% | {tg} | {sp} |")
+for b in long["benchmarks"]:
+    print(f"\nLong sequence, forward + backward once, BH = 1, T = S = 65536, D = 64: "
+          f"{b['real_time']:.1f} s, {b['GFLOPS']:.1f} GFLOP/s "
+          f"({100 * b['GFLOPS'] / peak:.0f}% of peak), peak memory beyond inputs and outputs "
+          f"{b['extra_MiB']:.0f} MiB.")
+PY
+echo "wrote docs/performance.md"
