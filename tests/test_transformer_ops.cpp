@@ -251,6 +251,23 @@ TEST(CrossEntropyOp, IgnoreIndexAndValidLensLeavePositionsOut) {
       4);
 }
 
+// PyTorch 1.13 (float64):
+//   z = torch.tensor([[1., 2., 3.], [0., 0., 0.], [2., -1., 0.5]], requires_grad=True)
+//   l = F.cross_entropy(z, torch.tensor([2, -100, 0])); l.backward()
+TEST(CrossEntropyOp, MatchesPyTorchIgnoreIndexMean) {
+  Context ctx;
+  Tensor z =
+      Tensor::from_vector(std::vector<double>{1, 2, 3, 0, 0, 0, 2, -1, 0.5}, {3, 3}, DType::F64);
+  Tensor y = Tensor::from_vector(std::vector<int64_t>{2, -100, 0}, {3});
+  EXPECT_NEAR(softmax_cross_entropy(ctx, z, y).loss, 0.32445863055076873, 1e-15);
+  const std::vector<double> want = {
+      0.04501528658519022,  0.12236423552739882,  -0.1673795221125891, 0.0, 0.0, 0.0,
+      -0.10720148270536206, 0.019556286635343725, 0.08764519607001835};
+  Tensor dz = softmax_cross_entropy_backward(ctx, z, y);
+  for (int64_t i = 0; i < 9; ++i)
+    EXPECT_NEAR(dz.flat(i), want[static_cast<size_t>(i)], 1e-15);
+}
+
 TEST(CrossEntropyOp, NothingKeptIsNaNWithZeroGradientAsPyTorch) {
   Context ctx;
   Tensor z = random_tensor({2, 3}, DType::F64);
