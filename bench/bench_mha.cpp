@@ -1,0 +1,201 @@
+// MultiHeadAttention on the CPU: inference and a training step, and where their time goes.
+//
+// Shapes of the issue: B = 4, E = 512, H = 8 (D = 64), self-attention X (B, T, E) with
+// T = S in {512, 2048}, projections with bias (as PyTorch's nn.MultiheadAttention default, the
+// baseline in bench/torch_mha.py), no dropout, fp32, ATTN_THREADS threads (default 2).
+//
+// FLOPs (FlashAttention convention, DESIGN.md; softmax and bias adds not counted):
+//   projections  2 * rows * E * E each; W_q, W_k, W_v on B*T rows, W_o on B*T rows
+//   attention    4 * B * H * T * S * D                 (Q K^T and P V)
+//   training     forward + backward = 3 * projections + 3.5 * attention
+//                (a linear's backward is two GEMMs, dx and dW; attention's is 2.5x its forward)
+// Breakdown benchmarks time the parts alone on the same shapes: one projection forward and
+// backward (ops::linear), the attention core forward and backward (ops SDPA on (B*H, T, D)),
+// and a 2048^3 oneDNN GEMM as the f32 peak a real GEMM reaches; the register-only FMA peak of
+// the same threads goes into the JSON context (fma_peak_GFLOPS).
+//
+//   build/<dir>/bench/bench_mha --benchmark_repetitions=5      (bench/run_mha.sh runs it)
+#include "attn/nn/attention.hpp"
+#include "attn/ops/attention.hpp"
+#include "attn/ops/linear.hpp"
+#include "bench/fma_peak.hpp"
+#include "kernels/cpu/matmul.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kB = 4, kE = 512, kH = 8, kD = kE / kH;
+
+int bench_threads() {
+  const char* env = std::getenv("ATTN_THREADS");
+  return env != nullptr ? std::max(1, std::atoi(env)) : 2;
+}
+
+attn::Context make_context() {
+  attn::Context ctx;
+  ctx.threads = bench_threads();
+  ctx.backend = attn::Backend::kAuto;
+  return ctx;
+}
+
+attn::Tensor random(const attn::Shape& shape, uint64_t seed) {
+  attn::Tensor t = attn::Tensor::empty(shape, attn::DType::F32);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    p[i] = u(rng);
+  return t;
+}
+
+double projection_flops(int64_t T) {
+  return 4.0 * 2.0 * kB * T * kE * kE;
+}
+double attention_flops(int64_t T) {
+  return 4.0 * kB * kH * T * T * kD;
+}
+
+void set_counters(benchmark::State& state, double flops) {
+  state.counters["GFLOP"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = bench_threads();
+}
+
+void BM_MhaInference(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::F32, /*seed=*/1);
+  mha.eval();
+  attn::Tensor X = random({kB, T, kE}, 2);
+  for (auto _ : state) {
+    attn::Tensor out = mha.forward(ctx, X, X, X);
+    benchmark::DoNotOptimize(out.raw_data());
+  }
+  set_counters(state, projection_flops(T) + attention_flops(T));
+}
+
+void BM_MhaTraining(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::F32, /*seed=*/1);
+  mha.train();
+  attn::Tensor X = random({kB, T, kE}, 2);
+  attn::Tensor dout = random({kB, T, kE}, 3);
+  for (auto _ : state) {
+    // One step: forward, then backward of <out, dout>; parameter grads accumulate (no
+    // zero_grad), as in the PyTorch loop of torch_mha.py.
+    attn::Tensor out = mha.forward(ctx, X, X, X);
+    attn::nn::AttentionInputGrads g = mha.backward(ctx, dout);
+    benchmark::DoNotOptimize(g.dqueries.raw_data());
+  }
+  set_counters(state, 3.0 * projection_flops(T) + 3.5 * attention_flops(T));
+}
+
+// One projection (B*T, E) x (E, E)^T + b, forward.
+void BM_ProjectionForward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor x = random({kB, T, kE}, 4), W = random({kE, kE}, 5), b = random({kE}, 6);
+  for (auto _ : state) {
+    attn::Tensor y = attn::linear(ctx, x, W, b);
+    benchmark::DoNotOptimize(y.raw_data());
+  }
+  set_counters(state, projection_flops(T) / 4);
+}
+
+// One projection's backward: dx = dy W and dW = dy^T x (db too).
+void BM_ProjectionBackward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor x = random({kB, T, kE}, 4), W = random({kE, kE}, 5), dy = random({kB, T, kE}, 7);
+  for (auto _ : state) {
+    attn::LinearGrads g = attn::linear_backward(ctx, dy, x, W, true);
+    benchmark::DoNotOptimize(g.dW.raw_data());
+  }
+  set_counters(state, 2 * projection_flops(T) / 4);
+}
+
+// The attention core alone: softmax(Q K^T / sqrt(D)) V per (b, h), (B*H, T, D).
+void BM_AttentionCoreForward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor q = random({kB * kH, T, kD}, 8), k = random({kB * kH, T, kD}, 9),
+               v = random({kB * kH, T, kD}, 10);
+  for (auto _ : state) {
+    attn::AttentionResult r = attn::scaled_dot_product_attention(ctx, q, k, v);
+    benchmark::DoNotOptimize(r.output.raw_data());
+  }
+  set_counters(state, attention_flops(T));
+}
+
+void BM_AttentionCoreBackward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor q = random({kB * kH, T, kD}, 8), k = random({kB * kH, T, kD}, 9),
+               v = random({kB * kH, T, kD}, 10), dout = random({kB * kH, T, kD}, 11);
+  attn::AttentionResult fwd = attn::scaled_dot_product_attention(ctx, q, k, v);
+  for (auto _ : state) {
+    attn::AttentionGrads g = attn::scaled_dot_product_attention_backward(ctx, dout, q, k, v, fwd);
+    benchmark::DoNotOptimize(g.dq.raw_data());
+  }
+  set_counters(state, 2.5 * attention_flops(T));
+}
+
+// The f32 peak this machine reaches in practice: a 2048^3 oneDNN GEMM on the same threads.
+void BM_GemmPeak(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  attn::Tensor a = random({n, n}, 12), b = random({n, n}, 13), c = attn::Tensor::empty({n, n});
+  attn::cpu::GemmArgs g;
+  g.M = g.N = g.K = n;
+  g.A = a.raw_data(), g.lda = n;
+  g.B = b.raw_data(), g.ldb = n, g.trans_b = true;
+  g.C = c.data<float>(), g.ldc = n;
+  for (auto _ : state) {
+    attn::cpu::gemm(g, bench_threads());
+    benchmark::DoNotOptimize(c.raw_data());
+  }
+  set_counters(state, 2.0 * n * n * n);
+}
+
+// Real time decides; the CPU time reported is the whole process's (all OpenMP threads), which on
+// a shared machine, with OMP_WAIT_POLICY=PASSIVE, is a load-robust second estimate.
+#define ATTN_MHA_BENCH(fn)            \
+  BENCHMARK(fn)                       \
+      ->Arg(512)                      \
+      ->Arg(2048)                     \
+      ->Unit(benchmark::kMillisecond) \
+      ->UseRealTime()                 \
+      ->MeasureProcessCPUTime()
+
+ATTN_MHA_BENCH(BM_MhaInference);
+ATTN_MHA_BENCH(BM_MhaTraining);
+ATTN_MHA_BENCH(BM_ProjectionForward);
+ATTN_MHA_BENCH(BM_ProjectionBackward);
+ATTN_MHA_BENCH(BM_AttentionCoreForward);
+ATTN_MHA_BENCH(BM_AttentionCoreBackward);
+BENCHMARK(BM_GemmPeak)
+    ->Arg(2048)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime();
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // The register-only FMA peak on the same threads, so "% of peak" needs no outside number.
+  benchmark::AddCustomContext(
+      "fma_peak_GFLOPS", std::to_string(attn::bench::measure_fma_peak_gflops(bench_threads())));
+  benchmark::AddCustomContext("fma_peak_target", attn::bench::fma_peak_target());
+  benchmark::AddCustomContext("attn_threads", std::to_string(bench_threads()));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
