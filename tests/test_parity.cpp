@@ -279,6 +279,31 @@ TEST(Parity, DotProductAttentionOp) {
   }
 }
 
+// d2l has no causal flag: its decoder passes (B, T) lengths arange(1, T + 1). attn's causal mask
+// (query t sees keys 0..t) must give the same numbers without lengths.
+TEST(Parity, CausalFlagEqualsD2lDecoderLengths) {
+  const SafetensorsFile* file = fixture("dot_product_attention");
+  ASSERT_NE(file, nullptr);
+  const Case c(*file, "dot_product_attention", "causal_lens_2d");
+  ASSERT_TRUE(c.has("output")) << kRegenerate;
+  for (const RunConfig& run : kRuns) {
+    SCOPED_TRACE(run.name());
+    Context ctx = make_context(run);
+    const Tensor q = c.input("queries", run), k = c.input("keys", run), v = c.input("values", run);
+    AttentionOptions opts;
+    opts.mask.causal = true;
+    opts.need_weights = true;
+    AttentionResult fwd = scaled_dot_product_attention(ctx, q, k, v, opts);
+    EXPECT_TRUE(matches(c, "output", fwd.output, run));
+    EXPECT_TRUE(matches(c, "attention_weights", fwd.weights, run));
+    AttentionGrads grads =
+        scaled_dot_product_attention_backward(ctx, c.input("G", run), q, k, v, fwd, opts);
+    EXPECT_TRUE(matches(c, "grad.queries", grads.dq, run));
+    EXPECT_TRUE(matches(c, "grad.keys", grads.dk, run));
+    EXPECT_TRUE(matches(c, "grad.values", grads.dv, run));
+  }
+}
+
 TEST(Parity, DotProductAttentionModule) {
   for (const Case& c : cases_of("dot_product_attention", 6)) {
     for (const RunConfig& run : kRuns) {
