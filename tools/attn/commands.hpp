@@ -1,0 +1,124 @@
+// The `attn` command line: one function per subcommand, plus the computations they share with
+// `attn tour` (which calls the same functions and collects their figures into an HTML page).
+//
+// Error convention: a bad flag or value throws attn::Error; main() prints "attn: <what>" as one
+// line on stderr and exits with status 2. Files are written atomically (viz::write_file_atomic)
+// after everything else succeeded, so a failed run leaves no output file.
+#pragma once
+
+#include "attn/core/tensor.hpp"
+#include "viz/chart.hpp"
+#include "viz/report.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace attn::cli {
+
+// A registered subcommand and what to run when it is the one given. Nested subcommands come
+// before their parent in the lists below, so main() runs the deepest one parsed.
+struct Command {
+  CLI::App* app;
+  std::function<void()> run;
+};
+
+// --- attn self-attention ---------------------------------------------------------------------
+
+struct SelfAttentionArgs {
+  int64_t batch_size = 2, num_queries = 4, num_hiddens = 100, num_heads = 5;
+  std::string valid_lens = "3 2";  // "3 2" (B,), "1 2 3 4; 4 3 2 1" (B, T), or "none"
+  double dropout = 0.5;
+  uint64_t seed = 0;
+  std::string input = "ones";  // ones | random (standard normal, seeded)
+  bool train = false;          // d2l calls attention.eval(); --train makes dropout act
+  std::string weights_svg;
+};
+
+struct SelfAttentionResult {
+  Tensor X;           // (B, T, E) the input, used as queries, keys and values
+  Tensor valid_lens;  // undefined, (B,) or (B, T)
+  Tensor output;      // (B, T, E)
+  Tensor weights;     // (B*H, T, T) pre-dropout, batch index b*H + h
+};
+
+void validate(const SelfAttentionArgs& args);
+SelfAttentionResult run_self_attention(const SelfAttentionArgs& args);
+// Heatmap grid of the weights: one row of panels per batch element, one column per head.
+std::string attention_weights_svg(const SelfAttentionResult& result, int64_t num_heads,
+                                  const std::string& title);
+std::vector<Command> add_self_attention_command(CLI::App& app);
+
+// --- attn pe -------------------------------------------------------------------------------
+
+struct PeArgs {
+  int64_t positions = 60, dim = 32;
+  std::string format;  // "", csv, json
+  std::vector<int64_t> columns = {6, 7, 8, 9};
+  std::string curves, heatmap;
+  std::string precision = "d2l";  // d2l: float32 as d2l computes it; exact: float64
+};
+
+void validate(const PeArgs& args);
+// (positions, dim): F32 in d2l mode, F64 in exact mode.
+Tensor encoding(const PeArgs& args);
+std::string encoding_csv(const Tensor& P);
+std::string encoding_json(const Tensor& P, const std::string& precision);
+// The chapter's first figure: the chosen columns of P over the positions.
+std::string curves_svg(const Tensor& P, const std::vector<int64_t>& columns);
+// The chapter's heatmap: positions down, encoding dimensions across.
+std::string heatmap_svg(const Tensor& P, const std::string& title);
+
+// --- attn pe binary --------------------------------------------------------------------------
+
+// The text tables: 0..7 in binary with each bit's period, and the period of each column pair
+// of a d-wide encoding.
+std::string binary_tables_text(int64_t dim);
+viz::Table binary_table();
+viz::Table frequency_table(int64_t dim);
+// Side by side: the bits of 0..7 (lowest bit first) and rows 0..7 of P.
+std::string binary_svg(int64_t dim);
+
+// --- attn pe relative ------------------------------------------------------------------------
+
+struct RelativeCheck {
+  int64_t delta = 0, dim = 0, positions = 0;
+  struct Pair {
+    int64_t j;
+    double omega;
+    double err_f64, err_f32_d2l, err_f32_exact;
+  };
+  std::vector<Pair> pairs;
+  double max_f64 = 0, max_f32_d2l = 0, max_f32_exact = 0;
+};
+
+// For each frequency w_j applies [[cos(K w_j), sin(K w_j)], [-sin(K w_j), cos(K w_j)]] to
+// (P[i, 2j], P[i, 2j+1]) and measures the distance to (P[i+K, 2j], P[i+K, 2j+1]) over every i
+// with 0 <= i, i + K < N. Three precisions: float64 throughout; float32 with d2l's P; float32
+// with P rounded once from exact values.
+RelativeCheck relative_check(int64_t delta, int64_t dim, int64_t positions);
+std::string relative_text(const RelativeCheck& check);
+std::string relative_json(const RelativeCheck& check);
+
+// relative_check for several offsets, computing the three encodings once.
+std::vector<RelativeCheck> relative_checks(const std::vector<int64_t>& deltas, int64_t dim,
+                                           int64_t positions);
+
+// `attn pe` and, under it, `binary` and `relative` (pe_theory.cpp).
+std::vector<Command> add_pe_command(CLI::App& app);
+std::vector<Command> add_pe_theory_commands(CLI::App& pe);
+
+// A table as aligned text columns (for the terminal).
+std::string text_table(const viz::Table& table);
+
+// --- attn tour -------------------------------------------------------------------------------
+
+std::vector<Command> add_tour_command(CLI::App& app);
+
+// Prints `text` to stdout; used by the commands after their files are written.
+void print(const std::string& text);
+
+}  // namespace attn::cli
