@@ -11,6 +11,9 @@
 // (observed max 7e-7).
 #include "kernels/cpu/flash_attention.hpp"
 
+#include "attn/ops/attention.hpp"
+#include "testing.hpp"
+
 #include "attn/core/rng.hpp"
 
 #include <gtest/gtest.h>
@@ -422,6 +425,84 @@ TEST(FlashCpu, LargeScoresAndLateMaximum) {
   for (int t = 0; t < 3; ++t)
     EXPECT_NEAR(pr.lse[t], ref.lse[t], 3e-5 * std::abs(ref.lse[t]));
 }
+
+// ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------
+
+namespace ops_check {
+
+struct OpsCase {
+  int64_t B, T, S, D, Dv;
+  int lens;  // 0 none, 1 (B,) ints, 2 (B, T) floats
+  bool causal, zero_rows, need_weights;
+  double dropout;
+};
+
+TEST(FlashCpu, OpsDispatchMatchesReferenceBackend) {
+  const OpsCase cases[] = {
+      {2, 70, 130, 16, 16, 0, false, false, true, 0.0},
+      {3, 97, 65, 33, 20, 1, false, false, true, 0.0},
+      {2, 50, 50, 64, 64, 2, true, false, false, 0.2},
+      {2, 40, 90, 24, 8, 2, false, true, true, 0.0},
+      {1, 200, 200, 128, 128, 0, true, true, false, 0.1},
+  };
+  for (const OpsCase& c : cases) {
+    SCOPED_TRACE("B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " S" +
+                 std::to_string(c.S) + " D" + std::to_string(c.D));
+    // q, k, v as head slices of wider (B, N, 3 * width) activations: strided, misaligned views.
+    Tensor qa = testing::random_tensor({c.B, c.T, 3 * c.D}, DType::F32, 11);
+    Tensor ka = testing::random_tensor({c.B, c.S, 3 * c.D}, DType::F32, 12);
+    Tensor va = testing::random_tensor({c.B, c.S, 3 * c.Dv}, DType::F32, 13);
+    Tensor q = qa.slice(2, c.D, 2 * c.D), k = ka.slice(2, 2 * c.D, 3 * c.D);
+    Tensor v = va.slice(2, c.Dv, 2 * c.Dv);
+    Tensor dout = testing::random_tensor({c.B, c.T, c.Dv}, DType::F32, 14);
+    AttentionOptions o;
+    if (c.lens == 1) {
+      std::vector<int64_t> lens;
+      for (int64_t b = 0; b < c.B; ++b)
+        lens.push_back(b == 0 ? 0 : (b * 37) % (c.S + 5));
+      o.mask.valid_lens = Tensor::from_vector(lens, {c.B});
+    } else if (c.lens == 2) {
+      o.mask.valid_lens = testing::random_tensor({c.B, c.T}, DType::F32, 15, -2.0, c.S + 3.0);
+    }
+    o.mask.causal = c.causal;
+    o.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
+    o.need_weights = c.need_weights;
+    o.dropout = c.dropout;
+    o.training = c.dropout > 0;
+
+    Context ref_ctx, cpu_ctx;
+    ref_ctx.backend = Backend::kReference;
+    cpu_ctx.backend = Backend::kCpu;
+    cpu_ctx.threads = 2;
+    ref_ctx.seed = cpu_ctx.seed = 77;
+    const AttentionResult r = scaled_dot_product_attention(ref_ctx, q, k, v, o);
+    const AttentionResult f = scaled_dot_product_attention(cpu_ctx, q, k, v, o);
+    EXPECT_EQ(r.dropout_offset, f.dropout_offset);
+    EXPECT_TRUE(testing::close(f.output, r.output, 2e-6, 2e-6));
+    for (int64_t i = 0; i < r.logsumexp.numel(); ++i) {  // -inf (rows without keys) must match
+      const double want = r.logsumexp.flat(i), got = f.logsumexp.flat(i);
+      if (std::isinf(want)) {
+        EXPECT_EQ(got, want) << "lse " << i;
+      } else {
+        EXPECT_NEAR(got, want, 2e-6 * (1 + std::abs(want))) << "lse " << i;
+      }
+    }
+    if (c.need_weights) {
+      EXPECT_TRUE(testing::close(f.weights, r.weights, 2e-6, 2e-6));
+    }
+    const AttentionGrads gr = scaled_dot_product_attention_backward(ref_ctx, dout, q, k, v, r, o);
+    const AttentionGrads gf = scaled_dot_product_attention_backward(cpu_ctx, dout, q, k, v, f, o);
+    double scale = 1e-30;
+    for (const Tensor* t : {&gr.dq, &gr.dk, &gr.dv})
+      for (int64_t i = 0; i < t->numel(); ++i)
+        scale = std::max(scale, std::abs(t->flat(i)));
+    EXPECT_TRUE(testing::close(gf.dq, gr.dq, 0, 1e-5 * scale));
+    EXPECT_TRUE(testing::close(gf.dk, gr.dk, 0, 1e-5 * scale));
+    EXPECT_TRUE(testing::close(gf.dv, gr.dv, 0, 1e-5 * scale));
+  }
+}
+
+}  // namespace ops_check
 
 }  // namespace
 }  // namespace attn::cpu

@@ -341,14 +341,15 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
     std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
 
-    // Causal: rows t < s0 see none of these keys.
-    const int64_t t_begin = p.causal ? s0 / kBwdBlockQ * kBwdBlockQ : 0;
-    for (int64_t t0 = t_begin; t0 < T; t0 += kBwdBlockQ) {
-      const int64_t mq = std::min(kBwdBlockQ, T - t0);
-      bool any = false;
-      for (int64_t r = 0; r < mq && !any; ++r)
-        any = limf[t0 + r] > static_cast<float>(s0);
-      if (!any) continue;
+    // Query tiles start at the next row that keeps a key of this block, so rows that see none
+    // (causal: t < s0; a length mask: short rows) cost nothing. Tiles depend on the mask, never
+    // on the thread count.
+    const float s0f = static_cast<float>(s0);
+    for (int64_t t0 = 0, mq = 0; t0 < T; t0 += mq) {
+      while (t0 < T && limf[t0] <= s0f)
+        ++t0;
+      if (t0 == T) break;
+      mq = std::min(kBwdBlockQ, T - t0);
       PackRows(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, qp, Dp);
       PackRows(g.dout + b * g.do_sb + t0 * g.do_st, mq, Dv, g.do_st, g.do_sd, 1.0f, dop, Dvp);
       Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
