@@ -69,6 +69,13 @@ __all__ = [
     "sinusoidal_encoding",
 ]
 
+# Show the public names as attn.X (not attn._attn.X) in reprs and tracebacks.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = "attn"
+del _obj
+
 # Optional layers that exist only when the C++ library was built with them.
 from . import _attn as _ext
 
