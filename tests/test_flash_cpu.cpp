@@ -258,10 +258,11 @@ double max_abs(const std::vector<double>& x) {
 std::vector<Case> sweep() {
   std::vector<Case> cases;
   // Sizes straddle the tiles (query block 96 / 48 / 32 rows, key tile 64 / 32 / 4 keys on
-  // AVX-512 / AVX2 / scalar), T != S, odd and large head dims.
+  // AVX-512 / AVX2 / scalar), T != S, odd and large head dims; S % 4 == 0 (64, 128, 140) takes
+  // the vectorized dropout draw, other S the scalar one.
   const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
                               {2, 64, 64, 64, 64},   {1, 200, 130, 64, 48}, {1, 96, 193, 128, 128},
-                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7}};
+                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32}};
   int layout = 0;
   for (const auto& sz : sizes) {
     for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D}) {

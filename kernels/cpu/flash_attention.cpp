@@ -110,6 +110,76 @@ const char* TargetName() {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// Dropout multipliers z[0..n) of elements i0 + k of the dropout stream. When i0 % 4 == 0,
+// element i0 + 4m + j is word j of Philox block i0/4 + m: L blocks are drawn at once and their
+// words interleaved. Otherwise (and on the scalar target) the scalar draw.
+void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
+#if HWY_TARGET == HWY_SCALAR
+  DropoutMultipliers(p, i0, n, z);
+#else
+  if ((i0 & 3) != 0) {
+    DropoutMultipliers(p, i0, n, z);
+    return;
+  }
+  const DF d;
+  const DU du;
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  HWY_ALIGN float buf[4 * kL];
+  for (int64_t k0 = 0; k0 < n; k0 += 4 * kL) {
+    const uint64_t blk = (i0 >> 2) + static_cast<uint64_t>(k0 / 4);
+    VU c[4];
+    CounterAdd(hn::Set(du, static_cast<uint32_t>(blk)),
+               hn::Set(du, static_cast<uint32_t>(blk >> 32)), hn::Iota(du, 0), c[0], c[1]);
+    c[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
+    c[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
+    Philox4x32(c, p.seed);
+    hn::StoreInterleaved4(DropMultiplier(c[0], p.dropout, keep_scale),
+                          DropMultiplier(c[1], p.dropout, keep_scale),
+                          DropMultiplier(c[2], p.dropout, keep_scale),
+                          DropMultiplier(c[3], p.dropout, keep_scale), d, buf);
+    std::copy(buf, buf + std::min<int64_t>(4 * kL, n - k0), z + k0);
+  }
+#endif
+}
+
+// P^T *= Z^T on the score tile xt (nk keys x mqp queries), lanes [c0, mqp), keys from s0.
+// Vectorized across queries when S % 4 == 0: then query t's run of keys starts at element
+// (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of every
+// lane is word j of its Philox block ((bT + t)S + s0)/4 + g: one draw per 4 keys per query, and
+// each word is a whole row of the tile. Returns false (nothing done) otherwise.
+bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
+                       int64_t c0, int64_t mqp, float* xt) {
+#if HWY_TARGET == HWY_SCALAR
+  return false;
+#else
+  if (p.S % 4 != 0 || s0 % 4 != 0) return false;
+  const DF d;
+  const DU du;
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
+  for (int64_t c = c0; c < mqp; c += kL) {
+    for (int64_t l = 0; l < kL; ++l) {
+      const uint64_t blk = static_cast<uint64_t>((b * p.T + t0 + c + l) * p.S + s0) >> 2;
+      lo_w[l] = static_cast<uint32_t>(blk);
+      hi_w[l] = static_cast<uint32_t>(blk >> 32);
+    }
+    const VU lo = hn::Load(du, lo_w), hi = hn::Load(du, hi_w);
+    for (int64_t g = 0; 4 * g < nk; ++g) {
+      VU w[4];
+      CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g)), w[0], w[1]);
+      w[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
+      w[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
+      Philox4x32(w, p.seed);
+      for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
+        float* row = xt + (4 * g + j) * mqp + c;
+        hn::StoreU(hn::Mul(hn::LoadU(d, row), DropMultiplier(w[j], p.dropout, keep_scale)), d, row);
+      }
+    }
+  }
+  return true;
+#endif
+}
+
 size_t ForwardScratchFloats(const FlashParams& p) {
   return static_cast<size_t>((p.D + kBlockK + p.Dv + 4) * kBlockQ + kBlockK + RoundUpLanes(p.Dv));
 }
@@ -122,7 +192,7 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
   for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, p.S - s0);
     if (p.dropout > 0.0f) {
-      DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
+      DropoutRow(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
     } else {
       std::fill(z, z + nk, 1.0f);
     }
@@ -253,11 +323,11 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
     }
     for (int64_t e = 0; e < Dv; ++e)
       MulRow(ot + e * mqp + c0, alpha + c0, ncol);
-    if (p.dropout > 0.0f) {
-      // Dropout acts after normalization: it scales the numerator's weights only.
+    // Dropout acts after normalization: it scales the numerator's weights only.
+    if (p.dropout > 0.0f && !DropoutTransposed(p, b, t0, s0, nk, c0, mqp, xt)) {
       for (int64_t r = r_first; r < mq; ++r) {
         const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
-        DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+        DropoutRow(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
         for (int64_t s = 0; s < n; ++s)
           xt[s * mqp + r] *= z[s];
       }
@@ -370,7 +440,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         std::fill(prow + n, prow + nkp, kNegInf);
         const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
         if (dropout) {
-          DropoutMultipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
+          DropoutRow(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
           std::fill(z + n, z + nkp, 0.0f);
         }
         for (int64_t k = 0; k < nkp; k += kL) {
@@ -397,7 +467,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
       for (int64_t t = 0; t < T; ++t) {
         if (limf[t] != 0.0f) continue;
         if (dropout) {
-          DropoutMultipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
+          DropoutRow(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
         } else {
           std::fill(z, z + nk, 1.0f);
         }
