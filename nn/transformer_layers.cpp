@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace attn::nn {
 
@@ -234,16 +235,27 @@ Tensor ClassificationHead::forward(Context& ctx, const Tensor& X, const Tensor& 
   }
   T_ = T;
   // pooled[b, e] = (1/n_b) sum_{t < n_b} X[b, t, e]   (B, E), summed in double
+  const Tensor Xc = X.contiguous();
   Tensor pooled = Tensor::zeros({B, E}, dtype_);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = counts_[static_cast<size_t>(b)];
-    for (int64_t e = 0; e < E; ++e) {
-      double s = 0.0;
+  auto pool = [&](auto zero) {
+    using F = decltype(zero);
+    const F* x = Xc.data<F>();
+    F* out = pooled.data<F>();
+    std::vector<double> acc(static_cast<size_t>(E));
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = counts_[static_cast<size_t>(b)];
+      std::fill(acc.begin(), acc.end(), 0.0);
       for (int64_t t = 0; t < n; ++t)
-        s += X.at({b, t, e});
-      pooled.set({b, e}, n > 0 ? s / static_cast<double>(n) : 0.0);
+        for (int64_t e = 0; e < E; ++e)
+          acc[e] += x[(b * T + t) * E + e];
+      for (int64_t e = 0; e < E; ++e)
+        out[b * E + e] = n > 0 ? static_cast<F>(acc[e] / static_cast<double>(n)) : F(0);
     }
-  }
+  };
+  if (dtype_ == DType::F32)
+    pool(float{});
+  else
+    pool(double{});
   return dense.forward(ctx, pooled);
 }
 
@@ -252,13 +264,23 @@ Tensor ClassificationHead::backward(Context& ctx, const Tensor& dlogits) {
   Tensor dpooled = dense.backward(ctx, dlogits);  // (B, E)
   const int64_t B = dpooled.dim(0), E = dpooled.dim(1);
   // forward: pooled[b] = mean_{t < n_b} X[b, t], so dX[b, t] = dpooled[b] / n_b for t < n_b.
+  const Tensor dp = dpooled.contiguous();
   Tensor dX = Tensor::zeros({B, T_, E}, dtype_);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = counts_[static_cast<size_t>(b)];
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t e = 0; e < E; ++e)
-        dX.set({b, t, e}, dpooled.at({b, e}) / static_cast<double>(n));
-  }
+  auto spread = [&](auto zero) {
+    using F = decltype(zero);
+    const F* g = dp.data<F>();
+    F* dx = dX.data<F>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = counts_[static_cast<size_t>(b)];
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t e = 0; e < E; ++e)
+          dx[(b * T_ + t) * E + e] = static_cast<F>(g[b * E + e] / static_cast<double>(n));
+    }
+  };
+  if (dtype_ == DType::F32)
+    spread(float{});
+  else
+    spread(double{});
   return dX;
 }
 
