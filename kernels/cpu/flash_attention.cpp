@@ -223,7 +223,7 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
     max_lim = std::max(max_lim, lim[r]);
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
-    Gemm(nk, mqp, p.D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
+    GemmFwd(nk, mqp, p.D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
     for (int64_t s = 0; s < nk; ++s)
       for (int64_t c = 0; c < mqp; c += kL) {
         float* x = xt + s * mqp + c;
@@ -287,8 +287,8 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
       min_lim = std::min(min_lim, lim[r]);
 
     // X^T = K (Q^T scaled): (nk, ncol)
-    Gemm(nk, ncol, D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
-         /*accumulate=*/false);
+    GemmFwd(nk, ncol, D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
+            /*accumulate=*/false);
     if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
       for (int64_t s = 0; s < nk; ++s) {
         const VF key = hn::Set(d, static_cast<float>(s0 + s));
@@ -333,8 +333,9 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
       }
     }
     // O^T += V^T P^T: (Dv, ncol)
-    Gemm(Dv, ncol, nk, p.v + b * p.v_sb + s0 * p.v_ss, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0, mqp,
-         /*accumulate=*/true);
+    GemmFwd(Dv, ncol, nk, p.v + b * p.v_sb + s0 * p.v_ss, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0,
+            mqp,
+            /*accumulate=*/true);
   }
 
   if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);

@@ -37,6 +37,11 @@ constexpr int kMR = 3;
 constexpr int kMR = 2;
 #endif
 constexpr int kNV = 4;  // vectors of B (columns of C) per micro-tile
+#if (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL) && !defined(ATTN_FLASH_FWD_6X4)
+constexpr int kFwdMR = 8, kFwdNV = 3;  // forward: 24 accumulators as 8 rows x 3 vectors
+#else
+constexpr int kFwdMR = kMR, kFwdNV = kNV;
+#endif
 
 HWY_INLINE size_t Lanes() {
   return hn::Lanes(DF());
@@ -91,26 +96,40 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
 }
 
 // C (M x N) = / += A (M x K) B (K x N), N a multiple of L; A addressed as in MicroTile.
-// Columns outside, rows inside: one (K x kNV*L) panel of B stays in L1 while every MR-row panel
+// Columns outside, rows inside: one (K x NV*L) panel of B stays in L1 while every MR-row panel
 // of A streams past it.
-HWY_NOINLINE void Gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
-                       const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+template <int MR, int NV>
+HWY_NOINLINE void GemmT(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   const int64_t L = static_cast<int64_t>(Lanes());
   int64_t j0 = 0;
-  for (; j0 + kNV * L <= N; j0 += kNV * L) {
-    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - i0));
-      MicroTile<kMR, kNV>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
-                          accumulate);
-    }
-  }
-  for (; j0 < N; j0 += L) {
-    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - i0));
-      MicroTile<kMR, 1>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
+  for (; j0 + NV * L <= N; j0 += NV * L) {
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - i0));
+      MicroTile<MR, NV>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
                         accumulate);
     }
   }
+  for (; j0 < N; j0 += L) {
+    for (int64_t i0 = 0; i0 < M; i0 += MR) {
+      const int rows = static_cast<int>(std::min<int64_t>(MR, M - i0));
+      MicroTile<MR, 1>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
+                       accumulate);
+    }
+  }
+}
+
+// The backward's products: M is 64 keys or 96 queries, N the padded key tile or head dim.
+HWY_INLINE void Gemm(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                     const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  GemmT<kMR, kNV>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate);
+}
+
+// The forward's products: M is the 64-key tile or Dv, N the query block (a multiple of 3 vectors
+// on AVX-512, so 8 x 3 covers M = 64 without a ragged micro-panel).
+HWY_INLINE void GemmFwd(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
+                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  GemmT<kFwdMR, kFwdNV>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate);
 }
 
 // 2^x for x <= 0 (scores minus their running max), exactly 0 for x <= -127 (so masked scores
