@@ -1,25 +1,39 @@
 #!/usr/bin/env bash
-# Installs, builds and runs every test: the unit and parity tests (CTest), the fixture generator
-# (the committed fixtures must equal what it writes now), and the whole suite again under
-# AddressSanitizer + UndefinedBehaviorSanitizer.
+# Installs, builds and runs every test:
+#   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors),
+#   2. the fixture generator: what it writes now must equal the committed fixtures,
+#   3. the installed package, consumed through CMake and pkg-config, shared and static,
+#   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
+#   5. the whole CTest suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+start=$SECONDS
+stamp() { echo "   ($((SECONDS - start)) s so far)"; }
 
-echo "== build and test (RelWithDebInfo, warnings as errors)"
+echo "== 1. build and test (RelWithDebInfo, warnings as errors)"
 cmake --preset default >/dev/null
 cmake --build --preset default
 ctest --preset default
+stamp
 
-if [ -f tests/fixtures/generate.py ]; then
-  echo "== fixtures: regenerate with PyTorch and compare with the committed ones"
-  tmp=$(mktemp -d)
-  python3 tests/fixtures/generate.py --out "$tmp"
-  python3 tests/fixtures/generate.py --compare "$tmp" tests/fixtures
-  rm -rf "$tmp"
-fi
+echo "== 2. fixtures: regenerate with PyTorch and compare with the committed ones"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+python3 tests/fixtures/generate.py --out "$tmp"
+python3 tests/fixtures/generate.py --compare "$tmp" tests/fixtures
+stamp
 
-echo "== build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
+echo "== 3. package"
+bash scripts/check-package.sh build/default
+stamp
+
+echo "== 4. fuzzers"
+bash scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
+stamp
+
+echo "== 5. build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake --preset asan >/dev/null
 cmake --build --preset asan
 ctest --preset asan
+stamp
