@@ -20,8 +20,8 @@ stamp
 echo "== 2. fixtures: regenerate with PyTorch and compare with the committed ones"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 tests/fixtures/generate.py --out "$tmp"
-python3 tests/fixtures/generate.py --compare "$tmp" tests/fixtures
+/usr/bin/python3 tests/fixtures/generate.py --out "$tmp"
+/usr/bin/python3 tests/fixtures/generate.py --compare "$tmp" tests/fixtures
 stamp
 
 echo "== 3. package"
