@@ -1,6 +1,6 @@
 // Fused CPU attention, float32: forward with online softmax, FlashAttention-2 style backward.
 // The contract (shapes, masks, dropout, threads) is in flash_attention.hpp; this file holds the
-// math and the loops. Per-target code (AVX-512, AVX2, EMU128) is compiled from one source by
+// math and the loops. Per-target code (AVX-512, AVX2, scalar) is compiled from one source by
 // Highway's foreach_target and picked at run time.
 //
 // Forward (Dao et al., FlashAttention, 2022; Milakov & Gimelshein, "Online normalizer
@@ -10,8 +10,8 @@
 //   m_j = max(m_{j-1}, max_s x_s)                       running max
 //   p_s = 2^(x_s - m_j)                                  unnormalized weights of tile j
 //   l_j = 2^(m_{j-1} - m_j) l_{j-1} + sum_s p_s          running denominator
-//   o_j = 2^(m_{j-1} - m_j) o_{j-1} + sum_s p_s z_s v_s  running numerator (z: dropout, 0 or
-//   1/(1-p))
+//   o_j = 2^(m_{j-1} - m_j) o_{j-1} + sum_s p_s z_s v_s  running numerator
+// (z: the dropout multiplier, 0 or 1/(1-p))
 // and at the end out = o / l, lse = ln 2 * (m + log2 l). Only (block x tile) scores ever exist.
 //
 // Backward (Dao, FlashAttention-2, 2023, Algorithm 2), with P recomputed from the saved lse:
@@ -25,15 +25,16 @@
 // of dQ into a private fp32 buffer; the buffers are summed in a fixed order at the end, so the
 // result does not depend on which thread ran what.
 //
-// Performance notes (Zen 4, AVX-512; measured numbers in docs/kernels-cpu.md): every product is
-// the one Gemm micro-kernel of flash_kernels-inl.h (6 rows x 64 columns of accumulators). The key
-// tile is 64 keys (one micro-tile wide, so a score row is 4 vectors); the query block is 96 rows
-// (16 micro-panels): the packed K^T tile (64 x D) stays in L1/L2 while all of them stream over it,
-// and packing K and V costs 1/96 of the FMAs.
+// Performance notes (Zen 4, AVX-512; design and measurements in docs/kernels-cpu.md): every
+// product is the one register-blocked micro-kernel of flash_kernels-inl.h (24 accumulator
+// vectors). The forward works on blocks of 192 queries laid along the vector lanes (transposed,
+// see ForwardBlock) and key tiles of 64; the backward on key blocks of 64 and query tiles of 96.
+// Only Q^T (forward) and the key block's K, K^T, V^T plus each query tile's Q and dO (backward)
+// are packed; their cost is O(1/64) of the FMAs.
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_attention.cpp"
-// Compile for AVX-512, AVX2 and the portable EMU128 fallback only: SSSE3/SSE4 would add compile
+// Compile for AVX-512, AVX2 and the portable scalar fallback only: SSSE3/SSE4 would add compile
 // time for machines this library does not target.
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)

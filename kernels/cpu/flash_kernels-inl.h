@@ -27,8 +27,8 @@ using VF = hn::Vec<DF>;
 
 // Rows of the micro-kernel. It keeps MR x 4 accumulator vectors in registers plus 4 vectors of B
 // and one broadcast: AVX-512 has 32 registers, so 6 x 4 = 24 accumulators (+5 = 29); AVX2 has 16,
-// so 3 x 4 = 12 (+5 = 17, one spill-free enough since B is reloaded from L1). Zen 4 runs one
-// 512-bit FMA per cycle with 4 cycles of latency, so 24 independent chains hide it with room.
+// so 3 x 4 = 12 (+5 = 17: one B vector is used as a memory operand of its FMAs instead). Zen 4
+// runs one 512-bit FMA per cycle with 4 cycles of latency, so 24 independent chains hide it.
 #if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
 constexpr int kMR = 6;
 #elif HWY_TARGET == HWY_AVX2
