@@ -223,7 +223,8 @@ std::vector<Command> add_pe_theory_commands(CLI::App& pe) {
       "Absolute position: 0..7 in binary (higher bits alternate less often) beside the "
       "frequency of each column pair of P (falling along the encoding dimension).");
   binary->add_option("--dim", bargs->dim, "encoding dimension d")->capture_default_str();
-  binary->add_option("--svg", bargs->svg, "write the bits of 0..7 beside rows 0..7 of P (SVG)");
+  binary->add_option("--svg", bargs->svg, "write the bits of 0..7 beside rows 0..7 of P (SVG)")
+      ->type_name("FILE");
   auto run_binary = [bargs] {
     check(bargs->dim >= 1 && bargs->dim <= 4096, "pe binary", "--dim must be in 1..4096, got {}",
           bargs->dim);

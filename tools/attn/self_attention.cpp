@@ -186,7 +186,8 @@ std::vector<Command> add_self_attention_command(CLI::App& app) {
   sub->add_flag("--train", args->train,
                 "training mode: dropout acts on the weights (d2l's example uses eval mode)");
   sub->add_option("--weights-svg", args->weights_svg,
-                  "write the attention weights as heatmaps: a row per sequence, a column per head");
+                  "write the attention weights as heatmaps: a row per sequence, a column per head")
+      ->type_name("FILE");
 
   auto run = [args] {
     const SelfAttentionArgs& a = *args;

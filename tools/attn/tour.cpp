@@ -231,7 +231,9 @@ std::vector<Command> add_tour_command(CLI::App& app) {
       "tour",
       "Run every demonstration (self-attention, encoding curves and heatmap, binary analogy, "
       "relative-position check) into DIR and write DIR/index.html explaining each.");
-  sub->add_option("--out,-o", *out, "output directory (created if missing)")->required();
+  sub->add_option("--out,-o", *out, "output directory (created if missing)")
+      ->required()
+      ->type_name("DIR");
   auto run = [out] {
     const auto start = std::chrono::steady_clock::now();
     const std::filesystem::path index = run_tour(*out);
