@@ -8,6 +8,7 @@ packages=(
   libhwy-dev libdnnl-dev                       # SIMD kernels, GEMMs
   python3 python3-numpy python3-pytest python3-torch pybind11-dev python3-dev  # oracle, bindings
   clang libclang-rt-14-dev                     # fuzzers (libFuzzer)
+  doxygen                                      # API reference (scripts/docs.sh)
 )
 missing=()
 for p in "${packages[@]}"; do
