@@ -4,10 +4,9 @@
 // .backward(grad_output) returns the input gradients and accumulates parameter gradients, which
 // .grads shows.
 //
-// Lifetimes: a forward keeps views of its input arrays (the backward reads them), so each wrapper
-// holds those arrays until the next forward. Concurrency: calls release the GIL and then lock the
-// module (and its Context), so two Python threads may share a module without racing.
+// Lifetimes and locking: module_wrapper.hpp.
 #include "bindings.hpp"
+#include "module_wrapper.hpp"
 
 #include "attn/nn/attention.hpp"
 #include "attn/nn/positional.hpp"
@@ -19,44 +18,9 @@
 
 namespace attn::python {
 
-namespace {
-
-// What every wrapped layer has: the module, its Context, its lock and the arrays its saved
-// forward state views.
-struct PyModule {
-  virtual ~PyModule() = default;
-  virtual nn::Module& module() = 0;
-  virtual std::string repr() = 0;
-  virtual const char* name() const = 0;  // the class name, used in messages
-
-  ContextPtr ctx;
-  std::mutex mutex;
-  std::vector<py::object> keep_alive;
-};
-
-// Runs f(ctx) with the GIL released and the module and its context locked. `inputs` are the
-// arrays the module may keep views of: they replace the previous ones on success and join them
-// on failure (a failed forward may have saved some of them already).
-template <typename F>
-auto run_locked(PyModule& self, std::vector<py::object> inputs, F&& f) {
-  try {
-    auto result = without_gil([&] {
-      std::scoped_lock lock(self.mutex, self.ctx->mutex);
-      return f(self.ctx->ctx);
-    });
-    if (!inputs.empty()) self.keep_alive = std::move(inputs);
-    return result;
-  } catch (...) {
-    for (auto& a : inputs)
-      self.keep_alive.push_back(std::move(a));
-    throw;
-  }
-}
-
 // An input converted to the module's dtype (a copy only when the dtype differs: NumPy's default
 // float64 feeding a float32 module, say). Errors name the module.
-Input module_input(py::handle obj, const char* op, const char* name, DType dtype,
-                   bool allow_none = false) {
+Input module_input(py::handle obj, const char* op, const char* name, DType dtype, bool allow_none) {
   Input in = to_tensor(obj, op, name, InputKind::kFloat, allow_none);
   if (!in.tensor.defined() || in.tensor.dtype() == dtype) return in;
   Tensor converted = in.tensor.to(dtype);  // owning, contiguous
@@ -79,15 +43,17 @@ ContextPtr make_context(ContextPtr ctx, uint64_t seed, int threads, const std::s
   return c;
 }
 
-py::tuple input_grads(const nn::AttentionInputGrads& g) {
-  return py::make_tuple(to_numpy(g.dqueries), to_numpy(g.dkeys), to_numpy(g.dvalues));
-}
-
 std::string fmt_double(double x) {
   std::string s = std::to_string(x);
   s.erase(s.find_last_not_of('0') + 1);
   if (!s.empty() && s.back() == '.') s += '0';
   return s;
+}
+
+namespace {
+
+py::tuple input_grads(const nn::AttentionInputGrads& g) {
+  return py::make_tuple(to_numpy(g.dqueries), to_numpy(g.dkeys), to_numpy(g.dvalues));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -157,17 +123,6 @@ struct PyLearnedPositionalEmbedding : PyModule {
            ")";
   }
 };
-
-// The keyword arguments every constructor takes after d2l's positional ones.
-#define ATTN_COMMON_KWARGS                                                                   \
-  py::kw_only(), py::arg("dtype") = py::none(), py::arg("seed") = 0, py::arg("threads") = 0, \
-                 py::arg("backend") = "auto", py::arg("ctx") = py::none()
-
-constexpr const char* kCommonDoc = R"doc(
-Keyword arguments of every layer: dtype (float32 default, or float64), seed (parameter
-initialisation and the dropout stream), threads (0: all cores), backend ('auto', 'reference',
-'cpu'), ctx (an attn.Context to share instead of a new one; seed/threads/backend then ignored).
-Inputs of another float dtype are converted to the layer's dtype (a copy).)doc";
 
 void bind_module_base(py::module_& m) {
   py::class_<PyModule>(m, "Module", R"doc(
@@ -361,6 +316,13 @@ dropout on the weights; no parameters.)doc");
           },
           "Query t sees keys 0..t only (combined with valid_lens).")
       .def_property(
+          "need_weights", [](PyDotProductAttention& s) { return s.m.need_weights; },
+          [](PyDotProductAttention& s, bool on) {
+            std::lock_guard lock(s.mutex);
+            s.m.need_weights = on;
+          },
+          "Keep attention_weights (d2l does); False saves the (B, T, S) matrix on long inputs.")
+      .def_property(
           "dropout", [](PyDotProductAttention& s) { return s.m.dropout; },
           [](PyDotProductAttention& s, double p) {
             std::lock_guard lock(s.mutex);
@@ -419,6 +381,13 @@ batch_first=True)'s state dict; d2l and torch then agree except on rows with no 
             std::lock_guard lock(s.mutex);
             s.m.attention.causal = on;
           })
+      .def_property(
+          "need_weights", [](PyMultiHeadAttention& s) { return s.m.attention.need_weights; },
+          [](PyMultiHeadAttention& s, bool on) {
+            std::lock_guard lock(s.mutex);
+            s.m.attention.need_weights = on;
+          },
+          "Keep attention_weights (d2l does); False saves the (B*H, T, S) matrix on long inputs.")
       .def_property(
           "dropout", [](PyMultiHeadAttention& s) { return s.m.attention.dropout; },
           [](PyMultiHeadAttention& s, double p) {

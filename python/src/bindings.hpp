@@ -6,8 +6,9 @@
 
 namespace attn::python {
 
-void bind_context(py::module_& m);  // attn.Context, attn.default_context   (bind_ops.cpp)
-void bind_ops(py::module_& m);      // free functions                        (bind_ops.cpp)
-void bind_nn(py::module_& m);       // Module and the layer classes          (bind_nn.cpp)
+void bind_context(py::module_& m);      // attn.Context, attn.default_context   (bind_ops.cpp)
+void bind_ops(py::module_& m);          // free functions                        (bind_ops.cpp)
+void bind_nn(py::module_& m);           // Module and the layer classes          (bind_nn.cpp)
+void bind_transformer(py::module_& m);  // the Transformer encoder          (bind_transformer.cpp)
 
 }  // namespace attn::python

@@ -31,4 +31,5 @@ PYBIND11_MODULE(_attn, m) {
   attn::python::bind_context(m);
   attn::python::bind_ops(m);
   attn::python::bind_nn(m);
+  attn::python::bind_transformer(m);  // after bind_nn: its classes derive from attn.Module
 }

@@ -36,20 +36,30 @@ std::string dtype_str(const py::dtype& dt) {
 std::optional<DType> usable_dtype(const py::dtype& dt, InputKind kind) {
   const char k = dt.kind();
   const auto size = dt.itemsize();
+  if (kind == InputKind::kIds && k == 'f') return std::nullopt;  // token ids are integers
   if (k == 'f' && size == 4) return DType::F32;
   if (k == 'f' && size == 8) return DType::F64;
-  if (kind == InputKind::kLens && k == 'i' && size == 4) return DType::I32;
-  if (kind == InputKind::kLens && k == 'i' && size == 8) return DType::I64;
+  const bool integers_ok = kind != InputKind::kFloat;
+  if (integers_ok && k == 'i' && size == 4) return DType::I32;
+  if (integers_ok && k == 'i' && size == 8) return DType::I64;
   return std::nullopt;
 }
 
 // The dtype other real arrays are converted to: data to float32 (float64 for wider floats),
-// integer lengths to int64.
+// integer lengths and token ids to int64; none for floating token ids.
 const char* conversion_target(const py::dtype& dt, InputKind kind) {
   const char k = dt.kind();
-  if (k == 'f')
-    return dt.itemsize() > 8 ? "float64" : (kind == InputKind::kLens ? "float64" : "float32");
-  if (k == 'b' || k == 'i' || k == 'u') return kind == InputKind::kLens ? "int64" : "float32";
+  const bool integer = k == 'b' || k == 'i' || k == 'u';
+  switch (kind) {
+    case InputKind::kFloat:
+      if (k == 'f') return dt.itemsize() > 8 ? "float64" : "float32";
+      return integer ? "float32" : nullptr;
+    case InputKind::kLens:
+      if (k == 'f') return "float64";
+      return integer ? "int64" : nullptr;
+    case InputKind::kIds:
+      return integer ? "int64" : nullptr;
+  }
   return nullptr;
 }
 
@@ -85,7 +95,9 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
   if (!view_ok) {
     const char* target = dtype ? numpy_name(*dtype) : conversion_target(dt, kind);
     check(target != nullptr, op, "{} has dtype {}, expected {}", name, dtype_str(dt),
-          kind == InputKind::kLens ? "integer or floating lengths" : "float32 or float64");
+          kind == InputKind::kLens  ? "integer or floating lengths"
+          : kind == InputKind::kIds ? "integer token ids"
+                                    : "float32 or float64");
     arr = py::module_::import("numpy").attr("ascontiguousarray")(arr, py::dtype(target));
     dt = arr.dtype();
     dtype = usable_dtype(dt, kind);

@@ -40,6 +40,7 @@ struct Input {
 enum class InputKind : uint8_t {
   kFloat,  // data: float32/float64 kept, other real numbers converted to float32
   kLens,   // valid_lens: int32/int64/float32/float64 kept, other integers to int64
+  kIds,    // token ids: int32/int64 kept, other integers to int64; floats are an error
 };
 
 // Converts `obj` for argument `name` of operation `op`; errors are attn::Error(op, ...).

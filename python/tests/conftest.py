@@ -6,6 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+
+
+def pytest_configure(config):
+    # torch 1.13's LazyLinear (d2l's projections) warns on every construction that it is new.
+    config.addinivalue_line("filterwarnings", "ignore:Lazy modules are a new feature")
+
+
 # The oracle is small; one thread keeps it deterministic and leaves the cores to attn.
 torch.set_num_threads(1)
 

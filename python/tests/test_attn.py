@@ -392,3 +392,66 @@ def test_positional_encoding_train_mode_dropout(rng):
     assert_close(out, np.where(keep, (X + layer.P[:, :6]) / 0.75, 0), np.float32)
     G = np.ones_like(X)
     assert_close(layer.backward(G), np.where(keep, G / 0.75, 0), np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Transformer encoder (d2l 11.7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_transformer_encoder_block_matches_d2l(rng, dtype, use_bias):
+    B, T, E, F, H = 2, 5, 8, 12, 2
+    ref = d2l.TransformerEncoderBlock(E, F, H, 0.3, use_bias)
+    ref(torch.zeros(1, 1, E), None)  # materialise the lazy layers
+    ref = (ref.double() if dtype == np.float64 else ref).eval()
+    layer = attn.TransformerEncoderBlock(E, F, H, 0.3, use_bias, dtype=dtype).eval()
+    layer.load_state_dict(d2l.state_dict_numpy(ref))
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    X = rng.standard_normal((B, T, E)).astype(dtype)
+    lens = np.array([3, 5])
+    G = rng.standard_normal((B, T, E)).astype(dtype)
+    expected, (expected_dX,) = run_torch(lambda x, l: ref(x, l), [X], lens, G)
+    assert_close(layer(X, lens), expected, dtype, "output")
+    assert_close(layer.attention_weights, n(ref.attention.attention.attention_weights), dtype)
+    assert_close(layer.backward(G), expected_dX, dtype, "dX")
+    for name, p in ref.named_parameters():
+        assert_close(layer.grads[name], n(p.grad), dtype, "grad " + name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lens_kind", ["none", "1d", "2d"])
+def test_transformer_encoder_matches_d2l(rng, dtype, lens_kind):
+    V, B, T, E, F, H, L = 20, 2, 6, 8, 16, 2, 2
+    ref = d2l.TransformerEncoder(V, E, F, H, L, 0.2)
+    ref(torch.zeros(1, 1, dtype=torch.long), None)
+    ref = (ref.double() if dtype == np.float64 else ref).eval()
+    if dtype == np.float64:
+        ref.pos_encoding.P = ref.pos_encoding.P.double()
+    layer = attn.TransformerEncoder(V, E, F, H, L, 0.2, dtype=dtype).eval()
+    layer.load_state_dict(d2l.state_dict_numpy(ref))
+    assert list(layer.state_dict()) == list(ref.state_dict())
+    ids = rng.integers(0, V, size=(B, T))
+    lens = None if lens_kind == "none" else random_lens(
+        rng, B, T, T if lens_kind == "2d" else None, allow_zero=False)
+    G = rng.standard_normal((B, T, E)).astype(dtype)
+
+    out = ref(torch.tensor(ids), None if lens is None else t(lens))
+    (out * t(G)).sum().backward()
+    # float64: attn's P is exact in double, d2l's is float32 widened (differs by ~1e-7 at these
+    # few positions), so the float64 case compares at float32 tolerance.
+    tol_dtype = np.float32
+    assert_close(layer(ids, lens), n(out), tol_dtype, "output")
+    for i, w in enumerate(layer.attention_weights):
+        assert_close(w, n(ref.attention_weights[i]), tol_dtype, f"block {i} weights")
+    assert layer.backward(G) is None
+    for name, p in ref.named_parameters():
+        assert_close(layer.grads[name], n(p.grad), tol_dtype, "grad " + name)
+
+
+def test_transformer_encoder_rejects_float_ids():
+    layer = attn.TransformerEncoder(10, 4, 8, 2, 1, 0.0)
+    with pytest.raises(attn.Error, match="integer token ids"):
+        layer(np.zeros((1, 3), np.float32))
+    out = layer(np.zeros((1, 3), np.int32))
+    assert out.shape == (1, 3, 4)
