@@ -20,6 +20,12 @@ namespace {
 std::vector<Tick> index_ticks(int64_t n, double pixels) {
   if (n <= 1) return {{0, "0"}};
   std::vector<Tick> ticks;
+  // Cells wide enough for their own label: label every index.
+  if (pixels / static_cast<double>(n) >= text_width(std::to_string(n - 1), 12) + 6) {
+    for (int64_t i = 0; i < n; ++i)
+      ticks.push_back({static_cast<double>(i), std::to_string(i)});
+    return ticks;
+  }
   for (Tick& t :
        linear_ticks(0, static_cast<double>(n - 1), std::max(2, static_cast<int>(pixels / 36)))) {
     if (t.value == std::floor(t.value)) ticks.push_back({t.value, fmt::format("{}", t.value)});

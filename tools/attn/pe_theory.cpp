@@ -104,6 +104,8 @@ std::string binary_svg(int64_t dim) {
   o.vmin = -1.0;
   o.vmax = 1.0;
   o.cell_size = 16;
+  // Diverging: 0 bits and P = 0 white, 1 bits and P = 1 blue, P = -1 red.
+  o.colormap = viz::Colormap::kRdBu;
   return viz::heatmap_grid_svg(
       {{{bits, "i in binary"},
         {viz::Matrix::from_tensor(P), fmt::format("P[0:8, :], d = {}", dim)}}},

@@ -123,8 +123,8 @@ void tour_absolute_position(Tour& tour) {
   s.table(frequency_table(32));
   s.figure(tour.write("pe_binary.svg", binary_svg(32)),
            "The bits of 0..7 (lowest bit first) beside rows 0..7 of P (`attn pe binary --svg "
-           "pe_binary.svg`): like the bits, the first columns of P change fastest from row to "
-           "row.");
+           "pe_binary.svg`; blue 1, white 0, red -1): like the lowest bits, the first columns of "
+           "P change fastest from row to row, and the later columns barely change over 8 rows.");
   PeArgs args;
   const Tensor P = encoding(args);
   s.figure(tour.write("pe_heatmap.svg",
