@@ -1,0 +1,124 @@
+// Training a Transformer encoder with a classification or tagging head: the model, one step of
+// AdamW with gradient clipping, evaluation, and checkpoints that resume bit for bit.
+//
+// Vocabulary: B batch, T positions, E = num_hiddens, C classes (or tags), V vocabulary.
+//
+//   logits = head(TransformerEncoder(ids, valid_lens))      (B, C) or (B, T, C)
+//   loss   = softmax_cross_entropy(logits, targets)         mean over kept positions
+//   grads  = backward; clip_grad_norm(max_norm); AdamW step
+//
+// Reproducibility: a step is a pure function of (parameters, optimiser state, batch, dropout
+// offset). Parameters are initialised from the seed, the kernels give the same bits for any
+// thread count, and a checkpoint stores the parameters, the AdamW state, the step and the
+// Context's dropout offset exactly, so "train 100 steps, save, load, train 100 more" gives the
+// same losses as 200 steps in one go. (Batches must come from the step number, as the generated
+// tasks and EpochSampler do; the trainer does not own the data.)
+#pragma once
+
+#include "attn/core/context.hpp"
+#include "attn/model/data.hpp"
+#include "attn/nn/optim.hpp"
+#include "attn/nn/transformer.hpp"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace attn::model {
+
+struct ModelConfig {
+  TaskType type = TaskType::kTagging;
+  int64_t vocab_size = 0, num_classes = 0;
+  int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
+  double dropout = 0.0;
+  nn::PositionalKind positional = nn::PositionalKind::kSinusoidal;
+  int64_t max_len = 1000;  // learned table size / sinusoidal cache (see TransformerEncoder)
+  bool operator==(const ModelConfig&) const = default;
+};
+
+struct TrainOptions {
+  ModelConfig model;
+  nn::AdamWOptions adamw;  // lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01
+  double clip_norm = 1.0;  // global L2 norm of the gradients; 0 turns clipping off
+  uint64_t seed = 0;       // parameter initialisation and the dropout stream
+  int threads = 0;         // 0: all hardware threads; results do not depend on it
+};
+
+// JSON text of the options (what a checkpoint stores) and back. threads is not stored: it does
+// not change results. Error("TrainOptions") for malformed text.
+std::string to_json(const TrainOptions& options);
+TrainOptions train_options_from_json(const std::string& json);
+
+// Encoder + head as one module. State dict names: "encoder.<d2l names>", "head.dense.weight",
+// "head.dense.bias".
+class SequenceModel : public nn::Module {
+ public:
+  SequenceModel(const ModelConfig& config, uint64_t seed);
+  std::vector<std::pair<std::string, nn::Parameter*>> named_parameters() override;
+  void train(bool on = true) override;
+  // ids (B, T), valid_lens (B,) -> logits (B, C) for classification, (B, T, C) for tagging.
+  Tensor forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens);
+  void backward(Context& ctx, const Tensor& dlogits);  // accumulates every parameter gradient
+
+  const ModelConfig& config() const { return config_; }
+  nn::TransformerEncoder encoder;
+  std::unique_ptr<nn::ClassificationHead> classifier;  // exactly one of the two heads exists
+  std::unique_ptr<nn::TaggingHead> tagger;
+
+ private:
+  ModelConfig config_;
+  Tensor valid_lens_;
+};
+
+struct StepStats {
+  int64_t step = 0;      // the step just taken, counting from 1
+  double loss = 0;       // the batch's mean loss before the update
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // unpadded tokens in the batch
+};
+
+struct EvalStats {
+  double loss = 0;      // mean over every kept position (or sequence) of the set
+  double accuracy = 0;  // correct / count
+  int64_t correct = 0, count = 0;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const TrainOptions& options);
+
+  // One optimisation step on `batch`. Throws Error("train") when the loss is not finite.
+  StepStats train_step(const Batch& batch);
+  // Loss and accuracy over `batches` in eval mode (no dropout); the training state is unchanged.
+  EvalStats evaluate(const std::vector<Batch>& batches);
+  // Argmax predictions (B,) or (B, T) I64 for one batch, in eval mode.
+  Tensor predict(const Batch& batch);
+
+  // Writes model parameters ("model.*"), AdamW state ("optimizer.*"), and as metadata the step,
+  // the dropout offset and to_json(options), plus `extra` (names must not start with "attn.").
+  // Atomic: a temporary file renamed over `path` (attn::save_safetensors).
+  void save_checkpoint(const std::string& path,
+                       const std::map<std::string, std::string>& extra = {}) const;
+  // Restores everything save_checkpoint wrote; the checkpoint's options must equal this
+  // trainer's (threads aside), else Error("load_checkpoint") naming the difference. Nothing
+  // changes when anything is wrong. Returns the `extra` metadata.
+  std::map<std::string, std::string> load_checkpoint(const std::string& path);
+  // The options stored in a checkpoint (to build a Trainer that can load it).
+  static TrainOptions checkpoint_options(const std::string& path);
+
+  int64_t step() const { return step_; }
+  const TrainOptions& options() const { return options_; }
+  SequenceModel& model() { return *model_; }
+  Context& context() { return ctx_; }
+  nn::AdamW& optimizer() { return *optimizer_; }
+
+ private:
+  TrainOptions options_;
+  Context ctx_;
+  std::unique_ptr<SequenceModel> model_;
+  std::unique_ptr<nn::AdamW> optimizer_;
+  int64_t step_ = 0;
+};
+
+}  // namespace attn::model

@@ -1,0 +1,375 @@
+// SequenceModel (encoder + head), the training step, evaluation and checkpoints (see
+// attn/model/trainer.hpp).
+#include "attn/model/trainer.hpp"
+
+#include "attn/core/error.hpp"
+#include "attn/core/safetensors.hpp"
+#include "attn/ops/loss.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <limits>
+
+namespace attn::model {
+
+namespace {
+
+constexpr const char* kFormat = "attn-checkpoint/1";
+constexpr const char* kModelPrefix = "model.";
+constexpr const char* kOptimizerPrefix = "optimizer.";
+
+// The head's parameters draw from a stream of their own, derived from the run's seed by one
+// splitmix64 round (the encoder's children derive theirs from `seed` by name).
+uint64_t head_seed(uint64_t seed) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+nn::TransformerEncoderOptions encoder_options(const ModelConfig& c, uint64_t seed) {
+  nn::TransformerEncoderOptions o;
+  o.positional = c.positional;
+  o.max_len = c.max_len;
+  o.seed = seed;
+  return o;
+}
+
+bool starts_with(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Options as JSON
+
+std::string to_json(const TrainOptions& o) {
+  const ModelConfig& m = o.model;
+  nlohmann::json j = {
+      {"model",
+       {{"type", task_type_name(m.type)},
+        {"vocab_size", m.vocab_size},
+        {"num_classes", m.num_classes},
+        {"num_hiddens", m.num_hiddens},
+        {"ffn_num_hiddens", m.ffn_num_hiddens},
+        {"num_heads", m.num_heads},
+        {"num_blks", m.num_blks},
+        {"dropout", m.dropout},
+        {"positional", nn::positional_kind_name(m.positional)},
+        {"max_len", m.max_len}}},
+      {"adamw",
+       {{"lr", o.adamw.lr},
+        {"beta1", o.adamw.beta1},
+        {"beta2", o.adamw.beta2},
+        {"eps", o.adamw.eps},
+        {"weight_decay", o.adamw.weight_decay}}},
+      {"clip_norm", o.clip_norm},
+      // As a string: JSON numbers are doubles to many readers, and a seed is 64 bits.
+      {"seed", std::to_string(o.seed)}};
+  return j.dump();
+}
+
+TrainOptions train_options_from_json(const std::string& text) {
+  const char* op = "TrainOptions";
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    TrainOptions o;
+    const auto& m = j.at("model");
+    const std::string type = m.at("type").get<std::string>();
+    check(type == "classification" || type == "tagging", op, "unknown task type '{}'", type);
+    o.model.type = type == "tagging" ? TaskType::kTagging : TaskType::kClassification;
+    o.model.vocab_size = m.at("vocab_size").get<int64_t>();
+    o.model.num_classes = m.at("num_classes").get<int64_t>();
+    o.model.num_hiddens = m.at("num_hiddens").get<int64_t>();
+    o.model.ffn_num_hiddens = m.at("ffn_num_hiddens").get<int64_t>();
+    o.model.num_heads = m.at("num_heads").get<int64_t>();
+    o.model.num_blks = m.at("num_blks").get<int64_t>();
+    o.model.dropout = m.at("dropout").get<double>();
+    o.model.positional = nn::parse_positional_kind(m.at("positional").get<std::string>());
+    o.model.max_len = m.at("max_len").get<int64_t>();
+    const auto& a = j.at("adamw");
+    o.adamw.lr = a.at("lr").get<double>();
+    o.adamw.beta1 = a.at("beta1").get<double>();
+    o.adamw.beta2 = a.at("beta2").get<double>();
+    o.adamw.eps = a.at("eps").get<double>();
+    o.adamw.weight_decay = a.at("weight_decay").get<double>();
+    o.clip_norm = j.at("clip_norm").get<double>();
+    o.seed = std::stoull(j.at("seed").get<std::string>());
+    return o;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(op, fmt::format("malformed options JSON: {}", e.what()));
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// SequenceModel
+
+SequenceModel::SequenceModel(const ModelConfig& c, uint64_t seed)
+    : nn::Module(DType::F32),
+      encoder(c.vocab_size, c.num_hiddens, c.ffn_num_hiddens, c.num_heads, c.num_blks, c.dropout,
+              false, encoder_options(c, seed)),
+      config_(c) {
+  check(c.num_classes >= 1, "SequenceModel", "num_classes must be >= 1, got {}", c.num_classes);
+  if (c.type == TaskType::kClassification)
+    classifier = std::make_unique<nn::ClassificationHead>(c.num_classes, c.num_hiddens, DType::F32,
+                                                          head_seed(seed));
+  else
+    tagger = std::make_unique<nn::TaggingHead>(c.num_classes, c.num_hiddens, DType::F32,
+                                               head_seed(seed));
+}
+
+std::vector<std::pair<std::string, nn::Parameter*>> SequenceModel::named_parameters() {
+  std::vector<std::pair<std::string, nn::Parameter*>> out;
+  nn::append_parameters(out, "encoder", encoder);
+  if (classifier) nn::append_parameters(out, "head", *classifier);
+  if (tagger) nn::append_parameters(out, "head", *tagger);
+  return out;
+}
+
+void SequenceModel::train(bool on) {
+  Module::train(on);
+  encoder.train(on);
+  if (classifier) classifier->train(on);
+  if (tagger) tagger->train(on);
+}
+
+Tensor SequenceModel::forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens) {
+  // X (B, T, E): every position attends to the valid keys of its sequence only.
+  Tensor X = encoder.forward(ctx, ids, valid_lens);
+  if (classifier) return classifier->forward(ctx, X, valid_lens);  // mean over valid positions
+  return tagger->forward(ctx, X);
+}
+
+void SequenceModel::backward(Context& ctx, const Tensor& dlogits) {
+  Tensor dX = classifier ? classifier->backward(ctx, dlogits) : tagger->backward(ctx, dlogits);
+  encoder.backward(ctx, dX);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Trainer
+
+Trainer::Trainer(const TrainOptions& options) : options_(options) {
+  const char* op = "Trainer";
+  check(options.clip_norm >= 0.0 && std::isfinite(options.clip_norm), op,
+        "clip_norm must be finite and >= 0, got {}", options.clip_norm);
+  check(options.threads >= 0, op, "threads must be >= 0, got {}", options.threads);
+  ctx_.threads = options.threads;
+  ctx_.seed = options.seed;
+  model_ = std::make_unique<SequenceModel>(options.model, options.seed);
+  // The FFN's first layer is lazy (d2l's LazyLinear): one eval-mode forward on a single token
+  // creates it now, so the optimiser and every checkpoint see all parameters from step 0. It
+  // draws no dropout offset (eval mode) and its initial values come from the seed alone.
+  model_->eval();
+  model_->forward(ctx_, Tensor::zeros({1, 1}, DType::I64),
+                  Tensor::from_vector(std::vector<int64_t>{1}, {1}));
+  model_->train();
+  optimizer_ = std::make_unique<nn::AdamW>(model_->named_parameters(), options.adamw);
+}
+
+StepStats Trainer::train_step(const Batch& batch) {
+  model_->train();
+  optimizer_->zero_grad();
+  CrossEntropyOptions ce;  // ignore_index = kIgnoreTag: padding and untargeted positions
+  static_assert(kIgnoreTag == -100);
+  Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens);
+  const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.targets, ce);
+  check(std::isfinite(loss.loss), "train",
+        "loss is {} at step {} (the learning rate {} may be too high)", loss.loss, step_ + 1,
+        options_.adamw.lr);
+  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.targets, ce));
+  const auto& params = optimizer_->parameters();
+  const double norm = options_.clip_norm > 0.0
+                          ? nn::clip_grad_norm(params, options_.clip_norm)
+                          : nn::clip_grad_norm(params, std::numeric_limits<double>::infinity());
+  optimizer_->step();
+  ++step_;
+  return {step_, loss.loss, norm, batch.tokens};
+}
+
+namespace {
+
+// Argmax over the last dim of contiguous logits (N, C) -> N ids (first maximum wins).
+template <typename T>
+void argmax_rows(const T* logits, int64_t N, int64_t C, int64_t* out) {
+  for (int64_t n = 0; n < N; ++n) {
+    const T* row = logits + n * C;
+    int64_t best = 0;
+    for (int64_t c = 1; c < C; ++c)
+      if (row[c] > row[best]) best = c;
+    out[n] = best;
+  }
+}
+
+}  // namespace
+
+Tensor Trainer::predict(const Batch& batch) {
+  const bool was_training = model_->training();
+  const uint64_t offset = ctx_.dropout_offset();
+  model_->eval();
+  Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens).contiguous();
+  model_->train(was_training);
+  ctx_.set_dropout_offset(offset);  // evaluation must not shift the training dropout stream
+  const int64_t C = logits.dim(-1);
+  Shape shape = logits.shape();
+  shape.pop_back();
+  Tensor pred = Tensor::empty(shape, DType::I64);
+  if (logits.dtype() == DType::F32)
+    argmax_rows(logits.data<float>(), pred.numel(), C, pred.data<int64_t>());
+  else
+    argmax_rows(logits.data<double>(), pred.numel(), C, pred.data<int64_t>());
+  return pred;
+}
+
+EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
+  const bool was_training = model_->training();
+  const uint64_t offset = ctx_.dropout_offset();
+  model_->eval();
+  EvalStats s;
+  double loss_sum = 0;
+  CrossEntropyOptions ce;
+  ce.reduction = Reduction::kSum;
+  for (const Batch& b : batches) {
+    Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
+    const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
+    loss_sum += r.loss;
+    const int64_t C = logits.dim(-1), N = logits.numel() / C;
+    std::vector<int64_t> pred(static_cast<size_t>(N));
+    if (logits.dtype() == DType::F32)
+      argmax_rows(logits.data<float>(), N, C, pred.data());
+    else
+      argmax_rows(logits.data<double>(), N, C, pred.data());
+    const Tensor targets = b.targets.contiguous();
+    const int64_t* t = targets.data<int64_t>();
+    for (int64_t n = 0; n < N; ++n) {
+      if (t[n] == kIgnoreTag) continue;
+      ++s.count;
+      s.correct += pred[static_cast<size_t>(n)] == t[n];
+    }
+  }
+  model_->train(was_training);
+  ctx_.set_dropout_offset(offset);
+  if (s.count > 0) {
+    s.loss = loss_sum / static_cast<double>(s.count);
+    s.accuracy = static_cast<double>(s.correct) / static_cast<double>(s.count);
+  }
+  return s;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Checkpoints
+
+void Trainer::save_checkpoint(const std::string& path,
+                              const std::map<std::string, std::string>& extra) const {
+  std::map<std::string, Tensor> tensors;
+  for (auto& [name, t] : model_->state_dict())
+    tensors.emplace(kModelPrefix + name, t);
+  for (auto& [name, t] : optimizer_->state_dict())
+    tensors.emplace(kOptimizerPrefix + name, t);
+  std::map<std::string, std::string> meta;
+  for (const auto& [k, v] : extra) {
+    check(!starts_with(k, "attn."), "save_checkpoint",
+          "metadata name '{}' is reserved (names starting with 'attn.' are the trainer's)", k);
+    meta.emplace(k, v);
+  }
+  meta["attn.format"] = kFormat;
+  meta["attn.step"] = std::to_string(step_);
+  meta["attn.dropout_offset"] = std::to_string(ctx_.dropout_offset());
+  meta["attn.options"] = to_json(options_);
+  save_safetensors(path, tensors, meta);
+}
+
+namespace {
+
+const std::string& meta_at(const SafetensorsFile& f, const std::string& path, const char* key) {
+  auto it = f.metadata.find(key);
+  check(it != f.metadata.end(), "load_checkpoint", "{}: no '{}' metadata (not an attn checkpoint)",
+        path, key);
+  return it->second;
+}
+
+uint64_t parse_u64(const std::string& text, const std::string& path, const char* key) {
+  try {
+    size_t used = 0;
+    const uint64_t v = std::stoull(text, &used);
+    if (used == text.size() && !text.empty() && text[0] != '-') return v;
+  } catch (const std::exception&) {
+  }
+  throw Error("load_checkpoint", fmt::format("{}: metadata '{}' is '{}', expected an unsigned "
+                                             "integer",
+                                             path, key, text));
+}
+
+SafetensorsFile load_checked(const std::string& path) {
+  SafetensorsFile f = load_safetensors(path);
+  const std::string& format = meta_at(f, path, "attn.format");
+  check(format == kFormat, "load_checkpoint", "{}: format '{}', expected '{}'", path, format,
+        kFormat);
+  return f;
+}
+
+// The first differing field of two option sets, for the error message.
+std::string first_difference(const TrainOptions& a, const TrainOptions& b) {
+  const nlohmann::json ja = nlohmann::json::parse(to_json(a)),
+                       jb = nlohmann::json::parse(to_json(b));
+  const nlohmann::json patch = nlohmann::json::diff(ja, jb);
+  if (patch.empty()) return "?";
+  const std::string where = patch[0].value("path", "?");
+  const nlohmann::json::json_pointer ptr(where);
+  return fmt::format("{} is {} in the checkpoint, {} here", where,
+                     ja.contains(ptr) ? ja.at(ptr).dump() : "absent",
+                     jb.contains(ptr) ? jb.at(ptr).dump() : "absent");
+}
+
+}  // namespace
+
+TrainOptions Trainer::checkpoint_options(const std::string& path) {
+  const SafetensorsFile f = load_checked(path);
+  return train_options_from_json(meta_at(f, path, "attn.options"));
+}
+
+std::map<std::string, std::string> Trainer::load_checkpoint(const std::string& path) {
+  const char* op = "load_checkpoint";
+  const SafetensorsFile f = load_checked(path);
+  const TrainOptions saved = train_options_from_json(meta_at(f, path, "attn.options"));
+  // Compared through their JSON, which leaves out threads (results do not depend on it).
+  check(to_json(saved) == to_json(options_), op, "{}: the checkpoint was trained with other options: {}", path,
+        first_difference(saved, options_));
+  const int64_t step =
+      static_cast<int64_t>(parse_u64(meta_at(f, path, "attn.step"), path, "attn.step"));
+  const uint64_t offset =
+      parse_u64(meta_at(f, path, "attn.dropout_offset"), path, "attn.dropout_offset");
+
+  nn::StateDict model_state, optimizer_state;
+  for (const auto& [name, t] : f.tensors) {
+    if (starts_with(name, kModelPrefix))
+      model_state.emplace(name.substr(std::string(kModelPrefix).size()), t);
+    else if (starts_with(name, kOptimizerPrefix))
+      optimizer_state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
+    else
+      throw Error(op, fmt::format("{}: unexpected tensor '{}' (expected model.* or "
+                                  "optimizer.*)",
+                                  path, name));
+  }
+  // Both loads are all-or-nothing; if the optimiser's fails after the model's succeeded, the
+  // previous parameters go back, so a failed load changes nothing.
+  const nn::StateDict previous = model_->state_dict();
+  try {
+    model_->load_state_dict(model_state, true);
+    optimizer_->load_state_dict(optimizer_state);
+  } catch (const Error& e) {
+    model_->load_state_dict(previous, true);
+    throw Error(op, fmt::format("{}: {}", path, e.what()));
+  }
+  step_ = step;
+  ctx_.set_dropout_offset(offset);
+  std::map<std::string, std::string> extra;
+  for (const auto& [k, v] : f.metadata)
+    if (!starts_with(k, "attn.")) extra.emplace(k, v);
+  return extra;
+}
+
+}  // namespace attn::model
