@@ -24,6 +24,9 @@ grads, zero_grad(), named_parameters(), context)
     MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)
     PositionalEncoding(num_hiddens, dropout, max_len=1000)
     LearnedPositionalEmbedding(max_len, num_hiddens, dropout=0.0)
+    TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False)
+    TransformerEncoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
+                       use_bias=False)
 
 Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
 the shapes and what was expected; .op is the operation's name.
@@ -69,13 +72,6 @@ __all__ = [
     "sinusoidal_encoding",
 ]
 
-# Show the public names as attn.X (not attn._attn.X) in reprs and tracebacks.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(_obj, type):
-        _obj.__module__ = "attn"
-del _obj
-
 # Optional layers that exist only when the C++ library was built with them.
 from . import _attn as _ext
 
@@ -84,3 +80,10 @@ for _name in ("TransformerEncoder", "TransformerEncoderBlock"):
         globals()[_name] = getattr(_ext, _name)
         __all__.append(_name)
 del _ext, _name
+
+# Show the public names as attn.X (not attn._attn.X) in reprs and tracebacks.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(_obj, type):
+        _obj.__module__ = "attn"
+del _obj, _name
