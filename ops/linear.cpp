@@ -1,12 +1,58 @@
-// linear / linear_backward: validation, then the reference kernel (kernels/ref/linear.cpp).
-// dispatch: oneDNN matmul (kernels/cpu) can plug in here.
+// linear / linear_backward: validation, then dispatch.
+//   backend kAuto or kCpu, float32  -> oneDNN matmul (kernels/cpu/matmul), strided views read in
+//                                      place (a copy only when rows do not share one stride)
+//   backend kReference, or float64  -> the reference loops (kernels/ref/linear.cpp)
 #include "attn/ops/linear.hpp"
 
+#include "kernels/cpu/matmul.hpp"
 #include "kernels/ref/linear.hpp"
 #include "ops/common.hpp"
 
+#include <algorithm>
+#include <optional>
+
 namespace attn {
 namespace {
+
+bool use_fast_path(const Context& ctx, DType dtype) {
+  return ctx.backend != Backend::kReference && dtype == DType::F32;
+}
+
+// t (..., n) seen as a (rows, n) matrix with unit column stride and one row stride `ld`, as the
+// GEMM takes it. Possible when the last dim is unit-stride and the leading dims collapse into one
+// (contiguous tensors, slices of the last dim, row slices); dims of size 1 impose nothing.
+struct RowMatrix {
+  const float* data;
+  int64_t rows, cols, ld;
+};
+std::optional<RowMatrix> as_row_matrix(const Tensor& t) {
+  const int n = t.ndim();
+  const int64_t cols = t.dim(n - 1);
+  if (cols > 1 && t.stride(n - 1) != 1) return std::nullopt;
+  int64_t rows = 1, ld = 0;
+  int64_t next = 0;  // the stride the next outer dim must have to collapse
+  for (int i = n - 2; i >= 0; --i) {
+    if (t.dim(i) == 1) continue;
+    if (ld == 0) {
+      ld = t.stride(i);
+      if (ld < cols) return std::nullopt;  // overlapping or reversed rows
+    } else if (t.stride(i) != next) {
+      return std::nullopt;
+    }
+    rows *= t.dim(i);
+    next = t.stride(i) * t.dim(i);
+  }
+  if (ld == 0) ld = std::max<int64_t>(cols, 1);
+  return RowMatrix{static_cast<const float*>(t.raw_data()), rows, cols, ld};
+}
+
+// The row matrix of t, copying t to a contiguous tensor (kept alive in `storage`) when its
+// strides do not allow a view.
+RowMatrix row_matrix(const Tensor& t, Tensor& storage) {
+  if (auto m = as_row_matrix(t)) return *m;
+  storage = t.contiguous();
+  return *as_row_matrix(storage);
+}
 
 // x (..., in) and W (out, in); returns y's shape (..., out).
 Shape check_linear(const char* op, const Tensor& x, const Tensor& W) {
@@ -33,15 +79,28 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
     check(b.ndim() == 1 && b.dim(0) == W.dim(0), op, "b has shape {}, expected (out) = ({})",
           shape_str(b.shape()), W.dim(0));
   }
-  (void)ctx;
   const int64_t I = W.dim(1), O = W.dim(0);
   // Rows = product of x's leading dims (x.numel() / I fails when I == 0).
   int64_t rows = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i)
     rows *= x.dim(i);
+  Tensor y = Tensor::empty(y_shape, x.dtype());
+  if (use_fast_path(ctx, x.dtype())) {
+    // y (rows, O) = x (rows, I) * W^T + b: W (O, I) is read in place as transposed weights.
+    Tensor x_store, w_store;
+    const RowMatrix xm = row_matrix(x, x_store), wm = row_matrix(W, w_store);
+    const Tensor bc = b.defined() ? b.contiguous() : Tensor();
+    cpu::GemmArgs g;
+    g.M = rows, g.N = O, g.K = I;
+    g.A = xm.data, g.lda = xm.ld;
+    g.B = wm.data, g.ldb = wm.ld, g.trans_b = true;
+    g.C = y.data<float>(), g.ldc = O;
+    g.bias = bc.defined() ? bc.data<float>() : nullptr;
+    cpu::gemm(g, ctx.resolved_threads());
+    return y;
+  }
   const Tensor xc = x.contiguous(), wc = W.contiguous();
   const Tensor bc = b.defined() ? b.contiguous() : Tensor();
-  Tensor y = Tensor::empty(y_shape, x.dtype());
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_forward<F>(xc.data<F>(), wc.data<F>(), bc.defined() ? bc.data<F>() : nullptr,
@@ -58,17 +117,40 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == y_shape, op, "dy has shape {}, expected (..., out) = {}",
         shape_str(dy.shape()), shape_str(y_shape));
-  (void)ctx;
   const int64_t I = W.dim(1), O = W.dim(0);
   // Rows = product of x's leading dims (x.numel() / I fails when I == 0).
   int64_t rows = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i)
     rows *= x.dim(i);
-  const Tensor dyc = dy.contiguous(), xc = x.contiguous(), wc = W.contiguous();
   LinearGrads grads;
   grads.dx = Tensor::empty(x.shape(), x.dtype());
   grads.dW = Tensor::empty(W.shape(), W.dtype());
   if (has_bias) grads.db = Tensor::empty({O}, x.dtype());
+  if (use_fast_path(ctx, x.dtype())) {
+    Tensor dy_store, x_store, w_store;
+    const RowMatrix dym = row_matrix(dy, dy_store), xm = row_matrix(x, x_store),
+                    wm = row_matrix(W, w_store);
+    const int threads = ctx.resolved_threads();
+    // forward: y = x W^T + b
+    // so:      dx (rows, I) = dy (rows, O) * W (O, I)
+    cpu::GemmArgs gx;
+    gx.M = rows, gx.N = I, gx.K = O;
+    gx.A = dym.data, gx.lda = dym.ld;
+    gx.B = wm.data, gx.ldb = wm.ld;
+    gx.C = grads.dx.data<float>(), gx.ldc = I;
+    cpu::gemm(gx, threads);
+    //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
+    cpu::GemmArgs gw;
+    gw.M = O, gw.N = I, gw.K = rows;
+    gw.A = dym.data, gw.lda = dym.ld, gw.trans_a = true;
+    gw.B = xm.data, gw.ldb = xm.ld;
+    gw.C = grads.dW.data<float>(), gw.ldc = I;
+    cpu::gemm(gw, threads);
+    //          db (O) = sum over rows of dy
+    if (has_bias) cpu::column_sum(dym.data, rows, O, dym.ld, grads.db.data<float>(), false);
+    return grads;
+  }
+  const Tensor dyc = dy.contiguous(), xc = x.contiguous(), wc = W.contiguous();
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_backward<F>(dyc.data<F>(), xc.data<F>(), wc.data<F>(), grads.dx.data<F>(),

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <unordered_map>
+#include <vector>
 
 namespace attn::cpu {
 namespace {
@@ -188,16 +189,18 @@ void gemm(const GemmArgs& g, int threads) {
 }
 
 void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
-  if (!accumulate)
-    for (int64_t n = 0; n < N; ++n)
-      db[n] = 0.f;
-  // Row by row so the inner loop is unit-stride over n (vectorizes); the order of the sum over
-  // rows is fixed, hence independent of any thread count.
+  // Row by row so the inner loop is unit-stride over n (vectorizes), into double accumulators:
+  // the bias gradient is often a sum of many terms that cancel (exactly 0 for the key bias of
+  // attention), where an f32 running sum would keep only its rounding noise. The order over rows
+  // is fixed, hence independent of any thread count. Costs M*N adds, small next to the GEMMs.
+  std::vector<double> acc(static_cast<size_t>(N), 0.0);
   for (int64_t m = 0; m < M; ++m) {
     const float* row = dy + m * lddy;
     for (int64_t n = 0; n < N; ++n)
-      db[n] += row[n];
+      acc[n] += row[n];
   }
+  for (int64_t n = 0; n < N; ++n)
+    db[n] = static_cast<float>((accumulate ? static_cast<double>(db[n]) : 0.0) + acc[n]);
 }
 
 size_t gemm_cache_size() {

@@ -65,7 +65,7 @@ struct GemmArgs {
 void gemm(const GemmArgs& args, int threads);
 
 // db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
-// a fixed order (row by row, f32), so it is the same for any thread count.
+// double in a fixed order (row by row), so it is the same for any thread count.
 void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
 
 // Number of primitives in the cache (tests and benchmarks), and a way to empty it.
