@@ -116,7 +116,17 @@ std::string text_table(const viz::Table& table);
 
 // --- attn tour -------------------------------------------------------------------------------
 
+// --- attn train, attn experiment positional (cmd_train.cpp, cmd_experiment.cpp) ------------
+
+std::vector<Command> add_train_command(CLI::App& app);
+std::vector<Command> add_experiment_command(CLI::App& app);
+
 std::vector<Command> add_tour_command(CLI::App& app);
+
+// The whole command line (app.cpp): parses argv, runs the chosen subcommand and returns the exit
+// status (0 success or --help, 2 bad flag or value with one line on stderr, 1 internal error).
+// Keeps no state between calls.
+int run(int argc, char** argv);
 
 // Prints `text` to stdout; used by the commands after their files are written.
 void print(const std::string& text);

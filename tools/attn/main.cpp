@@ -1,67 +1,8 @@
 // attn: the command line of the attn library. Each subcommand demonstrates one idea of d2l's
 // "Self-attention and positional encoding" chapter; `attn tour` runs them all into an HTML page.
-//
-// Exit status: 0 on success (and for --help), 2 for a bad flag or value (one line on stderr,
-// "attn: <what is wrong>"), 1 for an unexpected internal failure.
-#include "attn/core/error.hpp"
+// The program is attn::cli::run (app.cpp), so the argument fuzzer can call it in-process.
 #include "tools/attn/commands.hpp"
 
-#include <cstdio>
-#include <exception>
-#include <string>
-
-namespace {
-
-// Error messages (ours, CLI11's, the library's) on exactly one line.
-std::string one_line(std::string text) {
-  for (char& c : text) {
-    if (c == '\n' || c == '\r' || c == '\t') c = ' ';
-  }
-  while (!text.empty() && text.back() == ' ')
-    text.pop_back();
-  return text;
-}
-
-int fail(int status, const std::string& message) {
-  std::fprintf(stderr, "attn: %s\n", one_line(message).c_str());
-  return status;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
-  CLI::App app{
-      "attn: self-attention, multi-head attention and positional encoding (d2l chapter 11.6).\n"
-      "Every subcommand has --help; `attn tour --out DIR` runs them all into DIR/index.html.",
-      "attn"};
-  app.require_subcommand(1);
-  std::vector<attn::cli::Command> commands;
-  try {
-    for (auto add : {attn::cli::add_self_attention_command, attn::cli::add_pe_command,
-                     attn::cli::add_tour_command}) {
-      for (auto& c : add(app))
-        commands.push_back(std::move(c));
-    }
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    // --help and friends: CLI11 prints the (sub)command's help on stdout and we exit 0.
-    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
-    return fail(2, e.what());
-  } catch (const attn::Error& e) {
-    return fail(2, e.what());
-  }
-
-  try {
-    for (const auto& c : commands) {
-      if (c.app->parsed()) {
-        c.run();
-        break;
-      }
-    }
-  } catch (const attn::Error& e) {
-    return fail(2, e.what());
-  } catch (const std::exception& e) {
-    return fail(1, std::string("internal error: ") + e.what());
-  }
-  return 0;
+  return attn::cli::run(argc, argv);
 }
