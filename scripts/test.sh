@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test:
-#   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors),
+#   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors), then
+#      installs the Python module for Debian's /usr/bin/python3,
 #   2. the fixture generator: what it writes now must equal the committed fixtures,
 #   3. the installed package, consumed through CMake and pkg-config, shared and static,
 #   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
@@ -15,6 +16,8 @@ echo "== 1. build and test (RelWithDebInfo, warnings as errors)"
 cmake --preset default >/dev/null
 cmake --build --preset default
 ctest --preset default
+# The README's set-up makes `/usr/bin/python3 -c "import attn"` work.
+bash scripts/install-python.sh build/default
 stamp
 
 echo "== 2. fixtures: regenerate with PyTorch and compare with the committed ones"
