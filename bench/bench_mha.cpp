@@ -2,7 +2,8 @@
 //
 // Shapes of the issue: B = 4, E = 512, H = 8 (D = 64), self-attention X (B, T, E) with
 // T = S in {512, 2048}, projections with bias (as PyTorch's nn.MultiheadAttention default, the
-// baseline in bench/torch_mha.py), no dropout, fp32, ATTN_THREADS threads (default 2).
+// baseline in bench/torch_mha.py), no dropout, no attention weights kept (need_weights = false,
+// as the baseline's), fp32, ATTN_THREADS threads (default 2).
 //
 // FLOPs (FlashAttention convention, DESIGN.md; softmax and bias adds not counted):
 //   projections  2 * rows * E * E each; W_q, W_k, W_v on B*T rows, W_o on B*T rows
@@ -72,6 +73,9 @@ void BM_MhaInference(benchmark::State& state) {
   attn::Context ctx = make_context();
   attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::F32, /*seed=*/1);
   mha.eval();
+  // As PyTorch's need_weights=False: no (B*H, T, S) weights (d2l's default keeps them, which
+  // also routes the core to the reference loops that compute them in double).
+  mha.attention.need_weights = false;
   attn::Tensor X = random({kB, T, kE}, 2);
   for (auto _ : state) {
     attn::Tensor out = mha.forward(ctx, X, X, X);
@@ -85,6 +89,7 @@ void BM_MhaTraining(benchmark::State& state) {
   attn::Context ctx = make_context();
   attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::F32, /*seed=*/1);
   mha.train();
+  mha.attention.need_weights = false;
   attn::Tensor X = random({kB, T, kE}, 2);
   attn::Tensor dout = random({kB, T, kE}, 3);
   for (auto _ : state) {
