@@ -3,6 +3,7 @@
 // math is in docs/ops.md. A fast CPU path plugs in at the `dispatch` comments below.
 #include "attn/ops/attention.hpp"
 
+#include "kernels/cpu/flash_attention.hpp"
 #include "kernels/ref/additive.hpp"
 #include "kernels/ref/attention.hpp"
 #include "kernels/ref/masked_softmax.hpp"
@@ -83,6 +84,42 @@ double attention_scale(const AttentionOptions& opts, int64_t D) {
   return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
 }
 
+// The fused CPU kernels (kernels/cpu/flash_attention) run float32 on Backend::kCpu, and on
+// kAuto unless the caller asks for the weights: then a (B, T, S) tensor exists anyway, so the
+// fused kernel's memory saving is moot, and the reference gives the weights (and the gradients)
+// with double accumulation, as d2l's checks expect. kReference and float64 keep the reference
+// loops. The backward follows the same rule as its forward (same options).
+bool use_flash(const Context& ctx, DType dt, const AttentionOptions& opts) {
+  if (dt != DType::F32) return false;
+  return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
+}
+
+// Kernel parameters for q, k, v views (any strides) and the mask as kept-key counts per row
+// (valid_lens and causal combined, already in [0, S]).
+cpu::FlashParams flash_params(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const ref::AttentionDims& d, const std::vector<int32_t>& key_limit,
+                              const AttentionOptions& opts, const ref::DropoutSpec& drop) {
+  cpu::FlashParams p;
+  p.B = d.B, p.T = d.T, p.S = d.S, p.D = d.D, p.Dv = d.Dv;
+  p.q = q.data<float>(), p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sd = q.stride(2);
+  p.k = k.data<float>(), p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
+  p.v = v.data<float>(), p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
+  p.key_limit = key_limit.data();
+  p.causal = opts.mask.causal;
+  p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
+  p.scale = static_cast<float>(attention_scale(opts, d.D));
+  p.dropout = drop.active ? static_cast<float>(drop.p) : 0.0f;
+  p.seed = drop.seed;
+  p.offset = drop.offset;
+  p.threads = ctx.resolved_threads();
+  return p;
+}
+
+std::vector<int32_t> key_limits(const MaskOptions& mask, const ref::AttentionDims& d) {
+  const std::vector<int64_t> kept = ref::kept_key_counts(mask, d.B, d.T, d.S);
+  return std::vector<int32_t>(kept.begin(), kept.end());  // each in [0, S], S < 2^31 (checked)
+}
+
 }  // namespace
 
 AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, const Tensor& k,
@@ -95,6 +132,17 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
   const ref::DropoutSpec drop = forward_dropout(ctx, opts);
   result.dropout_offset = drop.offset;
+  if (use_flash(ctx, dt, opts)) {
+    check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
+    const std::vector<int32_t> limits = key_limits(opts.mask, d);
+    cpu::FlashParams p = flash_params(ctx, q, k, v, d, limits, opts, drop);
+    p.out = result.output.data<float>(), p.o_sb = d.T * d.Dv, p.o_st = d.Dv, p.o_sd = 1;
+    p.lse = result.logsumexp.data<float>();
+    if (opts.need_weights)
+      p.weights = result.weights.data<float>(), p.w_sb = d.T * d.S, p.w_st = d.S;
+    cpu::flash_attention_forward(p);
+    return result;
+  }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
   // dispatch: every Backend runs the reference until kernels/cpu has an attention kernel.
@@ -119,6 +167,26 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
                        Tensor::empty(v.shape(), dt)};
   const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
+  // The fused backward recomputes the weights from the forward's output and logsumexp.
+  const Tensor& fo = forward.output;
+  const Tensor& fl = forward.logsumexp;
+  if (use_flash(ctx, dt, opts) && fo.defined() && fl.defined() && fo.dtype() == DType::F32 &&
+      fl.dtype() == DType::F32 && fo.shape() == Shape{d.B, d.T, d.Dv} &&
+      fl.shape() == Shape{d.B, d.T} && d.S < (int64_t{1} << 31)) {
+    const std::vector<int32_t> limits = key_limits(opts.mask, d);
+    cpu::FlashParams p = flash_params(ctx, q, k, v, d, limits, opts, drop);
+    const Tensor lse = fl.contiguous();
+    p.out = fo.data<float>(), p.o_sb = fo.stride(0), p.o_st = fo.stride(1), p.o_sd = fo.stride(2);
+    p.lse = lse.data<float>();
+    cpu::FlashGrads g;
+    g.dout = dout.data<float>();
+    g.do_sb = dout.stride(0), g.do_st = dout.stride(1), g.do_sd = dout.stride(2);
+    g.dq = grads.dq.data<float>(), g.dq_sb = d.T * d.D, g.dq_st = d.D;
+    g.dk = grads.dk.data<float>(), g.dk_sb = d.S * d.D, g.dk_ss = d.D;
+    g.dv = grads.dv.data<float>(), g.dv_sb = d.S * d.Dv, g.dv_ss = d.Dv;
+    cpu::flash_attention_backward(p, g);
+    return grads;
+  }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = dout.contiguous();
   const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);

@@ -111,6 +111,30 @@ const char* TargetName() {
 // ---------------------------------------------------------------------------------------------
 // Forward
 
+// True when every element of the (rows x cols) tile src[r*s_r + c*s_c] is finite. The products
+// below multiply masked weights (exact zeros) by whole rows of K, V, Q or dO, and 0 * NaN is NaN:
+// a NaN or Inf in an input that one query keeps and another masks must not reach the second
+// query (the reference skips masked terms). Tiles that fail this check take the masked loops.
+bool AllFinite(const float* src, int64_t rows, int64_t cols, int64_t s_r, int64_t s_c) {
+  const DF d;
+  const VF lim = hn::Set(d, std::numeric_limits<float>::max());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = src + r * s_r;
+    int64_t c = 0;
+    if (s_c == 1) {
+      VF bad = hn::Zero(d);
+      for (; c + kL <= cols; c += kL) {
+        // |x| <= max fails for Inf and NaN; accumulate the failures as a vector of 0 / all-ones.
+        bad = hn::Or(bad, hn::VecFromMask(d, hn::Not(hn::Le(hn::Abs(hn::LoadU(d, x + c)), lim))));
+      }
+      if (!hn::AllTrue(d, hn::Eq(bad, hn::Zero(d)))) return false;
+    }
+    for (; c < cols; ++c)
+      if (!std::isfinite(x[c * s_c])) return false;
+  }
+  return true;
+}
+
 // Dropout multipliers z[0..n) of elements i0 + k of the dropout stream. When i0 % 4 == 0,
 // element i0 + 4m + j is word j of Philox block i0/4 + m: L blocks are drawn at once and their
 // words interleaved. Otherwise (and on the scalar target) the scalar draw.
@@ -206,19 +230,20 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
   }
 }
 
-// weights[b, t0 + r, s] = 2^(x - m - log2 l) for kept keys, 0 for masked ones, and the masked-row
+// weights[b, t0 + r, s] = 2^(x - m) / l for kept keys, 0 for masked ones, and the masked-row
 // policy (1/S or 0) for queries without keys: X^T recomputed tile by tile once m and l are final.
+// (2^(x - m) / l rather than 2^(x - lse): equal scores then give exactly fl(1/n).)
 void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64_t mqp,
                   const int64_t* lim, const float* qt, const float* mv, const float* lv, float* xt,
-                  float* lse2) {
+                  float* m_use) {
   const DF d;
   for (int64_t r = 0; r < mq; ++r) {
     float* w = p.weights + b * p.w_sb + (t0 + r) * p.w_st;
     const float fill = lim[r] == 0 && !p.zero_masked_rows ? 1.0f / static_cast<float>(p.S) : 0.0f;
     std::fill(w + lim[r], w + p.S, fill);
   }
-  for (int64_t r = 0; r < mqp; ++r)  // m + log2 l per query
-    lse2[r] = r < mq && lim[r] > 0 ? mv[r] + std::log2(lv[r]) : 0.0f;
+  for (int64_t r = 0; r < mqp; ++r)
+    m_use[r] = r < mq && lim[r] > 0 ? mv[r] : 0.0f;
   int64_t max_lim = 0;
   for (int64_t r = 0; r < mq; ++r)
     max_lim = std::max(max_lim, lim[r]);
@@ -228,13 +253,14 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
     for (int64_t s = 0; s < nk; ++s)
       for (int64_t c = 0; c < mqp; c += kL) {
         float* x = xt + s * mqp + c;
-        hn::StoreU(Exp2(d, hn::Sub(hn::LoadU(d, x), hn::LoadU(d, lse2 + c))), d, x);
+        hn::StoreU(Exp2(d, hn::Sub(hn::LoadU(d, x), hn::LoadU(d, m_use + c))), d, x);
       }
     for (int64_t r = 0; r < mq; ++r) {
       float* w = p.weights + b * p.w_sb + (t0 + r) * p.w_st + s0;
       const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
+      const float inv = n > 0 ? 1.0f / lv[r] : 0.0f;
       for (int64_t s = 0; s < n; ++s)
-        w[s] = xt[s * mqp + r];
+        w[s] = xt[s * mqp + r] * inv;
     }
   }
 }
@@ -334,9 +360,15 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
       }
     }
     // O^T += V^T P^T: (Dv, ncol)
-    GemmFwd(Dv, ncol, nk, p.v + b * p.v_sb + s0 * p.v_ss, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0,
-            mqp,
-            /*accumulate=*/true);
+    const float* vb = p.v + b * p.v_sb + s0 * p.v_ss;
+    if (min_lim >= s0 + nk || AllFinite(vb, nk, Dv, p.v_ss, p.v_sd)) {
+      GemmFwd(Dv, ncol, nk, vb, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0, mqp, /*accumulate=*/true);
+    } else {  // non-finite v of a key some queries mask: add only the kept terms
+      for (int64_t r = r_first; r < mq; ++r)
+        for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s)
+          for (int64_t e = 0; e < Dv; ++e)
+            ot[e * mqp + r] += xt[s * mqp + r] * vb[s * p.v_ss + e * p.v_sd];
+    }
   }
 
   if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);
@@ -392,10 +424,13 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   const float c = p.scale * kLog2e;
 
   bool any_masked = false;
+  int64_t max_lim =
+      0;  // keys >= max_lim are kept by no query: never read (they may be NaN padding)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t lim = RowLimit(p, b, t);
     limf[t] = static_cast<float>(lim);
     any_masked |= lim == 0;
+    max_lim = std::max(max_lim, lim);
     lse2[t] = p.lse[b * T + t] * kLog2e;
     const float* o = p.out + b * p.o_sb + t * p.o_st;
     const float* dout = g.dout + b * g.do_sb + t * g.do_st;
@@ -407,17 +442,21 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
 
   for (int64_t s0 = sa; s0 < sb; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, sb - s0), nkp = RoundUpLanes(nk);
-    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
-    PackRows(p.k + b * p.k_sb + s0 * p.k_ss, nk, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
-    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nk, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
+    // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
+    // masked-row term of dV below).
+    const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
+    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
+    PackRows(p.k + b * p.k_sb + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
+    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
     std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
     std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
+    const bool k_finite = AllFinite(kp, nkr, D, Dp, 1);
 
     // Query tiles start at the next row that keeps a key of this block, so rows that see none
     // (causal: t < s0; a length mask: short rows) cost nothing. Tiles depend on the mask, never
     // on the thread count.
     const float s0f = static_cast<float>(s0);
-    for (int64_t t0 = 0, mq = 0; t0 < T; t0 += mq) {
+    for (int64_t t0 = 0, mq = 0; nkr > 0 && t0 < T; t0 += mq) {
       while (t0 < T && limf[t0] <= s0f)
         ++t0;
       if (t0 == T) break;
@@ -456,12 +495,32 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
           hn::StoreU(pv, d, prow + k);
           hn::StoreU(hn::Mul(pv, hn::Sub(dp, vd)), d, drw + k);  // dS = P (dP - D)
         }
+        // Masked keys: dS = 0 exactly, even if their v made dP NaN (0 * NaN would not be 0).
+        std::fill(drw + n, drw + nkp, 0.0f);
       }
       const float* pzb = dropout ? pz : pb;
       // dV += (P Z)^T dO, dK += dS^T (c Q), dQ += dS K (A read transposed by its strides).
-      Gemm(nk, Dvp, mq, pzb, 1, nkp, dop, Dvp, dv_acc, Dvp, true);
-      Gemm(nk, Dp, mq, ds, 1, nkp, qp, Dp, dk_acc, Dp, true);
-      Gemm(mq, Dp, nk, ds, nkp, 1, kp, Dp, dq_part + t0 * ldq, ldq, true);
+      // Tiles with non-finite inputs add only the kept terms (see AllFinite).
+      if (AllFinite(qp, mq, D, Dp, 1) && AllFinite(dop, mq, Dv, Dvp, 1)) {
+        Gemm(nkr, Dvp, mq, pzb, 1, nkp, dop, Dvp, dv_acc, Dvp, true);
+        Gemm(nkr, Dp, mq, ds, 1, nkp, qp, Dp, dk_acc, Dp, true);
+      } else {
+        for (int64_t r = 0; r < mq; ++r)
+          for (int64_t s = 0; s < std::clamp<int64_t>(int64_t(limf[t0 + r]) - s0, 0, nk); ++s) {
+            for (int64_t e = 0; e < Dv; ++e)
+              dv_acc[s * Dvp + e] += pzb[r * nkp + s] * dop[r * Dvp + e];
+            for (int64_t e = 0; e < D; ++e)
+              dk_acc[s * Dp + e] += ds[r * nkp + s] * qp[r * Dp + e];
+          }
+      }
+      if (k_finite) {
+        Gemm(mq, Dp, nkr, ds, nkp, 1, kp, Dp, dq_part + t0 * ldq, ldq, true);
+      } else {
+        for (int64_t r = 0; r < mq; ++r)
+          for (int64_t s = 0; s < std::clamp<int64_t>(int64_t(limf[t0 + r]) - s0, 0, nk); ++s)
+            for (int64_t e = 0; e < D; ++e)
+              dq_part[(t0 + r) * ldq + e] += ds[r * nkp + s] * kp[s * Dp + e];
+      }
     }
 
     // Rows without a kept key: their weights are the constant 1/S (d2l), so only dV sees them.
