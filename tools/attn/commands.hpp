@@ -128,6 +128,11 @@ std::vector<Command> add_tour_command(CLI::App& app);
 // Keeps no state between calls.
 int run(int argc, char** argv);
 
+// CLI11 check for file and directory flags: an explicitly empty name is a mistake, not "none".
+inline const CLI::Validator kNonEmptyPath(
+    [](std::string& value) { return value.empty() ? std::string("needs a non-empty path") : ""; },
+    "", "non-empty path");
+
 // Prints `text` to stdout; used by the commands after their files are written.
 void print(const std::string& text);
 

@@ -136,9 +136,11 @@ std::vector<Command> add_pe_command(CLI::App& app) {
                      "chapter; those below --dim, else the first 4)")
           ->delimiter(',');
   pe->add_option("--curves", args->curves, "write the chosen columns over the positions (SVG)")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(kNonEmptyPath);
   pe->add_option("--heatmap", args->heatmap, "write P as a positions x dimensions heatmap (SVG)")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(kNonEmptyPath);
   pe->add_option("--precision", args->precision,
                  "d2l: float32 computed op for op as d2l does; exact: float64 angles and sin/cos")
       ->check(CLI::IsMember({"d2l", "exact"}))

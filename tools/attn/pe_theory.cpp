@@ -226,7 +226,8 @@ std::vector<Command> add_pe_theory_commands(CLI::App& pe) {
       "frequency of each column pair of P (falling along the encoding dimension).");
   binary->add_option("--dim", bargs->dim, "encoding dimension d")->capture_default_str();
   binary->add_option("--svg", bargs->svg, "write the bits of 0..7 beside rows 0..7 of P (SVG)")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(kNonEmptyPath);
   auto run_binary = [bargs] {
     check(bargs->dim >= 1 && bargs->dim <= 4096, "pe binary", "--dim must be in 1..4096, got {}",
           bargs->dim);

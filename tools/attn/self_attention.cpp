@@ -187,7 +187,8 @@ std::vector<Command> add_self_attention_command(CLI::App& app) {
                 "training mode: dropout acts on the weights (d2l's example uses eval mode)");
   sub->add_option("--weights-svg", args->weights_svg,
                   "write the attention weights as heatmaps: a row per sequence, a column per head")
-      ->type_name("FILE");
+      ->type_name("FILE")
+      ->check(kNonEmptyPath);
 
   auto run = [args] {
     const SelfAttentionArgs& a = *args;

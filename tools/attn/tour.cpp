@@ -233,7 +233,8 @@ std::vector<Command> add_tour_command(CLI::App& app) {
       "relative-position check) into DIR and write DIR/index.html explaining each.");
   sub->add_option("--out,-o", *out, "output directory (created if missing)")
       ->required()
-      ->type_name("DIR");
+      ->type_name("DIR")
+      ->check(kNonEmptyPath);
   auto run = [out] {
     const auto start = std::chrono::steady_clock::now();
     const std::filesystem::path index = run_tour(*out);
