@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <memory>
 
 namespace attn::model {
@@ -200,6 +201,14 @@ std::vector<PathTracer> trace_layer(SequenceLayer layer, const std::vector<PathT
   return y;
 }
 
+// CPU time of the calling thread: unlike wall time it does not count the time other processes
+// hold the core (the reference kernels are single-threaded).
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const size_t m = v.size() / 2;
@@ -237,21 +246,22 @@ int64_t forward_flops(SequenceLayer layer, int64_t n, int64_t d, int64_t k) {
   return probe->flops();
 }
 
-double forward_seconds(SequenceLayer layer, int64_t n, int64_t d, int64_t k, int repeats,
-                       uint64_t seed) {
+ForwardTime forward_time(SequenceLayer layer, int64_t n, int64_t d, int64_t k, int repeats,
+                         uint64_t seed) {
   Context ctx;
   ctx.threads = 1;
   auto probe = make_probe(layer, d, k, true, DType::F32, seed);
   const Tensor x = random_input(n, d, DType::F32, seed, 1.0);
   probe->forward(ctx, x);  // warm-up: first-touch of the output and caches
-  std::vector<double> times;
+  std::vector<double> wall, cpu;
   for (int r = 0; r < repeats; ++r) {
+    const double cpu_start = thread_cpu_seconds();
     const auto start = std::chrono::steady_clock::now();
     probe->forward(ctx, x);
-    times.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    wall.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    cpu.push_back(thread_cpu_seconds() - cpu_start);
   }
-  return median(times);
+  return {median(wall), median(cpu)};
 }
 
 int64_t sequential_operations(SequenceLayer layer, int64_t n, int64_t d, int64_t k) {
@@ -348,33 +358,43 @@ CompareResult run_compare(const CompareOptions& options) {
     const int64_t k = options.k;
     std::vector<double> ns, fn, tn, ds, fd, td;
     for (int64_t n : options.ns) {
-      SweepPoint p{n, options.d, 0, 0, 0};
+      SweepPoint p{n, options.d, 0, 0, 0, 0};
       p.flops = static_cast<double>(forward_flops(layer, n, options.d, k));
-      p.seconds = forward_seconds(layer, n, options.d, k, options.repeats, options.seed);
+      const ForwardTime t = forward_time(layer, n, options.d, k, options.repeats, options.seed);
+      p.seconds = t.wall;
+      p.cpu_seconds = t.cpu;
       p.sequential_ops = sequential_operations(layer, n, options.d, k);
       s.by_n.push_back(p);
     }
     for (int64_t d : options.ds) {
-      SweepPoint p{options.n_for_d, d, 0, 0, 0};
+      SweepPoint p{options.n_for_d, d, 0, 0, 0, 0};
       p.flops = static_cast<double>(forward_flops(layer, options.n_for_d, d, k));
-      p.seconds = forward_seconds(layer, options.n_for_d, d, k, options.repeats, options.seed);
+      const ForwardTime t =
+          forward_time(layer, options.n_for_d, d, k, options.repeats, options.seed);
+      p.seconds = t.wall;
+      p.cpu_seconds = t.cpu;
       s.by_d.push_back(p);
     }
     // FLOP exponents over the whole sweep; time exponents over its larger half, where fixed
     // per-call costs (allocation, validation) no longer hide the growth.
-    auto fit = [](const std::vector<SweepPoint>& pts, bool by_n, bool time, bool upper_half) {
+    enum What { kFlops, kWall, kCpu };
+    auto fit = [](const std::vector<SweepPoint>& pts, bool by_n, What what, bool upper_half) {
       std::vector<double> x, y;
       const size_t first = upper_half && pts.size() >= 4 ? pts.size() / 2 : 0;
       for (size_t i = first; i < pts.size(); ++i) {
         x.push_back(static_cast<double>(by_n ? pts[i].n : pts[i].d));
-        y.push_back(time ? std::max(pts[i].seconds, 1e-9) : pts[i].flops);
+        y.push_back(what == kFlops  ? pts[i].flops
+                    : what == kWall ? std::max(pts[i].seconds, 1e-9)
+                                    : std::max(pts[i].cpu_seconds, 1e-9));
       }
       return x.size() >= 2 ? fit_exponent(x, y) : 0.0;
     };
-    s.flops_exponent_n = fit(s.by_n, true, false, false);
-    s.time_exponent_n = fit(s.by_n, true, true, true);
-    s.flops_exponent_d = fit(s.by_d, false, false, false);
-    s.time_exponent_d = fit(s.by_d, false, true, true);
+    s.flops_exponent_n = fit(s.by_n, true, kFlops, false);
+    s.time_exponent_n = fit(s.by_n, true, kWall, true);
+    s.cpu_time_exponent_n = fit(s.by_n, true, kCpu, true);
+    s.flops_exponent_d = fit(s.by_d, false, kFlops, false);
+    s.time_exponent_d = fit(s.by_d, false, kWall, true);
+    s.cpu_time_exponent_d = fit(s.by_d, false, kCpu, true);
     result.layers.push_back(std::move(s));
   }
   for (int64_t n : options.path_ns) {

@@ -12,7 +12,8 @@
 //                   (nn::Conv1d::flops, nn::RNN::flops; for self-attention 4 n^2 d, the two
 //                   products of the reference attention kernel, as DESIGN.md counts attention).
 //   time            median wall time of the forward over `repeats` runs (batch 1, float32, the
-//                   reference kernels of all three layers, one thread).
+//                   reference kernels of all three layers, one thread), and the median CPU time
+//                   of the calling thread (robust to other processes sharing the cores).
 //   exponent        least-squares slope of log(FLOPs or time) against log(n) (or log(d)).
 //   sequential ops  the longest chain of dependent steps in one forward (its critical path),
 //                   measured by running the layer's kernel on ref::PathTracer values: a step is
@@ -59,8 +60,9 @@ void validate(const CompareOptions& options);
 
 struct SweepPoint {
   int64_t n = 0, d = 0;
-  double flops = 0;    // counted by the layer's forward
-  double seconds = 0;  // median forward time
+  double flops = 0;        // counted by the layer's forward
+  double seconds = 0;      // median forward wall time
+  double cpu_seconds = 0;  // median forward CPU time of the calling thread
   int64_t sequential_ops = 0;
 };
 
@@ -69,6 +71,7 @@ struct LayerSweep {
   std::vector<SweepPoint> by_n, by_d;
   double flops_exponent_n = 0, time_exponent_n = 0;
   double flops_exponent_d = 0, time_exponent_d = 0;
+  double cpu_time_exponent_n = 0, cpu_time_exponent_d = 0;
 };
 
 struct PathPoint {
@@ -94,9 +97,13 @@ CompareResult run_compare(const CompareOptions& options);
 double fit_exponent(const std::vector<double>& x, const std::vector<double>& y);
 // FLOPs one forward of the layer counts for a (1, n, d) input.
 int64_t forward_flops(SequenceLayer layer, int64_t n, int64_t d, int64_t k);
-// Median wall seconds of `repeats` forwards (after one warm-up) on a (1, n, d) float32 input.
-double forward_seconds(SequenceLayer layer, int64_t n, int64_t d, int64_t k, int repeats,
-                       uint64_t seed = 0);
+struct ForwardTime {
+  double wall = 0, cpu = 0;  // seconds, medians
+};
+// Median wall and thread-CPU seconds of `repeats` forwards (after one warm-up) on a (1, n, d)
+// float32 input.
+ForwardTime forward_time(SequenceLayer layer, int64_t n, int64_t d, int64_t k, int repeats,
+                         uint64_t seed = 0);
 // Longest chain of dependent steps in one forward on (1, n, d) (PathTracer critical path).
 int64_t sequential_operations(SequenceLayer layer, int64_t n, int64_t d, int64_t k);
 // Smallest L <= max_layers such that a stack of L layers (float64, width d, random weights) has
