@@ -250,6 +250,9 @@ ForwardTime forward_time(SequenceLayer layer, int64_t n, int64_t d, int64_t k, i
                          uint64_t seed) {
   Context ctx;
   ctx.threads = 1;
+  // The reference kernels for all three layers: with Backend::kAuto self-attention would run the
+  // fused SIMD kernel (kernels/cpu) against plain loops for the other two.
+  ctx.backend = Backend::kReference;
   auto probe = make_probe(layer, d, k, true, DType::F32, seed);
   const Tensor x = random_input(n, d, DType::F32, seed, 1.0);
   probe->forward(ctx, x);  // warm-up: first-touch of the output and caches
