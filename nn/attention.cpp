@@ -53,6 +53,7 @@ AttentionOptions DotProductAttention::options() const {
   // d2l always keeps self.attention_weights; so do we unless asked not to (the backward needs
   // only the output and logsumexp).
   o.need_weights = need_weights;
+  o.alibi_slopes = alibi_used_;
   return o;
 }
 
@@ -63,8 +64,16 @@ Tensor DotProductAttention::forward(Context& ctx, const Tensor& queries, const T
   check(queries.dim(2) == keys.dim(2), op, "queries {} and keys {} need the same last dimension",
         shape_str(queries.shape()), shape_str(keys.shape()));
   check_dropout(op, dropout);
-  q_ = queries;
-  k_ = keys;
+  check(!rotary || queries.dim(2) % 2 == 0, op,
+        "rotary is set but queries {} have an odd width: RoPE rotates pairs of features (inside "
+        "MultiHeadAttention: num_hiddens / num_heads must be even)",
+        shape_str(queries.shape()));
+  rotary_used_ = rotary;
+  alibi_used_ = alibi_slopes;
+  // RoPE: the scores see queries rotated by their positions t and keys by theirs s, so q . k
+  // depends on t - s. The rotated tensors are what the backward differentiates through.
+  q_ = rotary ? rotary_embedding(ctx, queries, *rotary) : queries;
+  k_ = rotary ? rotary_embedding(ctx, keys, *rotary) : keys;
   v_ = values;
   valid_lens_ = valid_lens;
   // The op validates valid_lens against (B, T) and lens_repeat, takes a dropout offset from ctx
@@ -82,6 +91,11 @@ AttentionInputGrads DotProductAttention::backward(Context& ctx, const Tensor& do
   // switching train/eval between forward and backward is not supported.
   AttentionGrads g =
       scaled_dot_product_attention_backward(ctx, dout, q_, k_, v_, result_, options());
+  if (rotary_used_) {
+    // forward: q_ = R(t) queries, k_ = R(s) keys, so dqueries = R(t)^T dq_ (the inverse rotation).
+    g.dq = rotary_embedding_backward(ctx, g.dq, *rotary_used_);
+    g.dk = rotary_embedding_backward(ctx, g.dk, *rotary_used_);
+  }
   return {g.dq, g.dk, g.dv};
 }
 

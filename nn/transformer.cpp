@@ -117,8 +117,9 @@ double checked_encoder_args(int64_t vocab_size, int64_t num_hiddens, int64_t ffn
   check(o.max_len > 0, op, "max_len must be positive, got {}", o.max_len);
   check(o.dtype == DType::F32 || o.dtype == DType::F64, op,
         "dtype {} unsupported, expected F32 or F64", dtype_name(o.dtype));
-  check(o.positional != PositionalKind::kRotary && o.positional != PositionalKind::kAlibi, op,
-        "positional encoding '{}' is not available yet", positional_kind_name(o.positional));
+  check(o.positional != PositionalKind::kRotary || (num_hiddens / num_heads) % 2 == 0, op,
+        "rotary positions need an even head width, but num_hiddens / num_heads = {} / {} = {}",
+        num_hiddens, num_heads, num_hiddens / num_heads);
   return dropout_p;
 }
 
@@ -149,6 +150,15 @@ TransformerEncoder::TransformerEncoder(int64_t vocab_size, int64_t num_hiddens,
     blks.push_back(std::make_unique<TransformerEncoderBlock>(
         num_hiddens, ffn_num_hiddens, num_heads, dropout_p, use_bias, options.dtype,
         detail::child_seed(options.seed, "block" + std::to_string(i))));
+    // Relative signals act inside every block's attention, on each head's (B*H, T, D) rows.
+    DotProductAttention& inner = blks.back()->attention.attention;
+    if (positional_ == PositionalKind::kRotary) {
+      RotaryOptions rope;
+      rope.pairing = options.rotary_pairing;
+      inner.rotary = rope;
+    } else if (positional_ == PositionalKind::kAlibi) {
+      inner.alibi_slopes = Tensor::from_vector(alibi_slopes(num_heads), {num_heads}, DType::F64);
+    }
   }
 }
 

@@ -9,8 +9,10 @@
 #include "kernels/ref/masked_softmax.hpp"
 #include "ops/common.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace attn {
 namespace {
@@ -48,6 +50,12 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
         shape_str(k.shape()), shape_str(v.shape()), d.S);
   check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_str(q.shape()));
   check_options(op, opts);
+  if (opts.alibi_slopes.defined()) {
+    const Tensor& m = opts.alibi_slopes;
+    check(is_floating(m.dtype()) && m.ndim() == 1 && m.dim(0) >= 1 && d.B % m.dim(0) == 0, op,
+          "alibi_slopes has shape {} and dtype {}, expected float (H) with B = {} a multiple of H",
+          shape_str(m.shape()), dtype_name(m.dtype()), d.B);
+  }
   check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, opts.mask.lens_repeat);
   return d;
 }
@@ -80,6 +88,11 @@ ref::DropoutSpec backward_dropout(const Context& ctx, const AttentionOptions& op
   return spec;
 }
 
+// ALiBi slopes as doubles (empty when unused; validated by check_qkv).
+std::vector<double> alibi_of(const AttentionOptions& opts) {
+  return opts.alibi_slopes.defined() ? opts.alibi_slopes.to_vector() : std::vector<double>{};
+}
+
 double attention_scale(const AttentionOptions& opts, int64_t D) {
   return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
 }
@@ -91,6 +104,7 @@ double attention_scale(const AttentionOptions& opts, int64_t D) {
 // loops. The backward follows the same rule as its forward (same options).
 bool use_flash(const Context& ctx, DType dt, const AttentionOptions& opts) {
   if (dt != DType::F32) return false;
+  if (opts.alibi_slopes.defined()) return false;  // the fused kernels have no score bias
   return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
 }
 
@@ -145,13 +159,16 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<double> alibi = alibi_of(opts);
   // dispatch: every Backend runs the reference until kernels/cpu has an attention kernel.
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     F* weights = opts.need_weights ? result.weights.data<F>() : nullptr;
     ref::sdpa_forward<F>(qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
                          result.logsumexp.data<F>(), kept.data(), opts.mask.masked_rows,
-                         attention_scale(opts, d.D), d, drop);
+                         attention_scale(opts, d.D), d, drop,
+                         alibi.empty() ? nullptr : alibi.data(),
+                         std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return result;
 }
@@ -190,12 +207,15 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = dout.contiguous();
   const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<double> alibi = alibi_of(opts);
   // dispatch: the reference recomputes the weights, so it needs neither output nor logsumexp.
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     ref::sdpa_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), vc.data<F>(),
                           grads.dq.data<F>(), grads.dk.data<F>(), grads.dv.data<F>(), kept.data(),
-                          opts.mask.masked_rows, attention_scale(opts, d.D), d, drop);
+                          opts.mask.masked_rows, attention_scale(opts, d.D), d, drop,
+                          alibi.empty() ? nullptr : alibi.data(),
+                          std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return grads;
 }
@@ -229,6 +249,9 @@ ref::AttentionDims check_additive(const char* op, const Tensor& qp, const Tensor
   check(wv_ok, op, "w_v has shape {}, expected (h) = ({}) or (1, h) = (1, {})",
         shape_str(w_v.shape()), d.D, d.D);
   check_options(op, opts);
+  check(!opts.alibi_slopes.defined(), op,
+        "alibi_slopes is set, but ALiBi biases dot-product scores only (additive attention has "
+        "no q . k term to bias)");
   check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, opts.mask.lens_repeat);
   return d;
 }

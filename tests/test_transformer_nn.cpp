@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -238,11 +239,13 @@ TEST(TransformerEncoder, DropoutTakesOneOffsetPerSite) {
 
 // The full encoder, 2 blocks, dropout on, every parameter, for each positional kind available
 // and both valid_lens layouts.
-void encoder_gradcheck(PositionalKind kind, const Tensor& lens) {
+void encoder_gradcheck(PositionalKind kind, const Tensor& lens,
+                       RotaryPairing pairing = RotaryPairing::kAdjacent) {
   Context ctx;
   ctx.seed = 3;
   TransformerEncoderOptions o;
   o.positional = kind;
+  o.rotary_pairing = pairing;
   o.max_len = 8;
   o.dtype = DType::F64;
   o.seed = 17;
@@ -268,10 +271,61 @@ TEST(TransformerEncoder, GradcheckEveryParameter2DValidLens) {
 }
 
 TEST(TransformerEncoder, GradcheckOtherPositionalKinds) {
-  for (PositionalKind k : {PositionalKind::kNone, PositionalKind::kLearned}) {
+  for (PositionalKind k : {PositionalKind::kNone, PositionalKind::kLearned, PositionalKind::kRotary,
+                           PositionalKind::kAlibi}) {
     SCOPED_TRACE(positional_kind_name(k));
     encoder_gradcheck(k, ids_tensor({2, 3}, {2}));
+    encoder_gradcheck(k, ids_tensor({1, 2, 3, 3, 2, 1}, {2, 3}));
   }
+  encoder_gradcheck(PositionalKind::kRotary, ids_tensor({3, 2}, {2}), RotaryPairing::kHalves);
+}
+
+// Without any position signal the encoder is permutation-equivariant: permuting the tokens
+// permutes the outputs. Every position signal breaks that. Symmetric ALiBi (|t - s|) cannot tell
+// a sequence from its reverse, and neither can no signal at all; the others can.
+TEST(TransformerEncoder, PositionSignalsBreakPermutationSymmetry) {
+  Context ctx;
+  const std::vector<int64_t> tokens = {1, 2, 3, 4}, perm = {2, 0, 3, 1};
+  std::vector<int64_t> permuted(4), reversed(4);
+  for (int64_t t = 0; t < 4; ++t) {
+    permuted[t] = tokens[perm[t]];
+    reversed[t] = tokens[3 - t];
+  }
+  // max over (t, e) of |out(ids)[src(t)] - out(other)[t]|
+  auto mismatch = [](const Tensor& a, const Tensor& b, const std::vector<int64_t>& src) {
+    double diff = 0;
+    for (int64_t t = 0; t < 4; ++t)
+      for (int64_t e = 0; e < 8; ++e)
+        diff = std::max(diff, std::abs(a.at({0, src[t], e}) - b.at({0, t, e})));
+    return diff;
+  };
+  for (PositionalKind k :
+       {PositionalKind::kNone, PositionalKind::kSinusoidal, PositionalKind::kLearned,
+        PositionalKind::kRotary, PositionalKind::kAlibi}) {
+    SCOPED_TRACE(positional_kind_name(k));
+    TransformerEncoderOptions o;
+    o.positional = k;
+    o.dtype = DType::F64;
+    o.max_len = 8;
+    TransformerEncoder enc(6, 8, 16, 2, 2, 0.0, false, o);
+    enc.eval();
+    Tensor a = enc.forward(ctx, ids_tensor(tokens, {1, 4}));
+    const double d_perm = mismatch(a, enc.forward(ctx, ids_tensor(permuted, {1, 4})), perm);
+    const double d_rev = mismatch(a, enc.forward(ctx, ids_tensor(reversed, {1, 4})), {3, 2, 1, 0});
+    if (k == PositionalKind::kNone) {
+      EXPECT_LT(d_perm, 1e-12);
+    } else {
+      EXPECT_GT(d_perm, 1e-3);
+    }
+    if (k == PositionalKind::kNone || k == PositionalKind::kAlibi) {
+      EXPECT_LT(d_rev, 1e-12);
+    } else {
+      EXPECT_GT(d_rev, 1e-3);
+    }
+  }
+  TransformerEncoderOptions odd;
+  odd.positional = PositionalKind::kRotary;
+  EXPECT_THROW(TransformerEncoder(6, 6, 8, 2, 1, 0.0, false, odd), Error);  // head width 3
 }
 
 TEST(TransformerEncoder, LearnedTableNameAndKinds) {

@@ -1,7 +1,7 @@
 // Reference scaled dot-product attention, forward and backward side by side.
 //
 // Per query row (b, t), with n = kept keys:
-//   score[s] = scale * sum_d q[b,t,d] k[b,s,d]                    s < n
+//   score[s] = scale * sum_d q[b,t,d] k[b,s,d] - m |t - s|        s < n (m: ALiBi slope or 0)
 //   w[s]     = exp(score[s] - lse) for s < n, 0 for s >= n        lse = log sum_{s<n} exp(score)
 //              (n == 0: w = 1/S everywhere (kUniform) or 0 (kZero))
 //   out[b,t] = sum_s w[s] f[s] v[b,s]                             f = dropout factor
@@ -18,14 +18,17 @@
 namespace attn::ref {
 namespace {
 
+// slope: ALiBi's m for this row's head (0: no bias); t: the query's position.
 template <typename T>
-void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, double scale) {
+void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, double scale,
+               double slope, int64_t t) {
   for (int64_t s = 0; s < n; ++s) {
     const T* ks = kb + s * D;
     double dot = 0.0;
     for (int64_t d = 0; d < D; ++d)
       dot += static_cast<double>(qt[d]) * ks[d];
     score[s] = dot * scale;
+    if (slope != 0.0) score[s] -= slope * static_cast<double>(t > s ? t - s : s - t);
   }
 }
 
@@ -34,18 +37,20 @@ void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, do
 template <typename T>
 void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
                   const int64_t* kept, MaskedRowPolicy policy, double scale,
-                  const AttentionDims& dims, const DropoutSpec& drop) {
+                  const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
+                  int64_t alibi_heads) {
   const auto [B, Tq, S, D, Dv] = dims;
   std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
       acc(static_cast<size_t>(Dv));
   for (int64_t b = 0; b < B; ++b) {
     const T* kb = k + b * S * D;
     const T* vb = v + b * S * Dv;
+    const double slope = alibi != nullptr ? alibi[b % alibi_heads] : 0.0;
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t row = b * Tq + t;
       const int64_t n = kept[row];
-      // QDotK: score (S) of this query against its kept keys.
-      score_row(q + row * D, kb, score.data(), n, D, scale);
+      // QDotK: score (S) of this query against its kept keys (minus ALiBi's distance bias).
+      score_row(q + row * D, kb, score.data(), n, D, scale, slope, t);
       // Softmax over kept keys (the pre-dropout weights d2l stores).
       lse[row] = static_cast<T>(softmax_row(score.data(), w.data(), n, S, policy));
       if (weights != nullptr) {
@@ -70,7 +75,8 @@ void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse
 template <typename T>
 void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
                    const int64_t* kept, MaskedRowPolicy policy, double scale,
-                   const AttentionDims& dims, const DropoutSpec& drop) {
+                   const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
+                   int64_t alibi_heads) {
   const auto [B, Tq, S, D, Dv] = dims;
   // dk and dv collect contributions from every query row: accumulate in double, round at the end.
   std::vector<double> dk_acc(static_cast<size_t>(B * S * D), 0.0);
@@ -80,13 +86,14 @@ void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* 
   for (int64_t b = 0; b < B; ++b) {
     const T* kb = k + b * S * D;
     const T* vb = v + b * S * Dv;
+    const double slope = alibi != nullptr ? alibi[b % alibi_heads] : 0.0;
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t row = b * Tq + t;
       const int64_t n = kept[row];
       const T* qt = q + row * D;
       const T* go = dout + row * Dv;
-      // Recompute the forward's weights.
-      score_row(qt, kb, score.data(), n, D, scale);
+      // Recompute the forward's weights (the ALiBi bias is a constant: it has no gradient).
+      score_row(qt, kb, score.data(), n, D, scale, slope, t);
       softmax_row(score.data(), w.data(), n, S, policy);
       const int64_t active = active_keys(n, S, policy);
       // forward: out[t] = sum_s w[s] f[s] v[s]
@@ -131,15 +138,18 @@ void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* 
 
 template void sdpa_forward<float>(const float*, const float*, const float*, float*, float*, float*,
                                   const int64_t*, MaskedRowPolicy, double, const AttentionDims&,
-                                  const DropoutSpec&);
+                                  const DropoutSpec&, const double*, int64_t);
 template void sdpa_forward<double>(const double*, const double*, const double*, double*, double*,
                                    double*, const int64_t*, MaskedRowPolicy, double,
-                                   const AttentionDims&, const DropoutSpec&);
+                                   const AttentionDims&, const DropoutSpec&, const double*,
+                                   int64_t);
 template void sdpa_backward<float>(const float*, const float*, const float*, const float*, float*,
                                    float*, float*, const int64_t*, MaskedRowPolicy, double,
-                                   const AttentionDims&, const DropoutSpec&);
+                                   const AttentionDims&, const DropoutSpec&, const double*,
+                                   int64_t);
 template void sdpa_backward<double>(const double*, const double*, const double*, const double*,
                                     double*, double*, double*, const int64_t*, MaskedRowPolicy,
-                                    double, const AttentionDims&, const DropoutSpec&);
+                                    double, const AttentionDims&, const DropoutSpec&, const double*,
+                                    int64_t);
 
 }  // namespace attn::ref

@@ -18,18 +18,21 @@ struct AttentionDims {
 
 // q (B, T, D), k (B, S, D), v (B, S, Dv) -> out (B, T, Dv), lse (B, T), weights (B, T, S) when
 // not null (pre-dropout). kept (B*T) per-row kept-key counts.
-//   score[s] = scale * q[t] . k[s]                      (s < kept)
+//   score[s] = scale * q[t] . k[s] - m |t - s|         (s < kept; m = alibi[b % alibi_heads],
+//                                                       0 when alibi is null)
 //   w        = masked softmax of score                  (policy for kept == 0)
 //   out[t]   = sum_s w[s] * drop(b, t, s) * v[s]        drop = dropout factor of index (bT+t)S+s
 template <typename T>
 void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
                   const int64_t* kept, MaskedRowPolicy policy, double scale,
-                  const AttentionDims& dims, const DropoutSpec& drop);
+                  const AttentionDims& dims, const DropoutSpec& drop, const double* alibi = nullptr,
+                  int64_t alibi_heads = 1);
 
 // Gradients of sdpa_forward given dout (B, T, Dv); recomputes the scores and weights.
 template <typename T>
 void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
                    const int64_t* kept, MaskedRowPolicy policy, double scale,
-                   const AttentionDims& dims, const DropoutSpec& drop);
+                   const AttentionDims& dims, const DropoutSpec& drop,
+                   const double* alibi = nullptr, int64_t alibi_heads = 1);
 
 }  // namespace attn::ref

@@ -5,6 +5,9 @@
 
 #include "attn/nn/module.hpp"
 #include "attn/ops/attention.hpp"
+#include "attn/ops/relative_position.hpp"
+
+#include <optional>
 
 namespace attn::nn {
 
@@ -30,9 +33,19 @@ class DotProductAttention : public Module {
   // d2l always keeps attention_weights (B, T, S). Set false for long sequences: no T x S matrix
   // is then stored (the fused kernels need O(T*D) memory) and attention_weights() is undefined.
   bool need_weights = true;
+  // Relative positions (not in d2l; off by default). Inside MultiHeadAttention set them on
+  // mha.attention; attn/ops/relative_position.hpp has the formulas.
+  //   rotary: RoPE rotates queries (position t) and keys (position s) before the scores; the
+  //           query/key width must be even. The backward rotates dq and dk back.
+  //   alibi_slopes: (H) float, adds -alibi_slopes[b % H] * |t - s| to the scores; with
+  //           lens_repeat = H (MultiHeadAttention) b % H is the head. Runs the reference kernel.
+  std::optional<RotaryOptions> rotary;
+  Tensor alibi_slopes;
 
  private:
   Tensor q_, k_, v_, valid_lens_;
+  std::optional<RotaryOptions> rotary_used_;  // the forward's settings, for the backward
+  Tensor alibi_used_;
   AttentionResult result_;
   AttentionOptions options() const;
 };

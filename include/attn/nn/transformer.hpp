@@ -25,6 +25,7 @@
 #include "attn/nn/attention.hpp"
 #include "attn/nn/positional.hpp"
 #include "attn/ops/layer_norm.hpp"
+#include "attn/ops/relative_position.hpp"
 
 #include <memory>
 #include <vector>
@@ -130,8 +131,10 @@ enum class PositionalKind : uint8_t {
                 // permutation-equivariant
   kSinusoidal,  // d2l's PositionalEncoding (the default)
   kLearned,     // a learned (max_len, E) table added like the sinusoids: pos_encoding.weight
-  kRotary,      // RoPE: rotates each head's queries and keys (MultiHeadAttention::rotary)
-  kAlibi,       // ALiBi: a per-head linear distance bias on the scores (MultiHeadAttention::alibi)
+  kRotary,      // RoPE: rotates each head's queries and keys (DotProductAttention::rotary);
+                // the head width E / H must be even
+  kAlibi,       // ALiBi: a per-head distance bias -m_h |t - s| on the scores
+                // (DotProductAttention::alibi_slopes with the paper's slopes)
 };
 const char* positional_kind_name(PositionalKind kind);
 // Parses "none", "sinusoidal", "learned", "rotary"/"rope", "alibi"; throws Error otherwise.
@@ -142,6 +145,7 @@ struct TransformerEncoderOptions {
   int64_t max_len = 1000;  // sinusoidal: cache size; learned: table size (a hard limit)
   DType dtype = DType::F32;
   uint64_t seed = 0;
+  RotaryPairing rotary_pairing = RotaryPairing::kAdjacent;  // kRotary: which features pair up
 };
 
 // d2l TransformerEncoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,

@@ -1,7 +1,8 @@
 // Scaled dot-product attention (d2l DotProductAttention; PyTorch F.scaled_dot_product_attention).
 //
 //   q (B, T, D), k (B, S, D), v (B, S, Dv)   float32 or float64, any strides
-//   out (B, T, Dv) = dropout(masked_softmax(q k^T * scale)) v,  scale = 1/sqrt(D) by default
+//   out (B, T, Dv) = dropout(masked_softmax(q k^T * scale [- alibi])) v,  scale = 1/sqrt(D) by
+//   default; alibi[b, t, s] = m_{b % H} |t - s| when AttentionOptions::alibi_slopes is set
 //
 // Masks are those of masked_softmax (valid_lens (B,) or (B, T), causal, fully-masked-row policy).
 // Dropout acts on the weights, only when `training` and p > 0, as inverted dropout drawn from the
@@ -11,7 +12,8 @@
 // over kept keys (for the fast backward and for merging key blocks); -inf for rows without keys.
 //
 // d2l: DotProductAttention(dropout)(q, k, v, valid_lens).
-// PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p, is_causal).
+// PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p,
+// is_causal).
 #pragma once
 
 #include "attn/ops/masked_softmax.hpp"
@@ -26,12 +28,17 @@ struct AttentionOptions {
   bool training = false;        // dropout only acts in training
   bool need_weights = false;    // fill AttentionResult::weights
   std::optional<double> scale;  // default 1/sqrt(D)
+  // ALiBi (Press et al. 2022; attn/ops/relative_position.hpp): undefined, or (H) float slopes
+  // with B % H == 0. Adds -alibi_slopes[b % H] * |t - s| to score[b, t, s] after the scaling and
+  // before the mask (b % H is the head inside MultiHeadAttention, whose batch index is b*H + h).
+  // The bias is a constant of q and k, so the backward only recomputes it. Reference kernel only.
+  Tensor alibi_slopes;
 };
 
 struct AttentionResult {
-  Tensor output;     // (B, T, Dv)
-  Tensor weights;    // (B, T, S) pre-dropout, when need_weights
-  Tensor logsumexp;  // (B, T), float32 or float64 as q
+  Tensor output;                // (B, T, Dv)
+  Tensor weights;               // (B, T, S) pre-dropout, when need_weights
+  Tensor logsumexp;             // (B, T), float32 or float64 as q
   uint64_t dropout_offset = 0;  // the stream offset the forward used (backward redraws the mask)
 };
 
