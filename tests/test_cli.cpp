@@ -298,6 +298,7 @@ TEST_F(Cli, BadInputExitsTwoWithOneLineAndNoFile) {
       "pe --columns 40 --curves " + path("c.svg"),
       "pe --curves " + path("missing_dir/c.svg"),  // unwritable: no such directory
       "pe --positions 100000000 --dim 100000000",
+      "pe --curves ''",
       "pe binary --dim 0 --svg " + path("b.svg"),
       "pe relative",
       "pe relative --delta 1000",
