@@ -9,6 +9,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 
 namespace attn::nn {
 namespace {
@@ -206,6 +209,92 @@ TEST(RnnModule, BadInput) {
     EXPECT_EQ(e.op(), "rnn_tanh");
     EXPECT_NE(std::string(e.what()).find("(5)"), std::string::npos) << e.what();
   }
+}
+
+// ----------------------------------------------------------------------------------------------
+// PyTorch parity: torch.nn.Conv1d / torch.nn.RNN on the same deterministic values (float64),
+// outputs and every gradient of sum(out * w). Skipped where Debian's python3-torch is missing.
+
+// t[i] = sin(a (i + 1)): the same values in C++ and in the Python script below.
+Tensor sin_tensor(const Shape& shape, double a) {
+  Tensor t = Tensor::empty(shape, DType::F64);
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.set_flat(i, std::sin(a * static_cast<double>(i + 1)));
+  return t;
+}
+
+constexpr const char* kTorchScript = R"(
+import math, torch
+torch.set_default_dtype(torch.float64)
+def t(shape, a):
+    n = math.prod(shape)
+    return torch.tensor([math.sin(a * (i + 1)) for i in range(n)]).reshape(shape)
+def emit(*ts):
+    for x in ts:
+        print(' '.join(repr(v) for v in x.detach().flatten().tolist()))
+x = t((2, 5, 3), 0.7).requires_grad_()
+conv = torch.nn.Conv1d(3, 4, 3, padding=1)
+conv.weight.data, conv.bias.data = t((4, 3, 3), 1.3), t((4,), 2.1)
+y = conv(x.transpose(1, 2)).transpose(1, 2)
+(y * t((2, 5, 4), 0.2)).sum().backward()
+emit(y, x.grad, conv.weight.grad, conv.bias.grad)
+x.grad = None
+rnn = torch.nn.RNN(3, 4, batch_first=True)
+rnn.load_state_dict({'weight_ih_l0': t((4, 3), 0.9), 'weight_hh_l0': t((4, 4), 0.4),
+                     'bias_ih_l0': t((4,), 1.7), 'bias_hh_l0': t((4,), 0.3)})
+h0 = t((1, 2, 4), 0.5).requires_grad_()
+out, hn = rnn(x, h0)
+((out * t((2, 5, 4), 0.2)).sum() + (hn * t((1, 2, 4), 0.6)).sum()).backward()
+emit(out, x.grad, h0.grad, rnn.weight_ih_l0.grad, rnn.weight_hh_l0.grad, rnn.bias_ih_l0.grad,
+     rnn.bias_hh_l0.grad)
+)";
+
+TEST(SequenceLayersTorch, MatchesPyTorch) {
+  const std::string script = ::testing::TempDir() + "attn_sequence_torch.py";
+  std::ofstream(script) << kTorchScript;
+  const std::string command = "/usr/bin/python3 " + script + " 2>/dev/null";
+  FILE* pipe = popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string text;
+  char buffer[4096];
+  while (size_t got = fread(buffer, 1, sizeof buffer, pipe))
+    text.append(buffer, got);
+  if (pclose(pipe) != 0 || text.empty()) GTEST_SKIP() << "python3 with torch is not available";
+  std::istringstream lines(text);
+  auto next = [&](const Shape& shape) {
+    std::string line;
+    std::getline(lines, line);
+    std::istringstream values(line);
+    std::vector<double> v;
+    for (double d; values >> d;)
+      v.push_back(d);
+    return Tensor::from_vector(v, shape, DType::F64);
+  };
+  Context ctx;
+  const Tensor x = sin_tensor({2, 5, 3}, 0.7), w = sin_tensor({2, 5, 4}, 0.2);
+
+  Conv1d conv(3, 4, 3, true, DType::F64);
+  conv.weight.value.copy_from(sin_tensor({4, 3, 3}, 1.3));
+  conv.bias.value.copy_from(sin_tensor({4}, 2.1));
+  EXPECT_TRUE(close(conv.forward(ctx, x), next({2, 5, 4}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(conv.backward(ctx, w), next({2, 5, 3}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(conv.weight.grad, next({4, 3, 3}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(conv.bias.grad, next({4}), 1e-12, 1e-12));
+
+  RNN rnn(3, 4, true, DType::F64);
+  rnn.weight_ih_l0.value.copy_from(sin_tensor({4, 3}, 0.9));
+  rnn.weight_hh_l0.value.copy_from(sin_tensor({4, 4}, 0.4));
+  rnn.bias_ih_l0.value.copy_from(sin_tensor({4}, 1.7));
+  rnn.bias_hh_l0.value.copy_from(sin_tensor({4}, 0.3));
+  const Tensor h0 = sin_tensor({2, 4}, 0.5);
+  EXPECT_TRUE(close(rnn.forward(ctx, x, h0), next({2, 5, 4}), 1e-12, 1e-12));
+  const RNN::InputGrads g = rnn.backward(ctx, w, sin_tensor({2, 4}, 0.6));
+  EXPECT_TRUE(close(g.dx, next({2, 5, 3}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(g.dh0, next({2, 4}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(rnn.weight_ih_l0.grad, next({4, 3}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(rnn.weight_hh_l0.grad, next({4, 4}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(rnn.bias_ih_l0.grad, next({4}), 1e-12, 1e-12));
+  EXPECT_TRUE(close(rnn.bias_hh_l0.grad, next({4}), 1e-12, 1e-12));
 }
 
 }  // namespace
