@@ -65,6 +65,7 @@ for r in $(seq 1 "$rounds"); do
   loads+=("$(cut -d' ' -f1 /proc/loadavg)")
   echo "run_mha: round $r/$rounds (load $(cut -d' ' -f1-3 /proc/loadavg))" >&2
   env "${common_env[@]}" ATTN_THREADS="$threads" "$bin" --benchmark_min_time="$min_time" --benchmark_format=json \
+    --benchmark_min_warmup_time=0.5 \
     --benchmark_filter="$filter" \
     > "$tmp/ours.$r.json"
   env "${torch_env[@]}" "$python" bench/torch_mha.py --threads "$threads" \
@@ -135,13 +136,20 @@ for key, label in labels.items():
         o = ours.get(f"{key}/{T}")
         if o:
             ob = best(o)
-            parts.append(f"| {label} | {T} | {ob[0]:.2f} | {ob[1]:.1f} | {spread(o):.0f}% |")
+            oc = min(s[2] for s in o)
+            parts.append(f"| {label} | {T} | {ob[0]:.2f} | {ob[1]:.1f} | {oc:.2f} | "
+                         f"{spread(o):.0f}% |")
 peak = ours.get("BM_GemmPeak/2048")
 peak_line = (f"Peaks measured in the same runs ({threads} threads, best round): register-only FMA "
              f"loop {fma_peak:.0f} GFLOP/s; oneDNN f32 GEMM 2048^3 {best(peak)[1]:.0f} GFLOP/s."
              if peak else "")
 
-# Where the time of one MHA call goes, from the parts: 4 projections + the core.
+# Where the time of one MHA call goes, from the parts: 4 projections + the core. In process CPU
+# time (least over the rounds), which other processes on the machine disturb far less than
+# wall time; the parts ran in separate benchmarks, so the split is an estimate.
+def cpu(key):
+    return min(s[2] for s in ours[key])
+
 split = []
 for mode, name, pk, ck in (("inference", "BM_MhaInference", "BM_ProjectionForward",
                             "BM_AttentionCoreForward"),
@@ -151,14 +159,12 @@ for mode, name, pk, ck in (("inference", "BM_MhaInference", "BM_ProjectionForwar
         if not total:
             continue
         if mode == "inference":
-            proj = 4 * best(ours[f"{pk}/{T}"])[0]
-            core = best(ours[f"{ck}/{T}"])[0]
+            proj = 4 * cpu(f"{pk}/{T}")
+            core = cpu(f"{ck}/{T}")
         else:
-            proj = 4 * (best(ours[f"BM_ProjectionForward/{T}"])[0] +
-                        best(ours[f"BM_ProjectionBackward/{T}"])[0])
-            core = (best(ours[f"BM_AttentionCoreForward/{T}"])[0] +
-                    best(ours[f"BM_AttentionCoreBackward/{T}"])[0])
-        tot = best(total)[0]
+            proj = 4 * (cpu(f"BM_ProjectionForward/{T}") + cpu(f"BM_ProjectionBackward/{T}"))
+            core = cpu(f"BM_AttentionCoreForward/{T}") + cpu(f"BM_AttentionCoreBackward/{T}")
+        tot = cpu(f"{name}/{T}")
         rest = tot - proj - core
         split.append(f"| {mode} | {T} | {tot:.1f} | {proj:.1f} ({100 * proj / tot:.0f}%) | "
                      f"{core:.1f} ({100 * core / tot:.0f}%) | {rest:.1f} ({100 * rest / tot:.0f}%) |")
@@ -176,7 +182,8 @@ step (forward + backward wrt parameters and input) counts 3x the projections + 3
 PyTorch {torch_version} (Debian, {blas}), eval + no_grad for inference; attn with
 `Backend::kAuto`. Both with PyTorch's best settings (GLIBC_TUNABLES mmap_max=0,
 trim_threshold=64 GiB, OMP_WAIT_POLICY=PASSIVE). Wall time: best of {rounds} alternating
-rounds (the speedup column). CPU ms: process CPU time per step, all threads, least of the
+rounds (the speedup column); both sides warm up first (primitive creation, first touch of
+buffers). CPU ms: process CPU time per step, all threads, least of the
 rounds: on a loaded machine it still measures the work each side does, but it does not
 reward parallel efficiency. Spread = (slowest - fastest) / fastest wall time over the rounds,
 attn / PyTorch. CPU: {cpu} (family {family}), {platform.machine()}; 1-min load average at each
@@ -186,15 +193,16 @@ round and at the end: {loads} (2 cores; > 2 means other processes competed).
 |---|---|---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
-Where attn's time goes (the parts timed alone on the same shapes; "rest" = head split/merge
-copies, allocation, bias and gradient accumulation):
+Where attn's time goes, in process CPU ms (all threads; the parts timed alone on the same
+shapes, so an estimate; "rest" = head split/merge copies, page faults of fresh outputs, bias
+and gradient accumulation):
 
-| mode | T | total ms | 4 projections ms | attention core ms | rest ms |
+| mode | T | total CPU ms | 4 projections | attention core | rest |
 |---|---|---|---|---|---|
 {chr(10).join(split)}
 
-| part | T | ms | GFLOP/s | spread |
-|---|---|---|---|---|
+| part | T | wall ms | GFLOP/s (wall) | CPU ms | spread |
+|---|---|---|---|---|---|
 {chr(10).join(parts)}
 
 {peak_line}
