@@ -6,6 +6,8 @@
 #   bench/run_cpu.sh [build_dir] [repetitions]        (default build/default, 5)
 #   ATTN_THREADS=2 (default) sets both sides' thread count.
 #   ATTN_BENCH_QUICK=1 runs only T = 1024, D = 64 (a smoke test of the script, not for the docs).
+#   ATTN_TORCH_SEQ="1024" limits PyTorch to those sequence lengths (its T = 4096 runs take
+#   minutes each on a loaded machine); missing PyTorch cells show as "—".
 # Needs a quiet machine: the script records the load average before and after, and the spread
 # (min / median) of the repetitions, so a noisy run is visible in the table.
 set -euo pipefail
@@ -17,6 +19,7 @@ bin="$build/bench/bench_attention"
 [[ -x "$bin" ]] || { echo "run_cpu.sh: $bin not built (cmake --build $build --target bench_attention)" >&2; exit 2; }
 filter='BM_Flash(Forward|Backward)/'
 torch_shapes=()
+if [[ -n "${ATTN_TORCH_SEQ:-}" ]]; then torch_shapes=(--seq ${ATTN_TORCH_SEQ}); fi
 if [[ "${ATTN_BENCH_QUICK:-0}" == 1 ]]; then
   filter='BM_Flash(Forward|Backward)/BH:16/T:1024/D:64/'
   torch_shapes=(--seq 1024 --dims 64)
@@ -24,6 +27,14 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
+# An optimised BLAS for PyTorch's bmm without touching the system's libblas.so.3 alternative
+# (as bench/run_mha.sh): TORCH_BLAS_DIR, else Debian's OpenBLAS folders when installed.
+blas_dir=${TORCH_BLAS_DIR:-}
+for d in /usr/lib/x86_64-linux-gnu/openblas-pthread /usr/lib/x86_64-linux-gnu/openblas-openmp; do
+  if [[ -z "$blas_dir" && -e "$d/libblas.so.3" ]]; then blas_dir=$d; fi
+done
+torch_ld=${LD_LIBRARY_PATH:-}
+if [[ -n "$blas_dir" ]]; then torch_ld="$blas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 "$bin" --benchmark_filter="$filter" --benchmark_repetitions="$reps" \
   --benchmark_format=json --benchmark_out="$tmp/attn.json" --benchmark_out_format=json >/dev/null
@@ -34,7 +45,7 @@ else
     --benchmark_out="$tmp/long.json" --benchmark_out_format=json >/dev/null
 fi
 GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 \
-OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 bench/torch_attention.py --threads "$ATTN_THREADS" \
+OMP_WAIT_POLICY=PASSIVE LD_LIBRARY_PATH="$torch_ld" /usr/bin/python3 bench/torch_attention.py --threads "$ATTN_THREADS" \
   --reps "$reps" "${torch_shapes[@]}" >"$tmp/torch.jsonl"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -72,7 +83,11 @@ print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}
 print("- FLOPs: forward 4·BH·T·S·D, backward 2.5× forward, causal halves both (useful FLOPs).")
 print("- PyTorch: Debian's 1.13, `bmm + softmax + bmm` (`bench/torch_attention.py`), same "
       "threads, with `GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 "
-      "OMP_WAIT_POLICY=PASSIVE`; its causal case computes the full square and masks it.\n")
+      "OMP_WAIT_POLICY=PASSIVE`; its causal case computes the full square and masks it.")
+blas = sorted({r.get("blas", "?") for r in torch.values()})
+print(f"- PyTorch's BLAS: {', '.join(blas) or '—'}"
+      + (" — **the netlib reference BLAS: the PyTorch column is not a meaningful baseline**"
+         if any("/blas/" in b for b in blas) else "") + ".\n")
 print("| pass | BH | T=S | D | causal | attn GFLOP/s best (median) | % of peak | PyTorch GFLOP/s | speed-up |")
 print("|---|---|---|---|---|---|---|---|---|")
 for key in sorted(runs, key=lambda k: (k[0] != "forward", k[1], k[2], k[3])):

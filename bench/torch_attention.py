@@ -27,6 +27,16 @@ import time
 import torch
 
 
+def loaded_blas():
+    """Path of the BLAS this process mapped: Debian's torch runs bmm through libblas.so.3, which
+    is the netlib reference BLAS (~1 GFLOP/s) unless OpenBLAS is installed or on LD_LIBRARY_PATH."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libblas.so" in line or "openblas" in line:
+                return line.split()[-1]
+    return "?"
+
+
 def attention(q, k, v, causal):
     scores = torch.bmm(q, k.transpose(1, 2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
@@ -87,7 +97,8 @@ def main():
                                       "ms": sec * 1e3,
                                       "median_ms": med * 1e3 if med else None,
                                       "gflops": flops / sec * 1e-9,
-                                      "torch": torch.__version__}), flush=True)
+                                      "torch": torch.__version__,
+                                      "blas": loaded_blas()}), flush=True)
 
 
 if __name__ == "__main__":
