@@ -87,4 +87,29 @@ Dataset generate_task(const TaskOptions& o, int64_t num_examples, uint64_t seed,
   return d;
 }
 
+double order_blind_accuracy(const TaskOptions& o, const Dataset& d) {
+  if (o.task == GeneratedTask::kSorted) return 0.5;
+  double expected = 0;
+  int64_t count = 0;
+  std::vector<int64_t> freq(static_cast<size_t>(d.vocab_size));
+  for (const auto& seq : d.inputs) {
+    std::fill(freq.begin(), freq.end(), 0);
+    for (int64_t t : seq)
+      ++freq[static_cast<size_t>(t)];
+    // Position i >= 1 knows its own token x and the multiset; the target is uniform over the
+    // multiset minus one x (from its own point of view, any other token could precede it).
+    for (size_t i = 1; i < seq.size(); ++i) {
+      --freq[static_cast<size_t>(seq[i])];
+      const int64_t best = *std::max_element(freq.begin(), freq.end());
+      const int64_t ties = std::count(freq.begin(), freq.end(), best);
+      // The target is seq[i-1]; the predictor picks uniformly among the `ties` most frequent.
+      if (freq[static_cast<size_t>(seq[i - 1])] == best)
+        expected += 1.0 / static_cast<double>(ties);
+      ++freq[static_cast<size_t>(seq[i])];
+      ++count;
+    }
+  }
+  return count ? expected / static_cast<double>(count) : 0.0;
+}
+
 }  // namespace attn::model

@@ -1,0 +1,528 @@
+// attn train: a Transformer encoder with a classification or tagging head on a generated order
+// task (shift, sorted) or on user data (TSV text<TAB>label, CoNLL-U part-of-speech tags), with a
+// live progress bar, periodic evaluation, metrics (CSV/JSON), a learning-curve SVG, atomic
+// safetensors checkpoints and bit-identical resume.
+//
+// Resume: the checkpoint stores the run's arguments (train.args). Every argument that changes
+// results is taken from it unless given again on the command line, where it must agree; so
+// `attn train --resume ck.safetensors --steps 2000` continues a run where it stopped.
+#include "attn/core/error.hpp"
+#include "attn/core/safetensors.hpp"
+#include "attn/model/tasks.hpp"
+#include "attn/model/trainer.hpp"
+#include "tools/attn/commands.hpp"
+#include "viz/io.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <tuple>
+
+namespace attn::cli {
+
+namespace {
+
+constexpr const char* kOp = "train";
+using nlohmann::json;
+
+struct TrainArgs {
+  std::string task = "shift";  // shift | sorted | tsv | conllu
+  std::string data, eval_data;
+  std::string tag_column = "upos";
+  int64_t length = 16, symbols = 8, max_len = 256, min_freq = 1;
+  std::string pe = "sinusoidal";
+  int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
+  double dropout = 0.0;
+  int64_t steps = 1000, batch_size = 32;
+  double lr = 3e-3, weight_decay = 0.01, clip = 1.0;
+  uint64_t seed = 0;
+  int threads = 0;
+  int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
+  std::string metrics, curve, checkpoint, resume;
+};
+
+// The arguments that decide the results, by option name (what a checkpoint stores and a resume
+// compares). Output paths, threads, --steps and the evaluation cadence are not among them.
+json result_args(const TrainArgs& a) {
+  return {{"task", a.task},
+          {"data", a.data},
+          {"eval-data", a.eval_data},
+          {"tag-column", a.tag_column},
+          {"length", a.length},
+          {"symbols", a.symbols},
+          {"max-len", a.max_len},
+          {"min-freq", a.min_freq},
+          {"pe", a.pe},
+          {"num-hiddens", a.num_hiddens},
+          {"ffn-num-hiddens", a.ffn_num_hiddens},
+          {"num-heads", a.num_heads},
+          {"num-blks", a.num_blks},
+          {"dropout", a.dropout},
+          {"batch-size", a.batch_size},
+          {"lr", a.lr},
+          {"weight-decay", a.weight_decay},
+          {"clip", a.clip},
+          {"seed", std::to_string(a.seed)},
+          {"eval-examples", a.eval_examples}};
+}
+
+void set_result_args(TrainArgs& a, const json& j) {
+  a.task = j.at("task");
+  a.data = j.at("data");
+  a.eval_data = j.at("eval-data");
+  a.tag_column = j.at("tag-column");
+  a.length = j.at("length");
+  a.symbols = j.at("symbols");
+  a.max_len = j.at("max-len");
+  a.min_freq = j.at("min-freq");
+  a.pe = j.at("pe");
+  a.num_hiddens = j.at("num-hiddens");
+  a.ffn_num_hiddens = j.at("ffn-num-hiddens");
+  a.num_heads = j.at("num-heads");
+  a.num_blks = j.at("num-blks");
+  a.dropout = j.at("dropout");
+  a.batch_size = j.at("batch-size");
+  a.lr = j.at("lr");
+  a.weight_decay = j.at("weight-decay");
+  a.clip = j.at("clip");
+  a.seed = std::stoull(j.at("seed").get<std::string>());
+  a.eval_examples = j.at("eval-examples");
+}
+
+void validate(const TrainArgs& a) {
+  check(a.task == "shift" || a.task == "sorted" || a.task == "tsv" || a.task == "conllu", kOp,
+        "--task must be shift, sorted, tsv or conllu, got '{}'", a.task);
+  const bool user = a.task == "tsv" || a.task == "conllu";
+  check(!user || !a.data.empty(), kOp, "--task {} needs --data FILE", a.task);
+  check(user || a.data.empty(), kOp, "--data is for --task tsv|conllu, not the generated '{}'",
+        a.task);
+  check(a.steps >= 0 && a.batch_size >= 1, kOp, "--steps ({}) must be >= 0, --batch-size ({}) >= 1",
+        a.steps, a.batch_size);
+  check(a.eval_every >= 0 && a.checkpoint_every >= 0 && a.eval_examples >= 1, kOp,
+        "--eval-every and --checkpoint-every must be >= 0, --eval-examples >= 1");
+  check(a.length >= 2 && a.symbols >= 2 && a.max_len >= 1, kOp,
+        "--length ({}) and --symbols ({}) must be >= 2, --max-len ({}) >= 1", a.length, a.symbols,
+        a.max_len);
+  check(a.tag_column == "upos" || a.tag_column == "xpos", kOp,
+        "--tag-column must be upos or xpos, got '{}'", a.tag_column);
+  check(a.checkpoint_every == 0 || !a.checkpoint.empty(), kOp,
+        "--checkpoint-every needs --checkpoint FILE");
+  check(a.metrics.empty() || a.metrics.ends_with(".csv") || a.metrics.ends_with(".json"), kOp,
+        "--metrics must end with .csv or .json, got '{}'", a.metrics);
+  nn::parse_positional_kind(a.pe);  // throws for an unknown name
+}
+
+// Where batches come from: a pure function of the step, so a resumed run sees the same ones.
+struct DataSource {
+  model::TaskType type = model::TaskType::kTagging;
+  int64_t vocab_size = 0, num_classes = 0;
+  std::function<model::Batch(int64_t)> batch;
+  std::vector<model::Batch> eval;
+  std::string eval_name;
+  json vocab = json::array(), labels = json::array();  // user data: stored in checkpoints
+  std::string summary;
+};
+
+DataSource generated_source(const TrainArgs& a) {
+  model::TaskOptions t;
+  t.task = model::parse_generated_task(a.task);
+  t.num_symbols = a.symbols;
+  t.min_len = std::max<int64_t>(2, a.length / 2);
+  t.max_len = a.length;
+  DataSource s;
+  s.type = model::task_type(t.task);
+  s.vocab_size = model::task_vocab_size(t);
+  s.num_classes = model::task_num_classes(t);
+  const int64_t B = a.batch_size;
+  const uint64_t seed = a.seed;
+  s.batch = [t, B, seed](int64_t step) {
+    std::vector<int64_t> idx(static_cast<size_t>(B));
+    std::iota(idx.begin(), idx.end(), 0);
+    return model::make_batch(model::generate_task(t, B, seed, static_cast<uint64_t>(step)), idx);
+  };
+  // A fixed evaluation set of the training lengths, the same for every seed.
+  s.eval = model::make_batches(
+      model::generate_task(t, a.eval_examples, 0, model::eval_stream(a.length)), 64);
+  s.eval_name =
+      fmt::format("{} held-out sequences of length {}..{}", a.eval_examples, t.min_len, t.max_len);
+  s.summary = fmt::format("task {} ({}), {} symbols, lengths {}..{}", a.task,
+                          model::task_type_name(s.type), a.symbols, t.min_len, t.max_len);
+  return s;
+}
+
+DataSource user_source(const TrainArgs& a) {
+  DataSource s;
+  model::Dataset train, eval;
+  model::Vocabulary tokens, labels(false);
+  const bool tsv = a.task == "tsv";
+  if (tsv) {
+    const auto ex = model::read_tsv(a.data);
+    std::vector<std::vector<std::string>> texts;
+    std::vector<std::string> names;
+    for (const auto& e : ex)
+      texts.push_back(e.tokens), names.push_back(e.label);
+    tokens = model::Vocabulary::build(texts, a.min_freq);
+    labels = model::Vocabulary::labels(names);
+    train = model::encode_classification(ex, tokens, labels, a.data);
+    if (!a.eval_data.empty())
+      eval =
+          model::encode_classification(model::read_tsv(a.eval_data), tokens, labels, a.eval_data);
+  } else {
+    const auto col = a.tag_column == "upos" ? model::ConlluTag::kUpos : model::ConlluTag::kXpos;
+    const auto sents = model::read_conllu(a.data, col);
+    std::vector<std::vector<std::string>> words;
+    std::vector<std::string> tags;
+    for (const auto& st : sents) {
+      words.push_back(st.tokens);
+      tags.insert(tags.end(), st.tags.begin(), st.tags.end());
+    }
+    tokens = model::Vocabulary::build(words, a.min_freq);
+    labels = model::Vocabulary::labels(tags);
+    train = model::encode_tagging(sents, tokens, labels, a.data);
+    if (!a.eval_data.empty())
+      eval =
+          model::encode_tagging(model::read_conllu(a.eval_data, col), tokens, labels, a.eval_data);
+  }
+  if (a.eval_data.empty()) {
+    check(train.size() >= 2, kOp,
+          "{}: {} example(s); need 2 or more to hold out an evaluation "
+          "set (or give --eval-data)",
+          a.data, train.size());
+    std::tie(train, eval) = model::split_holdout(train, 0.1, a.seed);
+    s.eval_name = fmt::format("{} examples held out of {}", eval.size(), a.data);
+  } else {
+    s.eval_name = fmt::format("{} examples of {}", eval.size(), a.eval_data);
+  }
+  const int64_t cut = model::truncate(train, a.max_len) + model::truncate(eval, a.max_len);
+  s.type = train.type;
+  s.vocab_size = train.vocab_size;
+  s.num_classes = train.num_classes;
+  s.vocab = tokens.tokens();
+  s.labels = labels.tokens();
+  s.eval = model::make_batches(eval, 64);
+  auto data = std::make_shared<model::Dataset>(std::move(train));
+  auto sampler = std::make_shared<model::EpochSampler>(data->size(), a.batch_size, a.seed);
+  s.batch = [data, sampler](int64_t step) {
+    return model::make_batch(*data, sampler->indices(step));
+  };
+  s.summary = fmt::format(
+      "{} ({}): {} examples, vocabulary {}, {} {}{}", a.data, model::task_type_name(s.type),
+      data->size(), s.vocab_size, s.num_classes, tsv ? "labels" : "tags",
+      cut ? fmt::format(", {} sequences cut to --max-len {}", cut, a.max_len) : "");
+  return s;
+}
+
+// One row of the metrics: the training loss averaged since the previous row, then evaluation.
+struct Record {
+  int64_t step;
+  double train_loss, eval_loss, eval_accuracy, tokens_per_second, seconds;
+};
+
+json history_json(const std::vector<Record>& h) {
+  json out = json::array();
+  for (const auto& r : h)
+    out.push_back({{"step", r.step},
+                   {"train_loss", r.train_loss},
+                   {"eval_loss", r.eval_loss},
+                   {"eval_accuracy", r.eval_accuracy},
+                   {"tokens_per_second", r.tokens_per_second},
+                   {"seconds", r.seconds}});
+  return out;
+}
+
+std::vector<Record> history_from_json(const json& j) {
+  std::vector<Record> h;
+  for (const auto& r : j)
+    h.push_back({r.at("step"), r.at("train_loss"), r.at("eval_loss"), r.at("eval_accuracy"),
+                 r.at("tokens_per_second"), r.at("seconds")});
+  return h;
+}
+
+std::string metrics_csv(const std::vector<Record>& h) {
+  std::string out = "step,train_loss,eval_loss,eval_accuracy,tokens_per_second,seconds\n";
+  for (const auto& r : h)
+    out += fmt::format("{},{:.6g},{:.6g},{:.6g},{:.1f},{:.3f}\n", r.step, r.train_loss, r.eval_loss,
+                       r.eval_accuracy, r.tokens_per_second, r.seconds);
+  return out;
+}
+
+std::string curve_svg(const std::vector<Record>& h, const std::string& title) {
+  viz::Series train{"train loss", {}, {}, "", "", false};
+  viz::Series eval{"eval loss", {}, {}, "", "", false};
+  viz::Series acc{"eval accuracy", {}, {}, "", "", true};
+  for (const auto& r : h) {
+    const double x = static_cast<double>(r.step);
+    train.x.push_back(x), train.y.push_back(r.train_loss);
+    eval.x.push_back(x), eval.y.push_back(r.eval_loss);
+    acc.x.push_back(x), acc.y.push_back(r.eval_accuracy);
+  }
+  viz::LineChartOptions o;
+  o.title = title;
+  o.xlabel = "step";
+  o.ylabel = "loss / accuracy";
+  o.ymin = 0.0;
+  o.height = 300;
+  return viz::line_chart_svg({train, eval, acc}, o);
+}
+
+std::string clock(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+                   : fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+// The live line on a terminal: "step 120/1000 [####......] loss 1.234  12.3k tok/s  ETA 0:42".
+// Redrawn in place (\r) at most 10 times a second; on a pipe or file nothing but whole lines.
+class Progress {
+ public:
+  explicit Progress(int64_t total) : total_(total), tty_(isatty(fileno(stderr)) != 0) {}
+  void update(int64_t step, double loss, double tokens_per_second, double eta) {
+    if (!tty_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (step != total_ && now - last_ < std::chrono::milliseconds(100)) return;
+    last_ = now;
+    constexpr int kWidth = 24;
+    const int filled = total_ > 0 ? static_cast<int>(kWidth * step / total_) : kWidth;
+    std::fprintf(stderr, "\r\033[Kstep %lld/%lld [%s%s] loss %.4f  %s tok/s  ETA %s",
+                 static_cast<long long>(step), static_cast<long long>(total_),
+                 std::string(static_cast<size_t>(filled), '#').c_str(),
+                 std::string(static_cast<size_t>(kWidth - filled), '.').c_str(), loss,
+                 rate(tokens_per_second).c_str(), clock(eta).c_str());
+    std::fflush(stderr);
+  }
+  // A whole line (evaluation results), above the bar on a terminal.
+  void line(const std::string& text) {
+    std::fprintf(stderr, "%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());
+    std::fflush(stderr);
+  }
+  static std::string rate(double r) {
+    return r >= 1e6   ? fmt::format("{:.1f}M", r / 1e6)
+           : r >= 1e3 ? fmt::format("{:.1f}k", r / 1e3)
+                      : fmt::format("{:.0f}", r);
+  }
+
+ private:
+  int64_t total_;
+  bool tty_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+// The checkpoint's "train.args" merged into `a`: arguments given on the command line must agree.
+void merge_resume_args(TrainArgs& a, const std::map<std::string, CLI::Option*>& given,
+                       const std::map<std::string, std::string>& meta) {
+  auto it = meta.find("train.args");
+  check(it != meta.end(), kOp, "{}: no train.args metadata (not written by `attn train`)",
+        a.resume);
+  json saved;
+  try {
+    saved = json::parse(it->second);
+    const json now = result_args(a);
+    for (const auto& [key, value] : saved.items()) {
+      auto opt = given.find(key);
+      if (opt != given.end() && opt->second->count() > 0 && now.contains(key) &&
+          now.at(key) != value)
+        throw Error(kOp, fmt::format("--{} is {} but {} was trained with {}; leave it out to "
+                                     "continue that run",
+                                     key, now.at(key).dump(), a.resume, value.dump()));
+    }
+    set_result_args(a, saved);
+  } catch (const json::exception& e) {
+    throw Error(kOp, fmt::format("{}: malformed train.args metadata: {}", a.resume, e.what()));
+  }
+}
+
+void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
+  if (!a.resume.empty()) merge_resume_args(a, given, load_safetensors(a.resume).metadata);
+  validate(a);
+  const bool user = a.task == "tsv" || a.task == "conllu";
+  DataSource src = user ? user_source(a) : generated_source(a);
+
+  model::TrainOptions o;
+  o.model.type = src.type;
+  o.model.vocab_size = src.vocab_size;
+  o.model.num_classes = src.num_classes;
+  o.model.num_hiddens = a.num_hiddens;
+  o.model.ffn_num_hiddens = a.ffn_num_hiddens;
+  o.model.num_heads = a.num_heads;
+  o.model.num_blks = a.num_blks;
+  o.model.dropout = a.dropout;
+  o.model.positional = nn::parse_positional_kind(a.pe);
+  // Sinusoids extend to any length; a learned table is sized for the longest sequence we feed.
+  o.model.max_len = user ? a.max_len : std::max<int64_t>(a.length, 1000);
+  o.adamw.lr = a.lr;
+  o.adamw.weight_decay = a.weight_decay;
+  o.clip_norm = a.clip;
+  o.seed = a.seed;
+  o.threads = a.threads;
+  model::Trainer trainer(o);
+
+  std::vector<Record> history;
+  if (!a.resume.empty()) {
+    auto extra = trainer.load_checkpoint(a.resume);
+    if (user)
+      check(extra["train.vocab"] == src.vocab.dump() && extra["train.labels"] == src.labels.dump(),
+            kOp,
+            "{}: the vocabulary built from {} differs from the checkpoint's (was the data "
+            "file changed?)",
+            a.resume, a.data);
+    try {
+      history = history_from_json(json::parse(extra.at("train.history")));
+    } catch (const std::exception& e) {
+      throw Error(kOp, fmt::format("{}: malformed train.history metadata: {}", a.resume, e.what()));
+    }
+    check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
+          trainer.step(), a.steps);
+  }
+
+  auto save = [&](const std::string& path) {
+    trainer.save_checkpoint(path, {{"train.args", result_args(a).dump()},
+                                   {"train.history", history_json(history).dump()},
+                                   {"train.vocab", src.vocab.dump()},
+                                   {"train.labels", src.labels.dump()}});
+  };
+
+  Progress progress(a.steps);
+  progress.line(fmt::format("attn train: {}", src.summary));
+  progress.line(fmt::format(
+      "model: E={} F={} H={} blocks={} pe={} dropout={}, {} parameters; AdamW lr={} wd={}, clip "
+      "{}; seed {}{}",
+      a.num_hiddens, a.ffn_num_hiddens, a.num_heads, a.num_blks, a.pe, a.dropout,
+      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed,
+      a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
+  progress.line(fmt::format("evaluation: {}", src.eval_name));
+
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t first_step = trainer.step();
+  const double seconds_before = history.empty() ? 0.0 : history.back().seconds;
+  int64_t tokens = 0;
+  double loss_sum = 0;
+  int64_t loss_count = 0;
+  double last_loss = std::nan("");
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  auto evaluate = [&] {
+    const model::EvalStats e = trainer.evaluate(src.eval);
+    const double t = elapsed();
+    history.push_back(
+        {trainer.step(), loss_count ? loss_sum / static_cast<double>(loss_count) : std::nan(""),
+         e.loss, e.accuracy, t > 0 ? static_cast<double>(tokens) / t : 0.0, seconds_before + t});
+    loss_sum = 0;
+    loss_count = 0;
+    const Record& r = history.back();
+    progress.line(fmt::format(
+        "step {:>6}  train loss {:.4f}  eval loss {:.4f}  eval accuracy "
+        "{:.4f}  {} tok/s",
+        r.step, r.train_loss, r.eval_loss, r.eval_accuracy, Progress::rate(r.tokens_per_second)));
+  };
+
+  while (trainer.step() < a.steps) {
+    const model::StepStats st = trainer.train_step(src.batch(trainer.step()));
+    tokens += st.tokens;
+    loss_sum += st.loss;
+    ++loss_count;
+    last_loss = st.loss;
+    const double t = elapsed();
+    const double per_step = t / static_cast<double>(st.step - first_step);
+    progress.update(st.step, st.loss, static_cast<double>(tokens) / t,
+                    per_step * static_cast<double>(a.steps - st.step));
+    if ((a.eval_every > 0 && st.step % a.eval_every == 0) || st.step == a.steps) evaluate();
+    if (a.checkpoint_every > 0 && st.step % a.checkpoint_every == 0 && st.step != a.steps)
+      save(a.checkpoint);
+  }
+  if (history.empty() || history.back().step != trainer.step()) evaluate();
+
+  // Outputs after everything else succeeded; each is written atomically.
+  const std::string title = fmt::format(
+      "attn train --task {} --pe {}: {} steps, eval accuracy "
+      "{:.3f}",
+      a.task, a.pe, trainer.step(), history.back().eval_accuracy);
+  if (!a.checkpoint.empty()) save(a.checkpoint);
+  if (!a.metrics.empty()) {
+    const std::string text = a.metrics.ends_with(".csv")
+                                 ? metrics_csv(history)
+                                 : json({{"args", result_args(a)},
+                                         {"options", json::parse(model::to_json(o))},
+                                         {"history", history_json(history)}})
+                                           .dump(1) +
+                                       "\n";
+    viz::write_file_atomic(a.metrics, text);
+  }
+  if (!a.curve.empty()) viz::write_file_atomic(a.curve, curve_svg(history, title));
+  const Record& r = history.back();
+  print(fmt::format(
+      "step {}: train loss {:.4f}, eval loss {:.4f}, eval accuracy {:.4f} ({:.1f} "
+      "s{})\n",
+      r.step, std::isnan(last_loss) ? r.train_loss : last_loss, r.eval_loss, r.eval_accuracy,
+      elapsed(), a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+}
+
+}  // namespace
+
+std::vector<Command> add_train_command(CLI::App& app) {
+  auto args = std::make_shared<TrainArgs>();
+  auto given = std::make_shared<std::map<std::string, CLI::Option*>>();
+  TrainArgs& a = *args;
+  CLI::App* sub = app.add_subcommand(
+      "train",
+      "Train a Transformer encoder (d2l 11.7) with a classification or tagging head: on a "
+      "generated order task (shift: tag each token with the one before it; sorted: is the "
+      "sequence non-decreasing) or on your data (TSV text<TAB>label; CoNLL-U part-of-speech). "
+      "Live progress on stderr, metrics, learning curve, atomic checkpoints, bit-identical "
+      "--resume.");
+  auto add = [&](const std::string& name, auto& field, const std::string& help) {
+    CLI::Option* opt = sub->add_option("--" + name, field, help)->capture_default_str();
+    (*given)[name] = opt;
+    return opt;
+  };
+  add("task", a.task, "shift | sorted (generated) or tsv | conllu (with --data)")
+      ->check(CLI::IsMember({"shift", "sorted", "tsv", "conllu"}));
+  add("data", a.data, "training file for --task tsv|conllu")->type_name("FILE");
+  add("eval-data", a.eval_data,
+      "evaluation file (default: 10% of --data held out by a seeded shuffle)")
+      ->type_name("FILE");
+  add("tag-column", a.tag_column, "CoNLL-U tag column: upos or xpos");
+  add("length", a.length, "generated tasks: longest training sequence (lengths length/2..length)");
+  add("symbols", a.symbols, "generated tasks: number of distinct symbols");
+  add("max-len", a.max_len, "user data: sequences are cut to this many tokens");
+  add("min-freq", a.min_freq, "user data: rarer words map to <unk>");
+  add("pe", a.pe, "positional encoding: none, sinusoidal, learned, rotary, alibi");
+  add("num-hiddens", a.num_hiddens, "model width E");
+  add("ffn-num-hiddens", a.ffn_num_hiddens, "feed-forward width");
+  add("num-heads", a.num_heads, "attention heads (must divide E)");
+  add("num-blks", a.num_blks, "encoder blocks");
+  add("dropout", a.dropout, "dropout probability (d2l's three sites)");
+  sub->add_option("--steps", a.steps, "train until this step (counting resumed steps)")
+      ->capture_default_str();
+  add("batch-size", a.batch_size, "sequences per step");
+  add("lr", a.lr, "AdamW learning rate");
+  add("weight-decay", a.weight_decay, "AdamW decoupled weight decay");
+  add("clip", a.clip, "clip the global gradient norm to this (0: off)");
+  add("seed", a.seed, "seeds the parameters, the data order and dropout");
+  add("eval-examples", a.eval_examples, "generated tasks: size of the evaluation set");
+  sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
+      ->capture_default_str();
+  sub->add_option("--eval-every", a.eval_every, "evaluate every N steps (0: only at the end)")
+      ->capture_default_str();
+  sub->add_option("--metrics", a.metrics, "write the evaluation history (.csv or .json)")
+      ->type_name("FILE");
+  sub->add_option("--curve", a.curve, "write the learning curve (SVG)")->type_name("FILE");
+  sub->add_option("--checkpoint", a.checkpoint, "write a checkpoint at the end (safetensors)")
+      ->type_name("FILE");
+  sub->add_option("--checkpoint-every", a.checkpoint_every, "also write it every N steps")
+      ->capture_default_str();
+  sub->add_option("--resume", a.resume, "continue the run saved in this checkpoint")
+      ->type_name("FILE");
+  auto run = [args, given] { run_train(*args, *given); };
+  return {{sub, run}};
+}
+
+}  // namespace attn::cli
