@@ -336,7 +336,8 @@ std::map<std::string, std::string> Trainer::load_checkpoint(const std::string& p
   const SafetensorsFile f = load_checked(path);
   const TrainOptions saved = train_options_from_json(meta_at(f, path, "attn.options"));
   // Compared through their JSON, which leaves out threads (results do not depend on it).
-  check(to_json(saved) == to_json(options_), op, "{}: the checkpoint was trained with other options: {}", path,
+  check(to_json(saved) == to_json(options_), op,
+        "{}: the checkpoint was trained with other options: {}", path,
         first_difference(saved, options_));
   const int64_t step =
       static_cast<int64_t>(parse_u64(meta_at(f, path, "attn.step"), path, "attn.step"));
