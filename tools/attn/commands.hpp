@@ -114,12 +114,12 @@ std::vector<Command> add_pe_theory_commands(CLI::App& pe);
 // A table as aligned text columns (for the terminal).
 std::string text_table(const viz::Table& table);
 
-// --- attn tour -------------------------------------------------------------------------------
-
 // --- attn train, attn experiment positional (cmd_train.cpp, cmd_experiment.cpp) ------------
 
 std::vector<Command> add_train_command(CLI::App& app);
 std::vector<Command> add_experiment_command(CLI::App& app);
+
+// --- attn tour -------------------------------------------------------------------------------
 
 std::vector<Command> add_tour_command(CLI::App& app);
 

@@ -26,6 +26,7 @@ const std::vector<TourSection>& tour_sections() {
       {"encoding-matrix", tour_encoding_matrix},
       {"absolute-position", tour_absolute_position},
       {"relative-position", tour_relative_position},
+      {"positional-experiment", tour_positional_experiment},
       // Append later sections here, e.g. {"cnn-rnn-attention", tour_cnn_rnn_attention}.
   };
   return sections;

@@ -42,5 +42,7 @@ void tour_self_attention(Tour& tour);
 void tour_encoding_matrix(Tour& tour);
 void tour_absolute_position(Tour& tour);
 void tour_relative_position(Tour& tour);
+// The positional-encoding experiment, quick setting (cmd_experiment.cpp).
+void tour_positional_experiment(Tour& tour);
 
 }  // namespace attn::cli
