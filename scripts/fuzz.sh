@@ -41,7 +41,7 @@ for name in "${fuzzers[@]}"; do
   # only slow mutation down. -rss_limit_mb catches allocations sized from unchecked fields.
   if ! "$build/fuzz/$name" "$work" "fuzz/corpus/$area" "${dict[@]}" "${extra[@]}" \
       -max_total_time="$seconds" -max_len=4096 -timeout=10 -rss_limit_mb=2048 \
-      -artifact_prefix="$build/artifacts/$name-" -print_final_stats=1 2>"$build/$name.log"; then
+      -artifact_prefix="$PWD/$build/artifacts/$name-" -print_final_stats=1 2>"$build/$name.log"; then
     echo "$name FAILED; see $build/$name.log and $build/artifacts/" >&2
     tail -n 40 "$build/$name.log" >&2
     status=1
