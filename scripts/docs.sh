@@ -8,6 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v doxygen >/dev/null || { echo "docs: doxygen not found (run scripts/setup.sh)" >&2; exit 1; }
 out=build/docs/api
+# The filter's interpreter, resolved past any shim (docs/Doxyfile reads it from the environment).
+ATTN_DOCS_PYTHON=$(python3 -c 'import sys; print(sys.executable)')
+export ATTN_DOCS_PYTHON
 rm -rf "$out"
 mkdir -p "$out"
 
@@ -15,7 +18,7 @@ mkdir -p "$out"
 doxygen docs/Doxyfile
 # Doxygen does not warn about undocumented symbols under EXTRACT_ALL; pass 2 (no output) does.
 { cat docs/Doxyfile; printf 'EXTRACT_ALL = NO\nGENERATE_HTML = NO\nWARN_LOGFILE = %s\n' \
-  "$out/undocumented.log"; } | doxygen - >/dev/null
+  "$out/undocumented.log"; } | doxygen - >/dev/null 2>&1  # (it only says "no output formats")
 
 undocumented=$(grep -c "is not documented" "$out/undocumented.log" || true)
 other=$(grep -v "is not documented" "$out/warnings.log" | grep -c . || true)
