@@ -26,7 +26,7 @@ struct ExperimentArgs {
   std::string out;
   bool full = false;
   int64_t seeds = 0, steps = 0;  // 0: the setting's default
-  int jobs = 2;
+  int jobs = 1;
   std::vector<std::string> tasks;  // empty: the setting's default
 };
 
@@ -45,7 +45,12 @@ model::PositionalExperimentOptions experiment_options(const ExperimentArgs& a) {
     for (const auto& t : a.tasks)
       o.tasks.push_back(model::parse_generated_task(t));
   }
-  check(a.jobs >= 1, kOp, "--jobs must be >= 1, got {}", a.jobs);
+  // Parallel runs crash today (measured: SIGSEGV with --jobs 2): some kernel state is shared
+  // between threads. Until the library is safe to call from several threads, one run at a time.
+  check(a.jobs == 1, kOp,
+        "--jobs {}: only 1 is supported for now (the library is not yet safe "
+        "to call from several threads at once)",
+        a.jobs);
   o.jobs = a.jobs;
   return o;
 }
@@ -234,7 +239,7 @@ std::vector<Command> add_experiment_command(CLI::App& app) {
   sub->add_option("--seeds", args->seeds, "seeds per variant (default 1 quick, 3 full)");
   sub->add_option("--steps", args->steps, "training steps per run (default 1500 quick, 3000 full)");
   sub->add_option("--tasks", args->tasks, "tasks, comma-separated: shift, sorted")->delimiter(',');
-  sub->add_option("--jobs", args->jobs, "runs trained at the same time (one thread each)")
+  sub->add_option("--jobs", args->jobs, "runs trained at the same time (only 1 for now)")
       ->capture_default_str();
   auto run = [args] {
     const auto o = experiment_options(*args);
@@ -255,7 +260,7 @@ std::vector<Command> add_experiment_command(CLI::App& app) {
   return {{sub, run}, {experiment, [] {}}};
 }
 
-// The tour's section: the quick setting, two runs at a time.
+// The tour's section: the quick setting.
 void tour_positional_experiment(Tour& tour) {
   viz::Section& s =
       tour.report.section("positional-experiment", "Positional encoding matters: a trained model");
