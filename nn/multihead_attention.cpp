@@ -14,7 +14,9 @@
 
 #include "nn/internal.hpp"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <string_view>
 
 namespace attn::nn {
@@ -30,6 +32,46 @@ double checked_dropout(int64_t num_hiddens, int64_t num_heads, double dropout_p)
         "num_hiddens ({}) is not divisible by num_heads ({}): each head needs D = E / H features",
         num_hiddens, num_heads);
   return dropout_p;
+}
+
+// Padded key/value rows are not part of the computation: no query reads them (d2l's valid_lens
+// mask keys s >= len). Their projection gradients are still a product, W_k.grad += dK^T keys, and
+// dK = 0 there, but 0 * NaN = NaN: a NaN or Inf in padding would poison W_k.grad and W_v.grad
+// (PyTorch has the same leak, pytorch#41508). So rows that nothing reads are zeroed before the
+// projection, in a copy made only when such a row holds a non-finite value.
+//   keys:   row s of batch b is read iff s < max_t kept(b, t)
+//   values: the same, except that a query row that keeps no key under the uniform policy (d2l)
+//           averages every value, padding included, so then all of its batch's values are read.
+Tensor zero_unread_padding(const Tensor& X, const Tensor& valid_lens, bool causal, int64_t T,
+                           bool uniform_reads_all) {
+  const int64_t B = X.dim(0), S = X.dim(1), E = X.dim(2);
+  const std::vector<double> lens = valid_lens.to_vector();
+  const int64_t per_batch = valid_lens.ndim() == 2 ? valid_lens.dim(1) : 1;
+  std::vector<int64_t> read(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    bool some_row_keeps_nothing = false;
+    for (int64_t i = 0; i < per_batch; ++i) {
+      const double len = lens[static_cast<size_t>(b * per_batch + i)];
+      // kept = #{s : float(s) < len} = clamp(ceil(len), 0, S); NaN keeps nothing.
+      int64_t kept = len > 0 ? static_cast<int64_t>(std::min<double>(std::ceil(len), S)) : 0;
+      if (causal) kept = std::min(kept, per_batch == 1 ? T : i + 1);
+      read[b] = std::max(read[b], kept);
+      some_row_keeps_nothing |= kept == 0;
+    }
+    if (some_row_keeps_nothing && uniform_reads_all) read[b] = S;
+  }
+  auto unread_rows_finite = [&] {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t s = read[b]; s < S; ++s)
+        for (int64_t e = 0; e < E; ++e)
+          if (!std::isfinite(X.at({b, s, e}))) return false;
+    return true;
+  };
+  if (unread_rows_finite()) return X;
+  Tensor clean = X.clone();
+  for (int64_t b = 0; b < B; ++b)
+    if (read[b] < S) clean.select(0, b).slice(0, read[b], S).fill(0.0);
+  return clean;
 }
 
 }  // namespace
@@ -82,10 +124,19 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   S_ = keys.dim(1);
   const int64_t H = num_heads_;
 
+  // Padding that no query reads stays out of the projections (and so of their gradients).
+  Tensor keys_read = keys, values_read = values;
+  if (valid_lens.defined()) {
+    check_valid_lens(op, valid_lens, B_, T_, 1);
+    const bool uniform = attention.masked_rows == MaskedRowPolicy::kUniform;
+    keys_read = zero_unread_padding(keys, valid_lens, attention.causal, T_, false);
+    values_read = zero_unread_padding(values, valid_lens, attention.causal, T_, uniform);
+  }
+
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
   Tensor Qh = detail::split_heads(W_q.forward(ctx, queries), H);
-  Tensor Kh = detail::split_heads(W_k.forward(ctx, keys), H);
-  Tensor Vh = detail::split_heads(W_v.forward(ctx, values), H);
+  Tensor Kh = detail::split_heads(W_k.forward(ctx, keys_read), H);
+  Tensor Vh = detail::split_heads(W_v.forward(ctx, values_read), H);
 
   // Per-(b, h) scaled dot-product attention with D = E / H; the mask of batch b serves its H
   // rows (lens_repeat = H, set at construction).
