@@ -121,6 +121,11 @@ std::vector<Command> add_experiment_command(CLI::App& app);
 
 // --- attn tour -------------------------------------------------------------------------------
 
+// --- attn compare (cmd_compare.cpp) ------------------------------------------------------------
+
+// The chapter's CNN / RNN / self-attention table, measured (attn/model/compare.hpp).
+std::vector<Command> add_compare_command(CLI::App& app);
+
 std::vector<Command> add_tour_command(CLI::App& app);
 
 // The whole command line (app.cpp): parses argv, runs the chosen subcommand and returns the exit

@@ -27,7 +27,8 @@ const std::vector<TourSection>& tour_sections() {
       {"absolute-position", tour_absolute_position},
       {"relative-position", tour_relative_position},
       {"positional-experiment", tour_positional_experiment},
-      // Append later sections here, e.g. {"cnn-rnn-attention", tour_cnn_rnn_attention}.
+      {"cnn-rnn-attention", tour_cnn_rnn_attention},
+      // Append later sections here.
   };
   return sections;
 }

@@ -42,6 +42,8 @@ void tour_self_attention(Tour& tour);
 void tour_encoding_matrix(Tour& tour);
 void tour_absolute_position(Tour& tour);
 void tour_relative_position(Tour& tour);
+// cmd_compare.cpp: the CNN / RNN / self-attention table measured with `attn compare --quick`.
+void tour_cnn_rnn_attention(Tour& tour);
 // The positional-encoding experiment, quick setting (cmd_experiment.cpp).
 void tour_positional_experiment(Tour& tour);
 
