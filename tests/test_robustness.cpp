@@ -473,10 +473,9 @@ TEST(NaNInPadding, MultiHeadAttentionOutputsAndInputGrads) {
 }
 
 // The projections' weight gradients, W_k.grad += dK^T keys: dK is exactly 0 on padded rows, but
-// 0 * NaN is NaN, so a NaN in padded *inputs* reaches W_k.grad and W_v.grad unless the module
-// keeps padded rows out of that product. PyTorch behaves the same way (its Linear sees every
-// row). Open question for nn/: this test states the goal ("NaN in padding never reaches a
-// gradient"); it fails until MultiHeadAttention masks padded rows in its projections' backward.
+// 0 * NaN is NaN, so a NaN in padded *inputs* would reach W_k.grad and W_v.grad if padded rows
+// entered that product (PyTorch's Linear sees every row). MultiHeadAttention keeps padding that
+// no query reads out of its projections.
 TEST(NaNInPadding, MultiHeadAttentionProjectionGrads) {
   const int64_t B = 2, T = 3, S = 5, E = 8, H = 2;
   nn::MultiHeadAttention mha(E, H, 0.0, false, DType::F32, 4);
