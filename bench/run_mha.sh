@@ -147,7 +147,7 @@ peak_line = (f"Peaks measured in the same runs ({threads} threads, best round): 
 # Where the time of one MHA call goes, from the parts: 4 projections + the core. In process CPU
 # time (least over the rounds), which other processes on the machine disturb far less than
 # wall time; the parts ran in separate benchmarks, so the split is an estimate.
-def cpu(key):
+def cpu_ms(key):
     return min(s[2] for s in ours[key])
 
 split = []
@@ -159,12 +159,12 @@ for mode, name, pk, ck in (("inference", "BM_MhaInference", "BM_ProjectionForwar
         if not total:
             continue
         if mode == "inference":
-            proj = 4 * cpu(f"{pk}/{T}")
-            core = cpu(f"{ck}/{T}")
+            proj = 4 * cpu_ms(f"{pk}/{T}")
+            core = cpu_ms(f"{ck}/{T}")
         else:
-            proj = 4 * (cpu(f"BM_ProjectionForward/{T}") + cpu(f"BM_ProjectionBackward/{T}"))
-            core = cpu(f"BM_AttentionCoreForward/{T}") + cpu(f"BM_AttentionCoreBackward/{T}")
-        tot = cpu(f"{name}/{T}")
+            proj = 4 * (cpu_ms(f"BM_ProjectionForward/{T}") + cpu_ms(f"BM_ProjectionBackward/{T}"))
+            core = cpu_ms(f"BM_AttentionCoreForward/{T}") + cpu_ms(f"BM_AttentionCoreBackward/{T}")
+        tot = cpu_ms(f"{name}/{T}")
         rest = tot - proj - core
         split.append(f"| {mode} | {T} | {tot:.1f} | {proj:.1f} ({100 * proj / tot:.0f}%) | "
                      f"{core:.1f} ({100 * core / tot:.0f}%) | {rest:.1f} ({100 * rest / tot:.0f}%) |")
