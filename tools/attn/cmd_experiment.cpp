@@ -253,9 +253,8 @@ std::vector<Command> add_experiment_command(CLI::App& app) {
     for (const auto& [name, svg] : out.figures)
       viz::write_file_atomic((dir / name).string(), svg);
     viz::write_file_atomic((dir / "positional.md").string(), out.md);
-    print(fmt::format("{}\n{}wrote {}/positional.md, positional.csv and {} figure(s) in {:.1f} s\n",
-                      out.table.caption, text_table(out.table), dir.string(), out.figures.size(),
-                      out.seconds));
+    print(fmt::format("{}wrote {}/positional.md, positional.csv and {} figure(s) in {:.1f} s\n",
+                      text_table(out.table), dir.string(), out.figures.size(), out.seconds));
   };
   return {{sub, run}, {experiment, [] {}}};
 }
