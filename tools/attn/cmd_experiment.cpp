@@ -279,10 +279,13 @@ void tour_positional_experiment(Tour& tour) {
              "Accuracy against test length per positional encoding. Dashed: the best an "
              "order-blind model can do (guess the most frequent other symbol of the sequence; "
              "pure chance would be 1/8). Without a position signal the encoder stays at that "
-             "bound at every length; with one "
-             "it solves the task at the training lengths. Longer sequences hold positions the "
-             "model never saw: a learned table has untrained rows there, and sinusoids meet "
-             "angle combinations not seen in training.");
+             "bound at every length. Sinusoidal, learned and rotary encodings solve the task at "
+             "the training lengths. ALiBi, as an encoder applies it (a symmetric penalty "
+             "-m |t - s| on the scores), tells how far away a token is but not on which side, "
+             "so it cannot tell the token before from the token after. Longer sequences hold "
+             "positions the model never saw: a learned table has untrained rows there, and "
+             "sinusoids meet angle combinations not seen in training, while rotary encodes only "
+             "offsets between tokens, which longer sequences share with short ones.");
   s.paragraph(
       fmt::format("The numbers are in `{}`; `attn experiment positional --out DIR "
                   "--full` repeats this with 3 seeds, 3000 steps and the sorted task "
