@@ -29,8 +29,24 @@ def assert_close(actual, expected, dtype, what=""):
                                **TOLERANCE[np.dtype(dtype).type])
 
 
+def assert_close_f32(actual, torch32, torch64, what=""):
+    """float32 against PyTorch's float32 result, forgiving PyTorch's own float32 error: an element
+    also passes when it is within the float32 tolerance of PyTorch's float64 result. Parameter
+    gradients sum many cancelling products, so torch's float32 value can sit further than
+    atol 1e-6 from the truth (the C++ parity test applies the same rule)."""
+    a, e32, e64 = (np.asarray(x, np.float64) for x in (actual, torch32, torch64))
+    tol = TOLERANCE[np.float32]
+    ok = (np.abs(a - e32) <= tol["atol"] + tol["rtol"] * np.abs(e32)) | (
+        np.abs(a - e64) <= tol["atol"] + tol["rtol"] * np.abs(e64))
+    if not ok.all():
+        np.testing.assert_allclose(a, e32, err_msg=what + " (and not within tolerance of torch's "
+                                   "float64 result either)", **tol)
+
+
 @pytest.fixture
 def rng(request):
     # A fixed seed per test case (from its id, not Python's salted hash), so a failure
     # reproduces alone and across runs.
-    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+    # The id without its directory, so the case is the same wherever pytest is started from.
+    nodeid = request.node.nodeid.rsplit("/", 1)[-1]
+    return np.random.default_rng(zlib.crc32(nodeid.encode()))

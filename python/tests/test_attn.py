@@ -5,13 +5,15 @@ Gradients come from torch.autograd on loss = sum(output * G) for a random G, whi
 attn's backward(G) computes.
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 
 import attn
 import d2l_reference as d2l
-from conftest import assert_close
+from conftest import assert_close, assert_close_f32
 from d2l_reference import n, t
 
 DTYPES = [np.float32, np.float64]
@@ -268,30 +270,36 @@ def test_multihead_attention_with_torch_multihead_weights(rng, bias, B, T, E, H)
         with torch.no_grad():
             ref.in_proj_bias.normal_()
             ref.out_proj.bias.normal_()
-    layer = attn.MultiHeadAttention(E, H, 0.0, bias=bias).eval()
+    # The reference backend (double accumulation): the fast paths' float32 accuracy has its own
+    # tests (test_matmul_cpu, test_flash_cpu); this one is about names and semantics.
+    layer = attn.MultiHeadAttention(E, H, 0.0, bias=bias, backend="reference").eval()
     layer.load_state_dict(ref.state_dict())  # torch tensors and torch names, as they come
     X = rng.standard_normal((B, T, E)).astype(np.float32)
     lens = rng.integers(1, T + 1, size=B)  # torch gives NaN for rows with no valid key
     G = rng.standard_normal((B, T, E)).astype(np.float32)
 
-    Xt = t(X, grad=True)
     padding = torch.arange(T)[None, :] >= torch.tensor(lens)[:, None]
-    out, weights = ref(Xt, Xt, Xt, key_padding_mask=padding, need_weights=True,
-                       average_attn_weights=False)
-    (out * t(G)).sum().backward()
+    ref64 = copy.deepcopy(ref).double()  # the truth that forgives torch's float32 rounding
+    for model in (ref64, ref):
+        Xt = t(X.astype(np.float64) if model is ref64 else X, grad=True)
+        out, weights = model(Xt, Xt, Xt, key_padding_mask=padding, need_weights=True,
+                             average_attn_weights=False)
+        (out * t(G.astype(np.float64) if model is ref64 else G)).sum().backward()
 
     assert_close(layer(X, X, X, lens), n(out), np.float32, "output")
     assert_close(layer.attention_weights.reshape(B, H, T, T), n(weights), np.float32, "weights")
     dq, dk, dv = layer.backward(G)
     assert_close(dq + dk + dv, n(Xt.grad), np.float32, "dX (self-attention: sum of the three)")
     g = layer.grads
-    assert_close(np.concatenate([g["W_q.weight"], g["W_k.weight"], g["W_v.weight"]]),
-                 n(ref.in_proj_weight.grad), np.float32, "in_proj_weight")
-    assert_close(g["W_o.weight"], n(ref.out_proj.weight.grad), np.float32, "out_proj.weight")
+    assert_close_f32(np.concatenate([g["W_q.weight"], g["W_k.weight"], g["W_v.weight"]]),
+                     n(ref.in_proj_weight.grad), n(ref64.in_proj_weight.grad), "in_proj_weight")
+    assert_close_f32(g["W_o.weight"], n(ref.out_proj.weight.grad),
+                     n(ref64.out_proj.weight.grad), "out_proj.weight")
     if bias:
-        assert_close(np.concatenate([g["W_q.bias"], g["W_k.bias"], g["W_v.bias"]]),
-                     n(ref.in_proj_bias.grad), np.float32, "in_proj_bias")
-        assert_close(g["W_o.bias"], n(ref.out_proj.bias.grad), np.float32, "out_proj.bias")
+        assert_close_f32(np.concatenate([g["W_q.bias"], g["W_k.bias"], g["W_v.bias"]]),
+                         n(ref.in_proj_bias.grad), n(ref64.in_proj_bias.grad), "in_proj_bias")
+        assert_close_f32(g["W_o.bias"], n(ref.out_proj.bias.grad),
+                         n(ref64.out_proj.bias.grad), "out_proj.bias")
 
 
 def test_multihead_attention_with_torch_separate_projection_weights(rng):
@@ -428,7 +436,7 @@ def test_transformer_encoder_matches_d2l(rng, dtype, lens_kind):
     ref = (ref.double() if dtype == np.float64 else ref).eval()
     if dtype == np.float64:
         ref.pos_encoding.P = ref.pos_encoding.P.double()
-    layer = attn.TransformerEncoder(V, E, F, H, L, 0.2, dtype=dtype).eval()
+    layer = attn.TransformerEncoder(V, E, F, H, L, 0.2, dtype=dtype, backend="reference").eval()
     layer.load_state_dict(d2l.state_dict_numpy(ref))
     assert list(layer.state_dict()) == list(ref.state_dict())
     ids = rng.integers(0, V, size=(B, T))
@@ -438,6 +446,15 @@ def test_transformer_encoder_matches_d2l(rng, dtype, lens_kind):
 
     out = ref(torch.tensor(ids), None if lens is None else t(lens))
     (out * t(G)).sum().backward()
+    # The same weights in float64: forgives torch's float32 rounding in the gradients.
+    ref64 = d2l.TransformerEncoder(V, E, F, H, L, 0.2)
+    ref64(torch.zeros(1, 1, dtype=torch.long), None)
+    ref64 = ref64.double().eval()
+    ref64.load_state_dict(ref.state_dict())
+    ref64.pos_encoding.P = ref64.pos_encoding.P.double()
+    out64 = ref64(torch.tensor(ids), None if lens is None else t(lens))
+    (out64 * t(G.astype(np.float64))).sum().backward()
+    grads64 = dict(ref64.named_parameters())
     # float64: attn's P is exact in double, d2l's is float32 widened (differs by ~1e-7 at these
     # few positions), so the float64 case compares at float32 tolerance.
     tol_dtype = np.float32
@@ -446,7 +463,7 @@ def test_transformer_encoder_matches_d2l(rng, dtype, lens_kind):
         assert_close(w, n(ref.attention_weights[i]), tol_dtype, f"block {i} weights")
     assert layer.backward(G) is None
     for name, p in ref.named_parameters():
-        assert_close(layer.grads[name], n(p.grad), tol_dtype, "grad " + name)
+        assert_close_f32(layer.grads[name], n(p.grad), n(grads64[name].grad), "grad " + name)
 
 
 def test_transformer_encoder_rejects_float_ids():
