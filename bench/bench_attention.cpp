@@ -38,13 +38,13 @@ struct Buffers {
   std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
   attn::cpu::FlashParams p;
   attn::cpu::FlashGrads g;
-  Buffers(int64_t bh, int64_t t, int64_t d, bool causal, bool grads)
-      : BH(bh), T(t), S(t), D(d) {
+  Buffers(int64_t bh, int64_t t, int64_t d, bool causal, bool grads) : BH(bh), T(t), S(t), D(d) {
     std::mt19937 gen(42);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     auto fill = [&](std::vector<float>& x, int64_t n) {
       x.resize(n);
-      for (auto& e : x) e = u(gen);
+      for (auto& e : x)
+        e = u(gen);
     };
     fill(q, BH * T * D);
     fill(k, BH * S * D);
@@ -111,7 +111,8 @@ void BM_FlashBackward(benchmark::State& state) {
 void IssueShapes(benchmark::internal::Benchmark* b) {
   for (int64_t t : {1024, 4096})
     for (int64_t d : {64, 128})
-      for (int64_t causal : {0, 1}) b->Args({16, t, d, causal});
+      for (int64_t causal : {0, 1})
+        b->Args({16, t, d, causal});
   b->ArgNames({"BH", "T", "D", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 BENCHMARK(BM_FlashForward)->Apply(IssueShapes);
@@ -125,7 +126,9 @@ int64_t read_status_kb(const char* key) {
     if (line.rfind(key, 0) == 0) return std::atoll(line.c_str() + std::string(key).size());
   return -1;
 }
-void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+void reset_peak() {
+  std::ofstream("/proc/self/clear_refs") << "5";
+}
 
 // T = S = 65536, D = 64, one head: forward then backward, once. extra_MiB is the growth of the
 // peak RSS over the RSS with all inputs and outputs allocated and touched.

@@ -41,13 +41,16 @@ double FmaLoop(int64_t iters, float seed, float* sink) {
     c10 = hn::MulAdd(c10, m, a);
     c11 = hn::MulAdd(c11, m, a);
   }
-  auto s = hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)), hn::Add(hn::Add(c4, c5), hn::Add(c6, c7)));
+  auto s =
+      hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)), hn::Add(hn::Add(c4, c5), hn::Add(c6, c7)));
   s = hn::Add(s, hn::Add(hn::Add(c8, c9), hn::Add(c10, c11)));
   *sink = hn::GetLane(s);
   return 2.0 * 12.0 * static_cast<double>(hn::Lanes(d)) * static_cast<double>(iters);
 }
 
-const char* Target() { return hwy::TargetName(HWY_TARGET); }
+const char* Target() {
+  return hwy::TargetName(HWY_TARGET);
+}
 
 }  // namespace attn::bench::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
@@ -63,7 +66,9 @@ namespace attn::bench {
 HWY_EXPORT(FmaLoop);
 HWY_EXPORT(Target);
 
-const char* fma_peak_target() { return HWY_DYNAMIC_DISPATCH(Target)(); }
+const char* fma_peak_target() {
+  return HWY_DYNAMIC_DISPATCH(Target)();
+}
 
 double measure_fma_peak_gflops(int threads) {
   double best = 0;
@@ -76,7 +81,8 @@ double measure_fma_peak_gflops(int threads) {
       flops += HWY_DYNAMIC_DISPATCH(FmaLoop)(20'000'000, 1.0f + omp_get_thread_num(), &sink);
       if (sink == 12345.0f) flops += 1;  // keeps `sink` alive
     }
-    const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double sec =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best = std::max(best, flops / sec * 1e-9);
   }
   return best;

@@ -8,9 +8,12 @@ namespace attn {
 
 const char* backend_name(Backend b) {
   switch (b) {
-    case Backend::kAuto: return "auto";
-    case Backend::kReference: return "reference";
-    case Backend::kCpu: return "cpu";
+    case Backend::kAuto:
+      return "auto";
+    case Backend::kReference:
+      return "reference";
+    case Backend::kCpu:
+      return "cpu";
   }
   return "?";
 }

@@ -18,10 +18,13 @@ uint32_t Rng::next_u32() {
 
 double Rng::uniform() {
   uint64_t hi = next_u32() >> 5, lo = next_u32() >> 6;  // 27 + 26 = 53 bits
-  return (static_cast<double>(hi) * 67108864.0 + static_cast<double>(lo)) * (1.0 / 9007199254740992.0);
+  return (static_cast<double>(hi) * 67108864.0 + static_cast<double>(lo)) *
+         (1.0 / 9007199254740992.0);
 }
 
-double Rng::uniform(double lo, double hi) { return lo + (hi - lo) * uniform(); }
+double Rng::uniform(double lo, double hi) {
+  return lo + (hi - lo) * uniform();
+}
 
 double Rng::normal() {
   if (has_spare_) {

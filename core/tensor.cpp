@@ -51,24 +51,42 @@ std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
 
 double load(const void* p, DType t) {
   switch (t) {
-    case DType::F32: return *static_cast<const float*>(p);
-    case DType::F64: return *static_cast<const double*>(p);
-    case DType::BF16: return bf16_to_float(*static_cast<const uint16_t*>(p));
-    case DType::F16: return f16_to_float(*static_cast<const uint16_t*>(p));
-    case DType::I32: return *static_cast<const int32_t*>(p);
-    case DType::I64: return static_cast<double>(*static_cast<const int64_t*>(p));
+    case DType::F32:
+      return *static_cast<const float*>(p);
+    case DType::F64:
+      return *static_cast<const double*>(p);
+    case DType::BF16:
+      return bf16_to_float(*static_cast<const uint16_t*>(p));
+    case DType::F16:
+      return f16_to_float(*static_cast<const uint16_t*>(p));
+    case DType::I32:
+      return *static_cast<const int32_t*>(p);
+    case DType::I64:
+      return static_cast<double>(*static_cast<const int64_t*>(p));
   }
   return 0;
 }
 
 void store(void* p, DType t, double v) {
   switch (t) {
-    case DType::F32: *static_cast<float*>(p) = static_cast<float>(v); break;
-    case DType::F64: *static_cast<double*>(p) = v; break;
-    case DType::BF16: *static_cast<uint16_t*>(p) = float_to_bf16(static_cast<float>(v)); break;
-    case DType::F16: *static_cast<uint16_t*>(p) = float_to_f16(static_cast<float>(v)); break;
-    case DType::I32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v); break;
-    case DType::I64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v); break;
+    case DType::F32:
+      *static_cast<float*>(p) = static_cast<float>(v);
+      break;
+    case DType::F64:
+      *static_cast<double*>(p) = v;
+      break;
+    case DType::BF16:
+      *static_cast<uint16_t*>(p) = float_to_bf16(static_cast<float>(v));
+      break;
+    case DType::F16:
+      *static_cast<uint16_t*>(p) = float_to_f16(static_cast<float>(v));
+      break;
+    case DType::I32:
+      *static_cast<int32_t*>(p) = static_cast<int32_t>(v);
+      break;
+    case DType::I64:
+      *static_cast<int64_t*>(p) = static_cast<int64_t>(v);
+      break;
   }
 }
 
@@ -77,9 +95,9 @@ void store(void* p, DType t, double v) {
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   Tensor t;
   t.numel_ = shape_numel(shape, "Tensor::empty");
-  check(static_cast<uint64_t>(t.numel_) <= (uint64_t{1} << 56) / dtype_size(dtype),
-        "Tensor::empty", "shape {} of {} needs more memory than this machine can address",
-        shape_str(shape), dtype_name(dtype));
+  check(static_cast<uint64_t>(t.numel_) <= (uint64_t{1} << 56) / dtype_size(dtype), "Tensor::empty",
+        "shape {} of {} needs more memory than this machine can address", shape_str(shape),
+        dtype_name(dtype));
   t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), shape);
   t.data_ = t.storage_.get();
   t.shape_ = shape;
@@ -105,7 +123,8 @@ Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape
   Tensor t = empty(shape, dtype);
   check(static_cast<int64_t>(values.size()) == t.numel_, "Tensor::from_vector",
         "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
-  for (int64_t i = 0; i < t.numel_; ++i) store(static_cast<std::byte*>(t.data_) + i * dtype_size(dtype), dtype, values[i]);
+  for (int64_t i = 0; i < t.numel_; ++i)
+    store(static_cast<std::byte*>(t.data_) + i * dtype_size(dtype), dtype, values[i]);
   return t;
 }
 
@@ -119,8 +138,10 @@ Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shap
         "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
   for (int64_t i = 0; i < t.numel_; ++i) {
     auto* p = static_cast<std::byte*>(t.data_) + i * dtype_size(dtype);
-    if (dtype == DType::I64) *reinterpret_cast<int64_t*>(p) = values[i];
-    else store(p, dtype, static_cast<double>(values[i]));
+    if (dtype == DType::I64)
+      *reinterpret_cast<int64_t*>(p) = values[i];
+    else
+      store(p, dtype, static_cast<double>(values[i]));
   }
   return t;
 }
@@ -211,7 +232,8 @@ void Tensor::set_flat(int64_t i, double value) {
 
 std::vector<double> Tensor::to_vector() const {
   std::vector<double> v(static_cast<size_t>(numel_));
-  for (int64_t i = 0; i < numel_; ++i) v[i] = flat(i);
+  for (int64_t i = 0; i < numel_; ++i)
+    v[i] = flat(i);
   return v;
 }
 
@@ -266,8 +288,8 @@ Tensor Tensor::permute(const std::vector<int>& order) const {
   Tensor t = *this;
   for (size_t i = 0; i < order.size(); ++i) {
     int o = order[i];
-    check(o >= 0 && o < ndim() && !seen[o], "Tensor::permute", "order is not a permutation of 0..{}",
-          ndim() - 1);
+    check(o >= 0 && o < ndim() && !seen[o], "Tensor::permute",
+          "order is not a permutation of 0..{}", ndim() - 1);
     seen[o] = true;
     t.shape_[i] = shape_[o];
     t.strides_[i] = strides_[o];
@@ -282,7 +304,8 @@ Tensor Tensor::transpose(int a, int b) const {
   if (a < 0) a += n;
   if (b < 0) b += n;
   std::vector<int> order(n);
-  for (int i = 0; i < n; ++i) order[i] = i;
+  for (int i = 0; i < n; ++i)
+    order[i] = i;
   std::swap(order[a], order[b]);
   return permute(order);
 }
@@ -320,11 +343,13 @@ void Tensor::copy_from(const Tensor& src) {
     if (nbytes()) std::memmove(data_, src.data_, nbytes());
     return;
   }
-  for (int64_t i = 0; i < numel_; ++i) set_flat(i, src.flat(i));
+  for (int64_t i = 0; i < numel_; ++i)
+    set_flat(i, src.flat(i));
 }
 
 void Tensor::fill(double value) {
-  for (int64_t i = 0; i < numel_; ++i) set_flat(i, value);
+  for (int64_t i = 0; i < numel_; ++i)
+    set_flat(i, value);
 }
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
@@ -341,14 +366,17 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
 
 bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol, std::string* detail) {
   if (a.shape() != b.shape()) {
-    if (detail) *detail = fmt::format("shapes {} and {} differ", shape_str(a.shape()), shape_str(b.shape()));
+    if (detail)
+      *detail = fmt::format("shapes {} and {} differ", shape_str(a.shape()), shape_str(b.shape()));
     return false;
   }
   for (int64_t i = 0; i < a.numel(); ++i) {
     double x = a.flat(i), y = b.flat(i);
     if (std::isnan(x) && std::isnan(y)) continue;
     if (!(std::abs(x - y) <= atol + rtol * std::abs(y))) {
-      if (detail) *detail = fmt::format("element {} (row-major): {} vs {} (diff {})", i, x, y, std::abs(x - y));
+      if (detail)
+        *detail =
+            fmt::format("element {} (row-major): {} vs {} (diff {})", i, x, y, std::abs(x - y));
       return false;
     }
   }

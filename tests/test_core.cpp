@@ -25,7 +25,8 @@ TEST(Tensor, ShapesAndStrides) {
 
 TEST(Tensor, ViewsShareMemory) {
   std::vector<double> v(24);
-  for (int i = 0; i < 24; ++i) v[i] = i;
+  for (int i = 0; i < 24; ++i)
+    v[i] = i;
   Tensor t = Tensor::from_vector(v, {2, 3, 4}, DType::F64);
   Tensor tt = t.transpose(1, 2);  // (2, 4, 3)
   EXPECT_FALSE(tt.is_contiguous());
@@ -60,7 +61,7 @@ TEST(Tensor, BadInputGivesError) {
   EXPECT_THROW(t.data<double>(), Error);
   EXPECT_THROW(Tensor::empty({-1, 2}), Error);
   int64_t big = std::numeric_limits<int64_t>::max() / 2;
-  EXPECT_THROW(Tensor::empty({big, big}), Error);  // product overflows
+  EXPECT_THROW(Tensor::empty({big, big}), Error);                // product overflows
   EXPECT_THROW(Tensor::empty({int64_t{1} << 40, 1024}), Error);  // exceeds memory
   try {
     t.reshape({5});
@@ -74,7 +75,7 @@ TEST(Tensor, BadInputGivesError) {
 TEST(Float16, SpecialValues) {
   EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
   EXPECT_EQ(float_to_f16(-2.0f), 0xc000);
-  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);  // rounds to inf
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);               // rounds to inf
   EXPECT_EQ(f16_to_float(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
   EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);
   EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(NAN))));
@@ -116,7 +117,8 @@ TEST(Philox, KnownAnswers) {
 TEST(Philox, DropoutStreamIsUniform) {
   int kept = 0;
   const int n = 100000;
-  for (int i = 0; i < n; ++i) kept += dropout_keep(42, 7, i, 0.3f);
+  for (int i = 0; i < n; ++i)
+    kept += dropout_keep(42, 7, i, 0.3f);
   EXPECT_NEAR(kept / double(n), 0.7, 0.01);
   EXPECT_EQ(dropout_uniform(42, 7, 123), dropout_uniform(42, 7, 123));
   EXPECT_NE(dropout_uniform(42, 7, 123), dropout_uniform(42, 8, 123));

@@ -18,7 +18,8 @@ inline Tensor random_tensor(const Shape& shape, DType dtype = DType::F64, uint64
                             double lo = -1.0, double hi = 1.0) {
   Tensor t = Tensor::empty(shape, dtype);
   Rng rng(seed, 0x7e57);
-  for (int64_t i = 0; i < t.numel(); ++i) t.set_flat(i, rng.uniform(lo, hi));
+  for (int64_t i = 0; i < t.numel(); ++i)
+    t.set_flat(i, rng.uniform(lo, hi));
   return t;
 }
 
@@ -34,7 +35,8 @@ inline ::testing::AssertionResult close(const Tensor& a, const Tensor& b, double
 // sum(a * b) over all elements, in double.
 inline double dot(const Tensor& a, const Tensor& b) {
   double s = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) s += a.flat(i) * b.flat(i);
+  for (int64_t i = 0; i < a.numel(); ++i)
+    s += a.flat(i) * b.flat(i);
   return s;
 }
 
@@ -47,7 +49,8 @@ inline ::testing::AssertionResult gradcheck(const std::function<double()>& loss,
     return ::testing::AssertionFailure() << "gradient shape " << shape_str(analytic.shape())
                                          << " differs from input " << shape_str(x.shape());
   double scale = 1.0;
-  for (int64_t i = 0; i < analytic.numel(); ++i) scale = std::max(scale, std::abs(analytic.flat(i)));
+  for (int64_t i = 0; i < analytic.numel(); ++i)
+    scale = std::max(scale, std::abs(analytic.flat(i)));
   for (int64_t i = 0; i < x.numel(); ++i) {
     double orig = x.flat(i);
     x.set_flat(i, orig + eps);
@@ -58,9 +61,8 @@ inline ::testing::AssertionResult gradcheck(const std::function<double()>& loss,
     double numeric = (up - down) / (2 * eps);
     double a = analytic.flat(i);
     if (!(std::abs(numeric - a) <= tol * scale))
-      return ::testing::AssertionFailure()
-             << "element " << i << ": analytic " << a << ", numeric " << numeric
-             << " (tolerance " << tol * scale << ")";
+      return ::testing::AssertionFailure() << "element " << i << ": analytic " << a << ", numeric "
+                                           << numeric << " (tolerance " << tol * scale << ")";
   }
   return ::testing::AssertionSuccess();
 }

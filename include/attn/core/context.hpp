@@ -21,8 +21,8 @@ const char* backend_name(Backend b);
 Backend parse_backend(const std::string& name);
 
 struct Context {
-  int threads = 0;     // 0: all hardware threads (OpenMP's default)
-  uint64_t seed = 0;   // seeds the dropout stream and parameter initialisation
+  int threads = 0;    // 0: all hardware threads (OpenMP's default)
+  uint64_t seed = 0;  // seeds the dropout stream and parameter initialisation
   Backend backend = Backend::kAuto;
 
   // Each dropout site takes a fresh stream offset per call, so two calls never reuse a mask while

@@ -13,12 +13,18 @@ enum class DType : uint8_t { F32, F64, BF16, F16, I32, I64 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: return 4;
-    case DType::F64: return 8;
-    case DType::BF16: return 2;
-    case DType::F16: return 2;
-    case DType::I32: return 4;
-    case DType::I64: return 8;
+    case DType::F32:
+      return 4;
+    case DType::F64:
+      return 8;
+    case DType::BF16:
+      return 2;
+    case DType::F16:
+      return 2;
+    case DType::I32:
+      return 4;
+    case DType::I64:
+      return 8;
   }
   return 0;
 }
@@ -26,28 +32,44 @@ constexpr size_t dtype_size(DType t) {
 // The safetensors spelling ("F32", "BF16", ...), also used in messages.
 constexpr std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "F32";
-    case DType::F64: return "F64";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
+    case DType::F32:
+      return "F32";
+    case DType::F64:
+      return "F64";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
   }
   return "?";
 }
 
-constexpr bool is_floating(DType t) { return t != DType::I32 && t != DType::I64; }
+constexpr bool is_floating(DType t) {
+  return t != DType::I32 && t != DType::I64;
+}
 
 template <typename T>
 constexpr DType dtype_of();
 template <>
-constexpr DType dtype_of<float>() { return DType::F32; }
+constexpr DType dtype_of<float>() {
+  return DType::F32;
+}
 template <>
-constexpr DType dtype_of<double>() { return DType::F64; }
+constexpr DType dtype_of<double>() {
+  return DType::F64;
+}
 template <>
-constexpr DType dtype_of<int32_t>() { return DType::I32; }
+constexpr DType dtype_of<int32_t>() {
+  return DType::I32;
+}
 template <>
-constexpr DType dtype_of<int64_t>() { return DType::I64; }
+constexpr DType dtype_of<int64_t>() {
+  return DType::I64;
+}
 
 // bfloat16 <-> float: the top 16 bits of an IEEE float; rounding to nearest even, NaN kept NaN.
 inline uint16_t float_to_bf16(float f) {

@@ -71,10 +71,10 @@ class Rng {
  public:
   explicit Rng(uint64_t seed, uint64_t stream = 0) : seed_(seed), stream_(stream) {}
   uint32_t next_u32();
-  double uniform();                    // [0, 1), 53 bits
+  double uniform();                      // [0, 1), 53 bits
   double uniform(double lo, double hi);  // [lo, hi)
-  double normal();                     // standard normal (Box-Muller)
-  uint64_t below(uint64_t n);           // uniform integer in [0, n)
+  double normal();                       // standard normal (Box-Muller)
+  uint64_t below(uint64_t n);            // uniform integer in [0, n)
 
  private:
   uint64_t seed_, stream_, counter_ = 0;

@@ -16,7 +16,7 @@
 namespace attn {
 
 struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;       // owning, contiguous, dtype as stored
+  std::map<std::string, Tensor> tensors;        // owning, contiguous, dtype as stored
   std::map<std::string, std::string> metadata;  // "__metadata__"
 };
 

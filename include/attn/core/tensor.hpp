@@ -81,12 +81,12 @@ class Tensor {
 
   // A contiguous tensor with the same values: *this when already contiguous, else a copy.
   Tensor contiguous() const;
-  Tensor clone() const;  // always a fresh contiguous owning copy
+  Tensor clone() const;          // always a fresh contiguous owning copy
   Tensor to(DType dtype) const;  // converted copy (or *this when dtype matches)
   // Same data, new shape: a view when contiguous, a copy otherwise. One dim may be -1.
   Tensor reshape(const Shape& shape) const;
-  Tensor permute(const std::vector<int>& order) const;  // view
-  Tensor transpose(int a, int b) const;                 // view
+  Tensor permute(const std::vector<int>& order) const;       // view
+  Tensor transpose(int a, int b) const;                      // view
   Tensor slice(int dim, int64_t start, int64_t stop) const;  // view of [start, stop) along dim
   Tensor select(int dim, int64_t index) const;               // view with dim removed
 

@@ -69,7 +69,7 @@ class Linear : public Module {
          uint64_t seed = 0);
   std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
 
-  Tensor forward(Context& ctx, const Tensor& x);  // (..., in) -> (..., out)
+  Tensor forward(Context& ctx, const Tensor& x);    // (..., in) -> (..., out)
   Tensor backward(Context& ctx, const Tensor& dy);  // returns dx; accumulates dW, db
 
   // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.

@@ -28,9 +28,9 @@ namespace attn {
 enum class MaskedRowPolicy : uint8_t { kUniform, kZero };
 
 struct MaskOptions {
-  Tensor valid_lens;          // undefined, (B / repeat,) or (B / repeat, T)
-  int64_t lens_repeat = 1;    // row batch b reads valid_lens[b / lens_repeat] (MHA: num_heads)
-  bool causal = false;        // also mask keys s > t (query t sees keys 0..t; top-left aligned)
+  Tensor valid_lens;        // undefined, (B / repeat,) or (B / repeat, T)
+  int64_t lens_repeat = 1;  // row batch b reads valid_lens[b / lens_repeat] (MHA: num_heads)
+  bool causal = false;      // also mask keys s > t (query t sees keys 0..t; top-left aligned)
   MaskedRowPolicy masked_rows = MaskedRowPolicy::kUniform;
 };
 
