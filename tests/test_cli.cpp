@@ -243,12 +243,10 @@ TEST_F(Cli, PeRelativeRotationHolds) {
 // --- tour ------------------------------------------------------------------------------------
 
 TEST_F(Cli, TourWritesAPageWhoseFilesExist) {
-  const auto start = std::chrono::steady_clock::now();
-  const Result r = run("tour --out " + path("tour"));
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // The trained-model section takes about a minute (several minutes under the sanitizers); the
+  // trainer has its own tests, so this one leaves it out.
+  const Result r = run("tour --out " + path("tour") + " --skip positional-experiment");
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_LT(seconds, 20.0) << "the tour should take a few seconds";
   const fs::path dir = out / "tour";
   const std::string html = read_file(dir / "index.html");
   ASSERT_FALSE(html.empty());
@@ -268,7 +266,9 @@ TEST_F(Cli, TourWritesAPageWhoseFilesExist) {
     EXPECT_TRUE(fs::exists(dir / f)) << f;
     if (f.ends_with(".svg")) svgs.push_back(dir / f);
   }
-  EXPECT_EQ(svgs.size(), 6u);
+  // Two weight grids, curves, heatmap, binary table, relative error, the CNN/RNN/attention times.
+  EXPECT_EQ(svgs.size(), 7u);
+  EXPECT_TRUE(referenced.count("compare_time.svg"));
   EXPECT_TRUE(SvgParses(svgs));
   for (const char* section : {"id=\"self-attention\"", "id=\"encoding-matrix\"",
                               "id=\"absolute-position\"", "id=\"relative-position\""})

@@ -206,7 +206,14 @@ void tour_relative_position(Tour& tour) {
 
 // --- driver ----------------------------------------------------------------------------------
 
-std::filesystem::path run_tour(const std::filesystem::path& dir) {
+std::filesystem::path run_tour(const std::filesystem::path& dir,
+                               const std::vector<std::string>& skip) {
+  for (const std::string& name : skip) {
+    bool known = false;
+    for (const TourSection& section : tour_sections())
+      known |= name == section.id;
+    check(known, "tour", "--skip {}: no such section", name);
+  }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   check(!ec, "tour", "cannot create directory '{}': {}", dir.string(), ec.message());
@@ -220,7 +227,7 @@ std::filesystem::path run_tour(const std::filesystem::path& dir) {
       "into Deep Learning (d2l, 11.6). Each section names the `attn` command that reproduces "
       "its part.");
   for (const TourSection& section : tour_sections())
-    section.build(tour);
+    if (std::find(skip.begin(), skip.end(), section.id) == skip.end()) section.build(tour);
   const std::filesystem::path index = dir / "index.html";
   // index.html last: it only appears once every file it references exists.
   tour.report.write(index.string());
@@ -237,9 +244,15 @@ std::vector<Command> add_tour_command(CLI::App& app) {
       ->required()
       ->type_name("DIR")
       ->check(kNonEmptyPath);
-  auto run = [out] {
+  auto skip = std::make_shared<std::vector<std::string>>();
+  sub->add_option("--skip", *skip,
+                  "leave out a section by name (repeatable): self-attention, encoding-matrix, "
+                  "absolute-position, relative-position, positional-experiment (trains models, "
+                  "about a minute), cnn-rnn-attention")
+      ->type_name("SECTION");
+  auto run = [out, skip] {
     const auto start = std::chrono::steady_clock::now();
-    const std::filesystem::path index = run_tour(*out);
+    const std::filesystem::path index = run_tour(*out, *skip);
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     print(fmt::format("wrote {} ({} sections) in {:.2f} s\n", index.string(),

@@ -35,7 +35,9 @@ struct TourSection {
 const std::vector<TourSection>& tour_sections();
 
 // Builds the whole tour into `dir` (created if missing); returns the path of index.html.
-std::filesystem::path run_tour(const std::filesystem::path& dir);
+// Runs every section into `dir` except those named in `skip` (an unknown name is an Error).
+std::filesystem::path run_tour(const std::filesystem::path& dir,
+                               const std::vector<std::string>& skip = {});
 
 // The sections of the chapter (tour.cpp).
 void tour_self_attention(Tour& tour);
