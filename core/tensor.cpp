@@ -92,10 +92,14 @@ void store(void* p, DType t, double v) {
 
 }  // namespace
 
+// Requests beyond x86-64's 47-bit user address space (128 TiB) can never be met; refusing them
+// here gives an Error instead of handing the allocator a size that sanitizers abort on.
+constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 47;
+
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
   Tensor t;
   t.numel_ = shape_numel(shape, "Tensor::empty");
-  check(static_cast<uint64_t>(t.numel_) <= (uint64_t{1} << 56) / dtype_size(dtype), "Tensor::empty",
+  check(static_cast<uint64_t>(t.numel_) <= kMaxTensorBytes / dtype_size(dtype), "Tensor::empty",
         "shape {} of {} needs more memory than this machine can address", shape_str(shape),
         dtype_name(dtype));
   t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), shape);
