@@ -1,5 +1,6 @@
-// Fused CPU attention (kernels/cpu flash_attention), fp32, forward and backward, with the
-// machine's FP32 FMA peak measured in the same run so that every result reads as % of peak.
+// Fused CPU attention (kernels/cpu flash_attention and flash_bf16), fp32 and bf16, forward and
+// backward, with the machine's FP32 FMA peak measured in the same run so that every result reads
+// as % of peak. BM_FlashBf16Speedup runs fp32 and bf16 alternately and reports their time ratio.
 //
 // Shapes of the issue: B*H = 16, D in {64, 128}, T = S in {1024, 4096}, non-causal and causal;
 // and one long sequence, T = S = 65536, D = 64, B*H = 1, forward + backward once, reporting the
@@ -9,9 +10,14 @@
 // docs/performance.md.
 #include "bench/fma_peak.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_bf16.hpp"
+
+#include "attn/core/dtype.hpp"
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -117,6 +123,110 @@ void IssueShapes(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_FlashForward)->Apply(IssueShapes);
 BENCHMARK(BM_FlashBackward)->Apply(IssueShapes);
+
+// ---- bfloat16 inputs (kernels/cpu/flash_bf16), same shapes and FLOP convention ----------------
+
+// The fp32 buffers above rounded to bf16, with the bf16 kernels' parameters on them.
+struct Bf16Buffers {
+  Buffers f;
+  std::vector<uint16_t> q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;
+  attn::cpu::FlashBf16Params p;
+  attn::cpu::FlashBf16Grads g;
+  static std::vector<uint16_t> round(const std::vector<float>& x) {
+    std::vector<uint16_t> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      y[i] = attn::float_to_bf16(x[i]);
+    return y;
+  }
+  Bf16Buffers(int64_t bh, int64_t t, int64_t d, bool causal, bool grads)
+      : f(bh, t, d, causal, grads) {
+    q = round(f.q), k = round(f.k), v = round(f.v), out = round(f.out), lse = f.lse;
+    dout = round(f.dout), dq = round(f.dq), dk = round(f.dk), dv = round(f.dv);
+    const int64_t T = f.T, S = f.S, D = f.D;
+    p.B = f.BH, p.T = T, p.S = S, p.D = D, p.Dv = D;
+    p.q = q.data(), p.q_sb = T * D, p.q_st = D;
+    p.k = k.data(), p.k_sb = S * D, p.k_ss = D;
+    p.v = v.data(), p.v_sb = S * D, p.v_ss = D;
+    p.out = out.data(), p.o_sb = T * D, p.o_st = D;
+    p.lse = lse.data();
+    p.causal = causal;
+    p.scale = f.p.scale;
+    p.threads = f.p.threads;
+    g.dout = dout.data(), g.do_sb = T * D, g.do_st = D;
+    g.dq = dq.data(), g.dq_sb = T * D, g.dq_st = D;
+    g.dk = dk.data(), g.dk_sb = S * D, g.dk_ss = D;
+    g.dv = dv.data(), g.dv_sb = S * D, g.dv_ss = D;
+  }
+};
+
+void BM_FlashBf16Forward(benchmark::State& state) {
+  const bool causal = state.range(3) != 0;
+  Bf16Buffers buf(state.range(0), state.range(1), state.range(2), causal, false);
+  for (auto _ : state) {
+    attn::cpu::flash_attention_forward_bf16(buf.p);
+    benchmark::DoNotOptimize(buf.out.data());
+  }
+  set_counters(state, forward_flops(buf.f.BH, buf.f.T, buf.f.D, causal));
+}
+
+void BM_FlashBf16Backward(benchmark::State& state) {
+  const bool causal = state.range(3) != 0;
+  Bf16Buffers buf(state.range(0), state.range(1), state.range(2), causal, true);
+  attn::cpu::flash_attention_forward_bf16(buf.p);
+  for (auto _ : state) {
+    attn::cpu::flash_attention_backward_bf16(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+  }
+  set_counters(state, 2.5 * forward_flops(buf.f.BH, buf.f.T, buf.f.D, causal));
+}
+BENCHMARK(BM_FlashBf16Forward)->Apply(IssueShapes);
+BENCHMARK(BM_FlashBf16Backward)->Apply(IssueShapes);
+
+// fp32 and bf16 alternately in each iteration, so both see the same machine load (this machine
+// is shared): fp32_ms and bf16_ms are the medians over iterations, speedup the median of the
+// per-iteration ratios fp32 time / bf16 time. Args: BH, T (= S), D, causal, backward.
+void BM_FlashBf16Speedup(benchmark::State& state) {
+  const bool causal = state.range(3) != 0, backward = state.range(4) != 0;
+  Bf16Buffers buf(state.range(0), state.range(1), state.range(2), causal, backward);
+  if (backward) {
+    attn::cpu::flash_attention_forward(buf.f.p);
+    attn::cpu::flash_attention_forward_bf16(buf.p);
+  }
+  using clock = std::chrono::steady_clock;
+  std::vector<double> t32, t16, ratio;
+  for (auto _ : state) {
+    const auto a = clock::now();
+    if (backward) {
+      attn::cpu::flash_attention_backward(buf.f.p, buf.f.g);
+    } else {
+      attn::cpu::flash_attention_forward(buf.f.p);
+    }
+    const auto b = clock::now();
+    if (backward) {
+      attn::cpu::flash_attention_backward_bf16(buf.p, buf.g);
+    } else {
+      attn::cpu::flash_attention_forward_bf16(buf.p);
+    }
+    const auto c = clock::now();
+    t32.push_back(std::chrono::duration<double, std::milli>(b - a).count());
+    t16.push_back(std::chrono::duration<double, std::milli>(c - b).count());
+    ratio.push_back(t32.back() / t16.back());
+  }
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.empty() ? 0.0 : x[x.size() / 2];
+  };
+  state.counters["fp32_ms"] = median(t32);
+  state.counters["bf16_ms"] = median(t16);
+  state.counters["speedup"] = median(ratio);
+  state.counters["native_bf16"] = attn::cpu::flash_bf16_native() ? 1 : 0;
+}
+BENCHMARK(BM_FlashBf16Speedup)
+    ->ArgsProduct({{16}, {1024, 4096}, {64, 128}, {0}, {0, 1}})
+    ->ArgNames({"BH", "T", "D", "causal", "backward"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 // Resident-set high-water mark (VmHWM) in bytes; reset_peak() sets it to the current RSS.
 int64_t read_status_kb(const char* key) {

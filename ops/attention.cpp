@@ -4,6 +4,7 @@
 #include "attn/ops/attention.hpp"
 
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_bf16.hpp"
 #include "kernels/ref/additive.hpp"
 #include "kernels/ref/attention.hpp"
 #include "kernels/ref/masked_softmax.hpp"
@@ -29,12 +30,20 @@ void check_options(const char* op, const AttentionOptions& opts) {
         opts.scale.value_or(0.0));
 }
 
+// F32, F64 or BF16 (scaled dot-product attention also takes bfloat16 inputs).
+void check_sdpa_tensor(const char* op, const char* name, const Tensor& t) {
+  check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
+  check(t.dtype() == DType::F32 || t.dtype() == DType::F64 || t.dtype() == DType::BF16, op,
+        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_str(t.shape()),
+        dtype_name(t.dtype()));
+}
+
 // q (B, T, D), k (B, S, D), v (B, S, Dv), same float dtype; valid_lens against (B, T).
 ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
                              const AttentionOptions& opts) {
-  detail::check_float_tensor(op, "q", q);
-  detail::check_float_tensor(op, "k", k);
-  detail::check_float_tensor(op, "v", v);
+  check_sdpa_tensor(op, "q", q);
+  check_sdpa_tensor(op, "k", k);
+  check_sdpa_tensor(op, "v", v);
   detail::check_ndim(op, "q", q, 3, "(B, T, D)");
   detail::check_ndim(op, "k", k, 3, "(B, S, D)");
   detail::check_ndim(op, "v", v, 3, "(B, S, Dv)");
@@ -61,7 +70,7 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
 }
 
 void check_dout(const char* op, const Tensor& dout, const Tensor& q, const ref::AttentionDims& d) {
-  detail::check_float_tensor(op, "dout", dout);
+  check_sdpa_tensor(op, "dout", dout);
   check(dout.shape() == Shape{d.B, d.T, d.Dv}, op, "dout has shape {}, expected (B, T, Dv) = {}",
         shape_str(dout.shape()), shape_str(Shape{d.B, d.T, d.Dv}));
   detail::check_same_dtype(op, "dout", dout, "q", q);
@@ -134,6 +143,112 @@ std::vector<int32_t> key_limits(const MaskOptions& mask, const ref::AttentionDim
   return std::vector<int32_t>(kept.begin(), kept.end());  // each in [0, S], S < 2^31 (checked)
 }
 
+// bfloat16 q, k, v (kernels/cpu/flash_bf16): output BF16, logsumexp and weights F32, gradients
+// BF16. The fused bf16 kernels run where use_flash would run the fp32 ones; otherwise (kReference,
+// kAuto with need_weights, ALiBi) the inputs are widened to float64 exactly, the reference runs,
+// and the results are rounded.
+cpu::FlashBf16Params flash_bf16_params(const Context& ctx, const Tensor& q, const Tensor& k,
+                                       const Tensor& v, const ref::AttentionDims& d,
+                                       const std::vector<int32_t>& key_limit,
+                                       const AttentionOptions& opts, const ref::DropoutSpec& drop) {
+  cpu::FlashBf16Params p;
+  p.B = d.B, p.T = d.T, p.S = d.S, p.D = d.D, p.Dv = d.Dv;
+  p.q = static_cast<const uint16_t*>(q.raw_data());
+  p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sd = q.stride(2);
+  p.k = static_cast<const uint16_t*>(k.raw_data());
+  p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
+  p.v = static_cast<const uint16_t*>(v.raw_data());
+  p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
+  p.key_limit = key_limit.data();
+  p.causal = opts.mask.causal;
+  p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
+  p.scale = static_cast<float>(attention_scale(opts, d.D));
+  p.dropout = drop.active ? static_cast<float>(drop.p) : 0.0f;
+  p.seed = drop.seed;
+  p.offset = drop.offset;
+  p.threads = ctx.resolved_threads();
+  return p;
+}
+
+void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const ref::AttentionDims& d, const AttentionOptions& opts,
+                       const ref::DropoutSpec& drop, AttentionResult& result) {
+  result.output = Tensor::empty({d.B, d.T, d.Dv}, DType::BF16);
+  result.logsumexp = Tensor::empty({d.B, d.T}, DType::F32);
+  if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, DType::F32);
+  if (use_flash(ctx, DType::F32, opts)) {
+    check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
+    const std::vector<int32_t> limits = key_limits(opts.mask, d);
+    cpu::FlashBf16Params p = flash_bf16_params(ctx, q, k, v, d, limits, opts, drop);
+    p.out = static_cast<uint16_t*>(result.output.raw_data());
+    p.o_sb = d.T * d.Dv, p.o_st = d.Dv, p.o_sd = 1;
+    p.lse = result.logsumexp.data<float>();
+    if (opts.need_weights)
+      p.weights = result.weights.data<float>(), p.w_sb = d.T * d.S, p.w_st = d.S;
+    cpu::flash_attention_forward_bf16(p);
+    return;
+  }
+  const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
+  Tensor out = Tensor::empty({d.B, d.T, d.Dv}, DType::F64);
+  Tensor lse = Tensor::empty({d.B, d.T}, DType::F64);
+  Tensor weights = opts.need_weights ? Tensor::empty({d.B, d.T, d.S}, DType::F64) : Tensor();
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<double> alibi = alibi_of(opts);
+  ref::sdpa_forward<double>(
+      qc.data<double>(), kc.data<double>(), vc.data<double>(), out.data<double>(),
+      opts.need_weights ? weights.data<double>() : nullptr, lse.data<double>(), kept.data(),
+      opts.mask.masked_rows, attention_scale(opts, d.D), d, drop,
+      alibi.empty() ? nullptr : alibi.data(),
+      std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
+  result.output.copy_from(out);
+  result.logsumexp.copy_from(lse);
+  if (opts.need_weights) result.weights.copy_from(weights);
+}
+
+AttentionGrads sdpa_backward_bf16(Context& ctx, const Tensor& dout, const Tensor& q,
+                                  const Tensor& k, const Tensor& v, const AttentionResult& forward,
+                                  const ref::AttentionDims& d, const AttentionOptions& opts,
+                                  const ref::DropoutSpec& drop) {
+  AttentionGrads grads{Tensor::empty(q.shape(), DType::BF16), Tensor::empty(k.shape(), DType::BF16),
+                       Tensor::empty(v.shape(), DType::BF16)};
+  const Tensor& fo = forward.output;
+  const Tensor& fl = forward.logsumexp;
+  if (use_flash(ctx, DType::F32, opts) && fo.defined() && fl.defined() &&
+      fo.dtype() == DType::BF16 && fl.dtype() == DType::F32 &&
+      fo.shape() == Shape{d.B, d.T, d.Dv} && fl.shape() == Shape{d.B, d.T} &&
+      d.S < (int64_t{1} << 31)) {
+    const std::vector<int32_t> limits = key_limits(opts.mask, d);
+    cpu::FlashBf16Params p = flash_bf16_params(ctx, q, k, v, d, limits, opts, drop);
+    const Tensor lse = fl.contiguous();
+    p.out = static_cast<uint16_t*>(fo.raw_data());
+    p.o_sb = fo.stride(0), p.o_st = fo.stride(1), p.o_sd = fo.stride(2);
+    p.lse = lse.data<float>();
+    cpu::FlashBf16Grads g;
+    g.dout = static_cast<const uint16_t*>(dout.raw_data());
+    g.do_sb = dout.stride(0), g.do_st = dout.stride(1), g.do_sd = dout.stride(2);
+    g.dq = static_cast<uint16_t*>(grads.dq.raw_data()), g.dq_sb = d.T * d.D, g.dq_st = d.D;
+    g.dk = static_cast<uint16_t*>(grads.dk.raw_data()), g.dk_sb = d.S * d.D, g.dk_ss = d.D;
+    g.dv = static_cast<uint16_t*>(grads.dv.raw_data()), g.dv_sb = d.S * d.Dv, g.dv_ss = d.Dv;
+    cpu::flash_attention_backward_bf16(p, g);
+    return grads;
+  }
+  const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
+  const Tensor gc = dout.to(DType::F64);
+  Tensor dq = Tensor::empty(q.shape(), DType::F64), dk = Tensor::empty(k.shape(), DType::F64),
+         dv = Tensor::empty(v.shape(), DType::F64);
+  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<double> alibi = alibi_of(opts);
+  ref::sdpa_backward<double>(
+      gc.data<double>(), qc.data<double>(), kc.data<double>(), vc.data<double>(), dq.data<double>(),
+      dk.data<double>(), dv.data<double>(), kept.data(), opts.mask.masked_rows,
+      attention_scale(opts, d.D), d, drop, alibi.empty() ? nullptr : alibi.data(),
+      std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
+  grads.dq.copy_from(dq);
+  grads.dk.copy_from(dk);
+  grads.dv.copy_from(dv);
+  return grads;
+}
+
 }  // namespace
 
 AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, const Tensor& k,
@@ -141,6 +256,12 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   const ref::AttentionDims d = check_qkv(kSdpa, q, k, v, opts);
   const DType dt = q.dtype();
   AttentionResult result;
+  if (dt == DType::BF16) {
+    const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+    result.dropout_offset = drop.offset;
+    sdpa_forward_bf16(ctx, q, k, v, d, opts, drop, result);
+    return result;
+  }
   result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
   result.logsumexp = Tensor::empty({d.B, d.T}, dt);
   if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
@@ -181,6 +302,9 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   const ref::AttentionDims d = check_qkv(kSdpaBackward, q, k, v, opts);
   check_dout(kSdpaBackward, dout, q, d);
   const DType dt = q.dtype();
+  if (dt == DType::BF16)
+    return sdpa_backward_bf16(ctx, dout, q, k, v, forward, d, opts,
+                              backward_dropout(ctx, opts, forward.dropout_offset));
   AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
                        Tensor::empty(v.shape(), dt)};
   const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);

@@ -501,7 +501,9 @@ TEST(AttentionErrors, BadInputNamesTheOp) {
   expect_error([&] { sdpa(q, random_tensor({2, 5, 3}), v); }, op);     // width
   expect_error([&] { sdpa(q, k, random_tensor({2, 4, 6})); }, op);     // S
   expect_error([&] { sdpa(q.to(DType::F32), k, v); }, op);             // mixed dtypes
-  expect_error([&] { sdpa(q.to(DType::BF16), k.to(DType::BF16), v.to(DType::BF16)); }, op);
+  // all-BF16 is accepted (tests/test_flash_bf16.cpp); F16 and mixed BF16/F32 are not
+  expect_error([&] { sdpa(q.to(DType::F16), k.to(DType::F16), v.to(DType::F16)); }, op);
+  expect_error([&] { sdpa(q.to(DType::BF16), k, v.to(DType::BF16)); }, op);
   expect_error([&] { sdpa(Tensor::zeros({2, 3, 4}, DType::I64), k, v); }, op);
   AttentionOptions o;
   o.dropout = 1.5;

@@ -1,6 +1,7 @@
 // Scaled dot-product attention (d2l DotProductAttention; PyTorch F.scaled_dot_product_attention).
 //
-//   q (B, T, D), k (B, S, D), v (B, S, Dv)   float32 or float64, any strides
+//   q (B, T, D), k (B, S, D), v (B, S, Dv)   float32, float64 or bfloat16 (all three alike), any
+//   strides
 //   out (B, T, Dv) = dropout(masked_softmax(q k^T * scale [- alibi])) v,  scale = 1/sqrt(D) by
 //   default; alibi[b, t, s] = m_{b % H} |t - s| when AttentionOptions::alibi_slopes is set
 //
@@ -10,6 +11,14 @@
 // `weights` (B, T, S) are returned pre-dropout (as d2l stores attention_weights) when
 // need_weights is set. `logsumexp` (B, T) is always returned: lse[b,t] = log sum_s exp(score)
 // over kept keys (for the fast backward and for merging key blocks); -inf for rows without keys.
+//
+// bfloat16 (DType::BF16) q, k, v: output and gradients are BF16; logsumexp and the weights are
+// float32 (exact enough to check that rows sum to 1, and what the backward needs). Backend::kCpu
+// and kAuto (without need_weights) run the fused bf16 kernel: bf16 dot products with float32
+// accumulation (AVX512-BF16 where the CPU has it; the weights P are rounded to bf16 once before
+// P V, so expect up to 2^-8 relative error per weight, see docs/kernels-cpu.md), its backward through
+// the float32 kernel. kReference (and kAuto with need_weights, or ALiBi) widens the inputs to
+// float64 exactly, runs the reference and rounds. Mixed dtypes are an Error.
 //
 // d2l: DotProductAttention(dropout)(q, k, v, valid_lens).
 // PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p,

@@ -1,0 +1,583 @@
+// Fused CPU attention with bfloat16 inputs (contract in flash_bf16.hpp).
+//
+// Native forward (AVX512-BF16, chosen at run time). The fp32 kernel's layout (flash_attention.cpp:
+// a block of queries along the vector lanes, key tiles, online softmax in log2 units) with both
+// products done by vdpbf16ps, which multiplies the two bf16 of each 32-bit lane of two vectors
+// and adds both products to the fp32 lane of the accumulator: one instruction is 32 multiplies.
+// So every operand is laid out as *pairs* along the reduction axis:
+//
+//   X^T = K Q^T  (keys x queries)   reduction over d: Q^T packed per block as qt2[d/2][t] =
+//                                   (q[t][2i], q[t][2i+1]); K read as a broadcast 32-bit pair
+//                                   (k[s][2i], k[s][2i+1]), straight from the tensor when its
+//                                   feature stride is 1 and D is even, else from a packed copy.
+//   O^T += V^T P^T (Dv x queries)   reduction over s: P^T rounded to bf16 as pt2[s/2][t] =
+//                                   (P[2j][t], P[2j+1][t]) (vcvtne2ps2bf16 + one vpermw per two key
+//                                   rows); V as a broadcast pair (v[2j][e], v[2j+1][e]) from a
+//                                   copy of V packed once per call (vt2[b][j][e]).
+//
+// Scores come out of the dot products in fp32 and are multiplied by c = scale log2 e on the
+// store (q is not pre-scaled: that would round q * c to bf16 again). The softmax is fp32 with a
+// degree-4 exp2 (relative error 4e-5, far below the 2^-8 of the bf16 rounding that follows), the
+// denominator l sums the fp32 weights, and the numerator uses the bf16-rounded (dropped-out)
+// weights. Everything else (masks, masked rows, NaN rules, threads) follows the fp32 kernel.
+#include "kernels/cpu/flash_bf16.hpp"
+
+#include "kernels/cpu/flash_attention.hpp"
+
+#include "attn/core/dtype.hpp"
+#include "attn/core/rng.hpp"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace attn::cpu {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+bool g_force_fallback = false;
+
+bool cpu_has_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// Keys [0, limit) are kept for row (b, t) (length mask and causal mask both keep a prefix).
+int64_t row_limit(const FlashBf16Params& p, int64_t b, int64_t t) {
+  int64_t lim = p.key_limit ? p.key_limit[b * p.T + t] : p.S;
+  if (p.causal) lim = std::min(lim, t + 1);
+  return std::clamp<int64_t>(lim, 0, p.S);
+}
+
+// Dropout multipliers z[k] (0 or 1/(1-p)) of elements i0 + k, k < n, of the dropout stream
+// (attn/core/rng.hpp), one Philox call per 4 consecutive elements.
+void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint32_t key[2] = {static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32)};
+  uint32_t r[4] = {};
+  uint64_t block = ~uint64_t{0};
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t i = i0 + static_cast<uint64_t>(k);
+    if ((i >> 2) != block) {
+      block = i >> 2;
+      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                               static_cast<uint32_t>(p.offset),
+                               static_cast<uint32_t>(p.offset >> 32)};
+      philox4x32_10(key, ctr, r);
+    }
+    const float u = static_cast<float>(r[i & 3] >> 8) * (1.0f / 16777216.0f);
+    z[k] = u >= p.dropout ? keep_scale : 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fallback: through the fp32 kernels
+
+// A (B, N, C) bf16 view as a contiguous fp32 copy.
+std::vector<float> to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb,
+                            int64_t sn, int64_t sc) {
+  std::vector<float> dst(static_cast<size_t>(B * N * C));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c)
+        dst[(b * N + n) * C + c] = bf16_to_float(src[b * sb + n * sn + c * sc]);
+  return dst;
+}
+
+// Rounds a contiguous (B, N, C) fp32 array into a strided bf16 view.
+void to_bf16(const std::vector<float>& src, uint16_t* dst, int64_t B, int64_t N, int64_t C,
+             int64_t sb, int64_t sn, int64_t sc) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c)
+        dst[b * sb + n * sn + c * sc] = float_to_bf16(src[(b * N + n) * C + c]);
+}
+
+struct Fp32Copies {
+  std::vector<float> q, k, v, out;
+  FlashParams f;
+};
+
+// fp32 copies of q, k, v (and out, for the backward) and the fp32 kernel's parameters on them.
+Fp32Copies fp32_params(const FlashBf16Params& p, bool with_out) {
+  Fp32Copies c;
+  const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
+  c.q = to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd);
+  c.k = to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd);
+  c.v = to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd);
+  c.out = with_out ? to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd)
+                   : std::vector<float>(static_cast<size_t>(B * T * Dv));
+  FlashParams& f = c.f;
+  f.B = B, f.T = T, f.S = S, f.D = D, f.Dv = Dv;
+  f.q = c.q.data(), f.q_sb = T * D, f.q_st = D, f.q_sd = 1;
+  f.k = c.k.data(), f.k_sb = S * D, f.k_ss = D, f.k_sd = 1;
+  f.v = c.v.data(), f.v_sb = S * Dv, f.v_ss = Dv, f.v_sd = 1;
+  f.out = c.out.data(), f.o_sb = T * Dv, f.o_st = Dv, f.o_sd = 1;
+  f.lse = p.lse;
+  f.weights = p.weights, f.w_sb = p.w_sb, f.w_st = p.w_st;
+  f.key_limit = p.key_limit;
+  f.causal = p.causal;
+  f.zero_masked_rows = p.zero_masked_rows;
+  f.scale = p.scale;
+  f.dropout = p.dropout;
+  f.seed = p.seed, f.offset = p.offset;
+  f.threads = p.threads;
+  return c;
+}
+
+void forward_fallback(const FlashBf16Params& p) {
+  Fp32Copies c = fp32_params(p, /*with_out=*/false);
+  flash_attention_forward(c.f);
+  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.o_sb, p.o_st, p.o_sd);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Native forward (AVX512-BF16). Everything from here to the pop_options is compiled for
+// AVX-512 + BF16 and reached only when cpu_has_bf16().
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+// GCC 12's avx512fintrin.h builds _mm512_max_ps and friends on `__m512 __Y = __Y;`
+// (_mm512_undefined_ps), which -Wmaybe-uninitialized reports once inlined here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+constexpr int64_t kL = 16;            // fp32 lanes (queries) per vector
+constexpr int64_t kBlockK = 64;       // keys per tile (32 pairs)
+constexpr int64_t kBlockQ = 12 * kL;  // queries per work item
+constexpr int kMR = 8, kNV = 3;       // micro-tile: 8 rows x 3 vectors = 24 accumulators
+
+struct FreeDeleter {
+  void operator()(void* x) const { std::free(x); }
+};
+template <typename T>
+std::unique_ptr<T[], FreeDeleter> alloc_aligned(size_t n) {
+  const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
+  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(64, bytes)));
+}
+
+inline uint32_t load_u32(const uint8_t* x) {
+  uint32_t w;
+  std::memcpy(&w, x, 4);
+  return w;
+}
+
+// One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
+// A(i, k) is the 32-bit word at a + i*a_rs + k*a_ks (bytes), two bf16 (broadcast); row k of B is
+// NV*16 words at b + k*ldb, each two bf16. alpha null: C starts at 0; else C starts as C times
+// alpha per column (the online softmax's rescale, fused into the load). Stores C * out_mul.
+// Rows past `rows` repeat the last valid row of A and are not stored.
+template <int MR, int NV>
+inline __attribute__((always_inline)) void micro_tile(int64_t K2, const uint8_t* a, int64_t a_rs,
+                                                      int64_t a_ks, int rows, const uint32_t* b,
+                                                      int64_t ldb, float* c, int64_t ldc,
+                                                      const float* alpha, float out_mul) {
+  __m512 acc[MR][NV];
+  const uint8_t* ar[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    ar[i] = a + (i < rows ? i : rows - 1) * a_rs;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] = (alpha != nullptr && i < rows)
+                      ? _mm512_mul_ps(_mm512_loadu_ps(c + i * ldc + j * kL),
+                                      _mm512_loadu_ps(alpha + j * kL))
+                      : _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      bv[j] = (__m512bh)_mm512_loadu_si512(b + k * ldb + j * kL);
+    const int64_t ak = k * a_ks;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_u32(ar[i] + ak)));
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ai, bv[j]);
+    }
+  }
+  const __m512 mul = _mm512_set1_ps(out_mul);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    if (i >= rows) break;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(c + i * ldc + j * kL, _mm512_mul_ps(acc[i][j], mul));
+  }
+}
+
+// C (M x N) = [alpha .*] C + A B over the micro-tiles (N a multiple of 16): one B panel of NV
+// vectors stays in L1 while every MR-row panel of A streams past it.
+__attribute__((noinline)) void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint8_t* a,
+                                         int64_t a_rs, int64_t a_ks, const uint32_t* b, int64_t ldb,
+                                         float* c, int64_t ldc, const float* alpha, float out_mul) {
+  int64_t j0 = 0;
+  for (; j0 + kNV * kL <= N; j0 += kNV * kL)
+    for (int64_t i0 = 0; i0 < M; i0 += kMR)
+      micro_tile<kMR, kNV>(K2, a + i0 * a_rs, a_rs, a_ks,
+                           static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0, ldb,
+                           c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
+  for (; j0 < N; j0 += kL)
+    for (int64_t i0 = 0; i0 < M; i0 += kMR)
+      micro_tile<kMR, 1>(K2, a + i0 * a_rs, a_rs, a_ks,
+                         static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0, ldb,
+                         c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
+}
+
+// 2^x, exactly 0 for x <= -150 (masked scores set to -inf, minus a finite max). x = n + f,
+// n = round(x), |f| <= 1/2; 2^f by its Taylor series to degree 4 (truncation (ln2/2)^5/5! =
+// 4.2e-5 relative: the weights are rounded to bf16, 2^-8 = 4e-3, right after); vscalefps
+// multiplies by 2^n and underflows to 0 below the subnormals.
+inline __m512 exp2_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 poly = _mm512_set1_ps(9.6181291076284772e-03f);  // ln2^4 / 4!
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// Two rows of 16 fp32 weights (keys 2j and 2j+1 of 16 queries) rounded to bf16 (nearest even) and
+// interleaved into 16 pairs: lane t = (lo[t], hi[t]). vcvtne2ps2bf16 puts lo in halves 0..15 and
+// hi in halves 16..31; vpermw interleaves them.
+inline __m512i pair_bf16(__m512 lo, __m512 hi) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                       23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// True when a 16-word vector of bf16 pairs holds no Inf or NaN (exponent field all ones).
+inline bool pairs_finite(__m512i w) {
+  const __m512i e = _mm512_set1_epi16(0x7f80);
+  return _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, e), e) == 0;
+}
+
+// Packed copies made once per call, before the work items: V as pairs along s for every batch
+// row, and K as rows of D2 = ceil(D/2) pairs when it cannot be read in place.
+struct Packed {
+  int64_t S2 = 0, D2 = 0, tiles = 0;
+  std::unique_ptr<uint32_t[], FreeDeleter> vt2;  // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
+  std::unique_ptr<uint32_t[], FreeDeleter> kp;   // (B, S, D2) words, or null: k read in place
+  std::vector<uint8_t> v_finite;                 // (B, tiles): V of the 64-key tile is finite
+};
+
+void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
+  const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
+  uint32_t* vt = pk.vt2.get() + b * S2 * Dv;
+  const uint16_t* vb = p.v + b * p.v_sb;
+  for (int64_t tile = 0; tile < pk.tiles; ++tile) {
+    bool finite = true;
+    for (int64_t j = tile * kBlockK / 2; j < std::min(S2, (tile + 1) * kBlockK / 2); ++j) {
+      const uint16_t* r0 = vb + 2 * j * p.v_ss;
+      const uint16_t* r1 = r0 + p.v_ss;
+      const bool has1 = 2 * j + 1 < S;
+      uint32_t* o = vt + j * Dv;
+      int64_t e = 0;
+      if (p.v_sd == 1) {
+        for (; e < Dv; e += kL) {
+          const __mmask16 m = e + kL <= Dv ? __mmask16(0xffff) : __mmask16((1u << (Dv - e)) - 1);
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + e));
+          const __m512i hi = has1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + e))
+                                  : _mm512_setzero_si512();
+          const __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+          finite &= pairs_finite(w);
+          _mm512_mask_storeu_epi32(o + e, m, w);
+        }
+      } else {
+        for (; e < Dv; ++e) {
+          const uint32_t lo = r0[e * p.v_sd], hi = has1 ? r1[e * p.v_sd] : 0u;
+          finite &= (lo & 0x7f80u) != 0x7f80u && (hi & 0x7f80u) != 0x7f80u;
+          o[e] = lo | (hi << 16);
+        }
+      }
+    }
+    pk.v_finite[b * pk.tiles + tile] = finite;
+  }
+  if (pk.kp) {
+    const int64_t D = p.D, D2 = pk.D2;
+    for (int64_t s = 0; s < S; ++s) {
+      const uint16_t* ks = p.k + b * p.k_sb + s * p.k_ss;
+      uint32_t* o = pk.kp.get() + (b * S + s) * D2;
+      for (int64_t j = 0; j < D2; ++j) {
+        const uint32_t lo = ks[2 * j * p.k_sd];
+        const uint32_t hi = 2 * j + 1 < D ? ks[(2 * j + 1) * p.k_sd] : 0u;
+        o[j] = lo | (hi << 16);
+      }
+    }
+  }
+}
+
+size_t scratch_floats(const FlashBf16Params& p, const Packed& pk) {
+  return static_cast<size_t>(pk.D2 * kBlockQ + kBlockK * kBlockQ + kBlockK / 2 * kBlockQ +
+                             p.Dv * kBlockQ + 4 * kBlockQ + kBlockK + p.Dv + kL);
+}
+
+// Output row of a query with no kept key: the mean of v over all S keys (d2l), dropout applied
+// to the 1/S weights, or zeros (PyTorch SDPA).
+void masked_row(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, float* z) {
+  std::fill(acc, acc + p.Dv, 0.0f);
+  if (p.zero_masked_rows) return;
+  for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, p.S - s0);
+    if (p.dropout > 0.0f) {
+      dropout_multipliers(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
+    } else {
+      std::fill(z, z + nk, 1.0f);
+    }
+    for (int64_t s = 0; s < nk; ++s) {
+      const float w = z[s] / static_cast<float>(p.S);
+      const uint16_t* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+      for (int64_t e = 0; e < p.Dv; ++e)
+        acc[e] += w * bf16_to_float(vs[e * p.v_sd]);
+    }
+  }
+}
+
+// One work item: queries [t0, t0 + kBlockQ) of batch row b (the fp32 ForwardBlock's structure).
+void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t t0,
+                   float* scratch) {
+  const int64_t D = p.D, Dv = p.Dv, D2 = pk.D2;
+  const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = (mq + kL - 1) / kL * kL;
+  uint32_t* qt2 = reinterpret_cast<uint32_t*>(scratch);             // (D2, mqp) Q^T pairs
+  float* xt = scratch + D2 * mqp;                                   // (kBlockK, mqp) X^T, P^T
+  uint32_t* pt2 = reinterpret_cast<uint32_t*>(xt + kBlockK * mqp);  // (kBlockK/2, mqp) P^T pairs
+  float* ot = reinterpret_cast<float*>(pt2 + kBlockK / 2 * mqp);    // (Dv, mqp) O^T
+  float* mv = ot + Dv * mqp;                                        // (mqp) running max
+  float* lv = mv + mqp;                                             // (mqp) running sum
+  float* limv = lv + mqp;                                           // (mqp) key limits
+  float* alpha = limv + mqp;                                        // (mqp) rescale
+  float* z = alpha + mqp;                                           // (kBlockK) dropout
+  float* tmp = z + kBlockK;                                         // (Dv) masked row
+  const bool dropout = p.dropout > 0.0f;
+  const float c = p.scale * kLog2e;
+
+  int64_t lim[kBlockQ];
+  int64_t max_lim = 0;
+  for (int64_t r = 0; r < mq; ++r) {
+    lim[r] = row_limit(p, b, t0 + r);
+    max_lim = std::max(max_lim, lim[r]);
+    limv[r] = static_cast<float>(lim[r]);
+  }
+  std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
+  for (int64_t j = 0; j < D2; ++j) {
+    uint32_t* o = qt2 + j * mqp;
+    for (int64_t r = 0; r < mq; ++r) {
+      const uint16_t* qr = p.q + b * p.q_sb + (t0 + r) * p.q_st;
+      const uint32_t lo = qr[2 * j * p.q_sd], hi = 2 * j + 1 < D ? qr[(2 * j + 1) * p.q_sd] : 0u;
+      o[r] = lo | (hi << 16);
+    }
+    std::fill(o + mq, o + mqp, 0u);
+  }
+  std::fill(ot, ot + Dv * mqp, 0.0f);
+  std::fill(mv, mv + mqp, kNegInf);
+  std::fill(lv, lv + mqp, 0.0f);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+
+  // K as pairs: in place (byte strides) or from the packed copy.
+  const uint8_t* kbase;
+  int64_t k_rs;
+  if (pk.kp) {
+    kbase = reinterpret_cast<const uint8_t*>(pk.kp.get() + b * p.S * D2);
+    k_rs = D2 * 4;
+  } else {
+    kbase = reinterpret_cast<const uint8_t*>(p.k + b * p.k_sb);
+    k_rs = p.k_ss * 2;
+  }
+  const uint32_t* vt2 = pk.vt2.get() + b * pk.S2 * Dv;
+
+  for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
+    const int64_t nk = std::min(kBlockK, max_lim - s0), nk2 = (nk + 1) / 2;
+    int64_t r_first = 0;
+    while (lim[r_first] <= s0)
+      ++r_first;
+    const int64_t c0 = r_first / kL * kL, ncol = mqp - c0;
+    int64_t min_lim = p.S;
+    for (int64_t r = c0; r < mq; ++r)
+      min_lim = std::min(min_lim, lim[r]);
+
+    // X^T = c K Q^T: (nk, ncol), fp32
+    gemm_bf16(nk, ncol, D2, kbase + s0 * k_rs, k_rs, 4, qt2 + c0, mqp, xt + c0, mqp, nullptr, c);
+    if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
+      for (int64_t s = 0; s < nk; ++s) {
+        const __m512 key = _mm512_set1_ps(static_cast<float>(s0 + s));
+        float* row = xt + s * mqp;
+        for (int64_t q = c0; q < mqp; q += kL) {
+          const __mmask16 keep = _mm512_cmp_ps_mask(key, _mm512_loadu_ps(limv + q), _CMP_LT_OQ);
+          _mm512_storeu_ps(row + q, _mm512_mask_blend_ps(keep, neg_inf, _mm512_loadu_ps(row + q)));
+        }
+      }
+    }
+
+    // Online softmax, 16 queries per vector; without dropout the weights go straight to bf16
+    // pairs, with it they stay fp32 in xt until the multipliers are applied.
+    for (int64_t q = c0; q < mqp; q += kL) {
+      const __m512 m_old = _mm512_loadu_ps(mv + q);
+      __m512 m_new = m_old;
+      for (int64_t s = 0; s < nk; ++s)
+        m_new = _mm512_max_ps(m_new, _mm512_loadu_ps(xt + s * mqp + q));
+      // No kept key so far: m = -inf; subtract 0 instead (weights 2^-inf = 0, not NaN).
+      const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ),
+                                                m_new, _mm512_setzero_ps());
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nk2; ++j) {
+        float* x0 = xt + 2 * j * mqp + q;
+        const __m512 e0 = exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(x0), m_use));
+        const __m512 e1 = 2 * j + 1 < nk
+                              ? exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(x0 + mqp), m_use))
+                              : _mm512_setzero_ps();
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        if (dropout) {
+          _mm512_storeu_ps(x0, e0);
+          if (2 * j + 1 < nk) _mm512_storeu_ps(x0 + mqp, e1);
+        } else {
+          _mm512_storeu_si512(pt2 + j * mqp + q, pair_bf16(e0, e1));
+        }
+      }
+      const __m512 a = exp2_bf16(_mm512_sub_ps(m_old, m_use));  // 0 on a first kept tile
+      _mm512_storeu_ps(lv + q, _mm512_fmadd_ps(_mm512_loadu_ps(lv + q), a, sum));
+      _mm512_storeu_ps(mv + q, m_new);
+      _mm512_storeu_ps(alpha + q, a);
+    }
+    if (dropout) {  // numerator weights only (dropout acts after the normalization)
+      for (int64_t r = r_first; r < mq; ++r) {
+        const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
+        dropout_multipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+        for (int64_t s = 0; s < n; ++s)
+          xt[s * mqp + r] *= z[s];
+      }
+      for (int64_t q = c0; q < mqp; q += kL)
+        for (int64_t j = 0; j < nk2; ++j) {
+          const float* x0 = xt + 2 * j * mqp + q;
+          const __m512 e1 = 2 * j + 1 < nk ? _mm512_loadu_ps(x0 + mqp) : _mm512_setzero_ps();
+          _mm512_storeu_si512(pt2 + j * mqp + q, pair_bf16(_mm512_loadu_ps(x0), e1));
+        }
+    }
+
+    // O^T = alpha O^T + V^T P^T: (Dv, ncol). A pair's second key past nk has weight 0, so it is
+    // harmless unless its v is not finite (0 * Inf): such tiles, like partly masked tiles with
+    // non-finite v, add only the kept terms.
+    const bool clean = min_lim >= s0 + nk && (nk % 2 == 0 || s0 + nk == p.S);
+    if (clean || pk.v_finite[b * pk.tiles + s0 / kBlockK]) {
+      gemm_bf16(Dv, ncol, nk2, reinterpret_cast<const uint8_t*>(vt2 + s0 / 2 * Dv), 4, Dv * 4,
+                pt2 + c0, mqp, ot + c0, mqp, alpha + c0, 1.0f);
+    } else {
+      for (int64_t e = 0; e < Dv; ++e)
+        for (int64_t q = c0; q < mqp; ++q)
+          ot[e * mqp + q] *= alpha[q];
+      for (int64_t r = r_first; r < mq; ++r)
+        for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s) {
+          const uint32_t w = pt2[s / 2 * mqp + r];
+          const float pw = bf16_to_float(static_cast<uint16_t>(s % 2 == 0 ? w : w >> 16));
+          const uint16_t* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+          for (int64_t e = 0; e < Dv; ++e)
+            ot[e * mqp + r] += pw * bf16_to_float(vs[e * p.v_sd]);
+        }
+    }
+  }
+
+  for (int64_t r = 0; r < mq; ++r) {
+    const int64_t t = t0 + r;
+    uint16_t* orow = p.out + b * p.o_sb + t * p.o_st;
+    if (lim[r] == 0) {
+      masked_row(p, b, t, tmp, z);
+      p.lse[b * p.T + t] = kNegInf;
+      for (int64_t e = 0; e < Dv; ++e)
+        orow[e * p.o_sd] = float_to_bf16(tmp[e]);
+    } else {
+      const float inv = 1.0f / lv[r];
+      p.lse[b * p.T + t] = (mv[r] + std::log2(lv[r])) * kLn2;
+      for (int64_t e = 0; e < Dv; ++e)
+        orow[e * p.o_sd] = float_to_bf16(ot[e * mqp + r] * inv);
+    }
+  }
+}
+
+void forward_native(const FlashBf16Params& p) {
+  Packed pk;
+  pk.S2 = (p.S + 1) / 2;
+  pk.D2 = (p.D + 1) / 2;
+  pk.tiles = (p.S + kBlockK - 1) / kBlockK;
+  pk.vt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.S2 * p.Dv));
+  if (p.k_sd != 1 || p.D % 2 != 0)
+    pk.kp = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * p.S * pk.D2));
+  pk.v_finite.assign(static_cast<size_t>(p.B * pk.tiles), 1);
+  const int64_t blocks = (p.T + kBlockQ - 1) / kBlockQ, items = p.B * blocks;
+  const size_t floats = scratch_floats(p, pk);
+  // Work items (b, query block) as in the fp32 forward: each one's arithmetic is fixed, so any
+  // thread count and any schedule give the same bits; causal items are handed out longest first.
+#pragma omp parallel num_threads(std::max(1, p.threads))
+  {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < p.B; ++b)
+      pack_batch(p, pk, b);
+    auto scratch = alloc_aligned<float>(floats);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t i = p.causal ? items - 1 - it : it;
+      const int64_t b = i / blocks, blk = p.causal ? blocks - 1 - i % blocks : i % blocks;
+      forward_block(p, pk, b, blk * kBlockQ, scratch.get());
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+}  // namespace
+
+bool flash_bf16_native() {
+  return cpu_has_bf16() && !g_force_fallback;
+}
+
+void flash_bf16_force_fallback(bool on) {
+  g_force_fallback = on;
+}
+
+void flash_attention_forward_bf16(const FlashBf16Params& p) {
+  if (p.B == 0 || p.T == 0) return;
+  // The weights need a second Q K^T pass with the final row statistics, which only the fp32
+  // kernel has; a caller that asks for a (B, T, S) matrix is not after the last 2x anyway.
+  if (!flash_bf16_native() || p.weights != nullptr) {
+    forward_fallback(p);
+    return;
+  }
+  forward_native(p);
+}
+
+void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g) {
+  if (p.B == 0) return;
+  Fp32Copies c = fp32_params(p, /*with_out=*/true);
+  c.f.weights = nullptr;
+  const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
+  std::vector<float> dout = to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd);
+  std::vector<float> dq(static_cast<size_t>(B * T * D)), dk(static_cast<size_t>(B * S * D)),
+      dv(static_cast<size_t>(B * S * Dv));
+  FlashGrads fg;
+  fg.dout = dout.data(), fg.do_sb = T * Dv, fg.do_st = Dv, fg.do_sd = 1;
+  fg.dq = dq.data(), fg.dq_sb = T * D, fg.dq_st = D, fg.dq_sd = 1;
+  fg.dk = dk.data(), fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
+  fg.dv = dv.data(), fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
+  flash_attention_backward(c.f, fg);
+  to_bf16(dq, g.dq, B, T, D, g.dq_sb, g.dq_st, g.dq_sd);
+  to_bf16(dk, g.dk, B, S, D, g.dk_sb, g.dk_ss, g.dk_sd);
+  to_bf16(dv, g.dv, B, S, Dv, g.dv_sb, g.dv_ss, g.dv_sd);
+}
+
+}  // namespace attn::cpu

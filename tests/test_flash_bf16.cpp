@@ -1,0 +1,543 @@
+// kernels/cpu flash attention with bfloat16 inputs (flash_bf16.hpp) against a float64 reference
+// written here as the formulas, run on the same bf16 values: every mask kind, dropout, odd and
+// large head dims, tails around the tiles (query block 192, key tile 64), strided and misaligned
+// views, 1 vs 2 threads bitwise, both the native AVX512-BF16 kernel (when this CPU has it) and
+// the fp32 fallback (forced), and the ops layer (Backend::kCpu against kReference).
+//
+// Tolerances, from bf16's unit roundoff u = 2^-8 (8 significant bits, round to nearest even).
+// The native forward computes each score from exact products (bf16 x bf16 fits in fp32) summed
+// in fp32 (error ~ D 2^-24 |q||k|, 1e-5 relative at D = 256), each weight by a degree-4 exp2
+// (4.2e-5 relative), then rounds every weight P_s Z_s to bf16 (relative error <= u) before the
+// P V product, and rounds the output to bf16. Per element (t, e), with A = sum_s P_s Z_s |v_s e|:
+//   |out - ref| <= u |ref| (final rounding) + u A (weights' rounding) + ~1e-4 A (the rest),
+// which is the bound checked (A computed by the reference), times 1.05 for the final rounding
+// of the perturbed value. The fp32 fallback meets it with room to spare. lse is fp32 throughout:
+// sum of weights with relative error 1e-4 at most -> 2e-4 absolute, plus the scores' fp32 error.
+// The backward runs the fp32 kernel on the bf16 values, except that D_t = dO_t . out_t uses the
+// bf16-rounded out, whose error (bounded above) enters dS = P (dP - D_t); grads are rounded to
+// bf16. Checked: |g - ref| <= u |ref| + 1.05 * scale * E_t * sum_s P |x| + 1e-4 * max|grad|, with
+// E_t = sum_e |dO_te| * bound(out_te) (computed in reference()). Observed (AVX512-BF16 machine,
+// ATTN_BF16_VERBOSE=1 prints the worst error / tolerance per check): out <= 0.69 of its bound
+// (native) and <= 0.44 (fallback), dq, dk <= 0.46, dv <= 0.95 (its bf16 rounding is the bound).
+#include "kernels/cpu/flash_bf16.hpp"
+
+#include "attn/core/dtype.hpp"
+#include "attn/core/rng.hpp"
+#include "attn/ops/attention.hpp"
+#include "testing.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace attn::cpu {
+namespace {
+
+constexpr double kU = 1.0 / 256;        // bf16 unit roundoff 2^-8
+constexpr uint16_t kSentinel = 0x7fc1;  // a NaN payload never produced by rounding
+
+// A (B, N, C) bf16 tensor at `off` in `buf` with element strides; layouts as in
+// test_flash_cpu.cpp: 0 contiguous, 1 the middle head of a wider row at an odd offset, 2 a
+// feature stride of 2.
+struct View {
+  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
+  std::vector<uint16_t> buf;
+  uint16_t* ptr() { return buf.data() + off; }
+  uint16_t& raw(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
+  double at(int64_t b, int64_t n, int64_t c) const {
+    return bf16_to_float(buf[off + b * sb + n * sn + c * sc]);
+  }
+};
+
+View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
+               double range = 1.0) {
+  View v;
+  v.B = B, v.N = N, v.C = C;
+  if (layout == 0) {
+    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
+  } else if (layout == 1) {
+    const int64_t E = 3 * C + 5;
+    v.sc = 1, v.sn = E, v.sb = N * E, v.off = C + 1;
+  } else {
+    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
+  }
+  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kSentinel);
+  Rng rng(seed, 99);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c)
+        v.raw(b, n, c) = float_to_bf16(fill ? float(rng.uniform(-range, range)) : 0.0f);
+  return v;
+}
+
+int64_t guard_damage(const View& v) {
+  std::vector<char> is_elem(v.buf.size(), 0);
+  for (int64_t b = 0; b < v.B; ++b)
+    for (int64_t n = 0; n < v.N; ++n)
+      for (int64_t c = 0; c < v.C; ++c)
+        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
+  int64_t bad = 0;
+  for (size_t i = 0; i < v.buf.size(); ++i)
+    bad += !is_elem[i] && v.buf[i] != kSentinel;
+  return bad;
+}
+
+enum class Lens { kNone, k1D, k2D };
+
+struct Case {
+  int64_t B, T, S, D, Dv;
+  Lens lens;
+  bool causal, zero_rows;
+  float dropout;
+  int layout;
+  std::string name() const {
+    static const char* kLens[] = {"none", "lens1d", "lens2d"};
+    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
+           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
+           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
+           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
+  }
+};
+
+struct Problem {
+  Case cs;
+  View q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;
+  std::vector<int32_t> key_limit;
+  FlashBf16Params p;
+  FlashBf16Grads g;
+
+  explicit Problem(const Case& c, double qk_range = 1.0) : cs(c) {
+    const int L = c.layout;
+    q = make_view(c.B, c.T, c.D, L, 1, true, qk_range);
+    k = make_view(c.B, c.S, c.D, (L + 1) % 3, 2, true, qk_range);
+    v = make_view(c.B, c.S, c.Dv, (L + 2) % 3, 3, true);
+    dout = make_view(c.B, c.T, c.Dv, L, 4, true);
+    out = make_view(c.B, c.T, c.Dv, L, 0, false);
+    dq = make_view(c.B, c.T, c.D, (L + 1) % 3, 0, false);
+    dk = make_view(c.B, c.S, c.D, L, 0, false);
+    dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
+    lse.assign(c.B * c.T, 0.0f);
+    if (c.lens != Lens::kNone) {  // as the ops layer passes them: clamped, with 0 and > S
+      Rng rng(7, 1);
+      key_limit.resize(c.B * c.T);
+      for (int64_t b = 0; b < c.B; ++b) {
+        const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
+        for (int64_t t = 0; t < c.T; ++t) {
+          int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
+          if (c.lens == Lens::k2D && t == 1) len = 0;
+          key_limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
+        }
+      }
+    }
+    p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
+    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
+    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
+    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
+    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.lse = lse.data();
+    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.causal = c.causal;
+    p.zero_masked_rows = c.zero_rows;
+    p.scale = float(1.0 / std::sqrt(double(c.D)));
+    p.dropout = c.dropout;
+    p.seed = 1234;
+    p.offset = 5;
+    p.threads = 1;
+    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
+    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
+    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
+    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+  }
+};
+
+int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
+  int64_t lim = pr.key_limit.empty() ? pr.cs.S : pr.key_limit[b * pr.cs.T + t];
+  if (pr.cs.causal) lim = std::min(lim, t + 1);
+  return std::clamp<int64_t>(lim, 0, pr.cs.S);
+}
+
+// The formulas in double on the bf16 values, with the error bounds of the header comment.
+struct Reference {
+  std::vector<double> out, out_bound, lse, dq, dk, dv, dq_bound, dk_bound;
+};
+
+Reference reference(const Problem& pr) {
+  const Case& c = pr.cs;
+  const double scale = pr.p.scale;
+  Reference r;
+  r.out.assign(c.B * c.T * c.Dv, 0.0);
+  r.out_bound.assign(c.B * c.T * c.Dv, 0.0);
+  r.lse.assign(c.B * c.T, -std::numeric_limits<double>::infinity());
+  r.dq.assign(c.B * c.T * c.D, 0.0);
+  r.dk.assign(c.B * c.S * c.D, 0.0);
+  r.dv.assign(c.B * c.S * c.Dv, 0.0);
+  r.dq_bound.assign(c.B * c.T * c.D, 0.0);
+  r.dk_bound.assign(c.B * c.S * c.D, 0.0);
+  const double keep_scale = c.dropout < 1 ? 1.0 / (1.0 - c.dropout) : 0.0;
+  std::vector<double> P(c.S), Z(c.S), dP(c.S);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t t = 0; t < c.T; ++t) {
+      const int64_t lim = row_limit(pr, b, t);
+      for (int64_t s = 0; s < c.S; ++s) {
+        const uint64_t i = uint64_t((b * c.T + t) * c.S + s);
+        Z[s] = c.dropout > 0 ? (dropout_keep(pr.p.seed, pr.p.offset, i, c.dropout) ? keep_scale : 0)
+                             : 1.0;
+      }
+      if (lim == 0) {
+        for (int64_t s = 0; s < c.S; ++s)
+          P[s] = c.zero_rows ? 0.0 : 1.0 / double(c.S);
+      } else {
+        double mx = -INFINITY;
+        for (int64_t s = 0; s < lim; ++s) {
+          double x = 0;
+          for (int64_t d = 0; d < c.D; ++d)
+            x += pr.q.at(b, t, d) * pr.k.at(b, s, d);
+          P[s] = x * scale;
+          mx = std::max(mx, P[s]);
+        }
+        double sum = 0;
+        for (int64_t s = 0; s < lim; ++s)
+          sum += std::exp(P[s] - mx);
+        for (int64_t s = 0; s < c.S; ++s)
+          P[s] = s < lim ? std::exp(P[s] - mx) / sum : 0.0;
+        r.lse[b * c.T + t] = mx + std::log(sum);
+      }
+      const int64_t o = (b * c.T + t) * c.Dv;
+      for (int64_t s = 0; s < c.S; ++s)
+        for (int64_t e = 0; e < c.Dv && P[s] != 0; ++e) {  // masked keys take no part
+          r.out[o + e] += P[s] * Z[s] * pr.v.at(b, s, e);
+          r.out_bound[o + e] += P[s] * Z[s] * std::abs(pr.v.at(b, s, e));  // A
+        }
+      double Et = 0;  // bound on |dO . (out_kernel - out)|
+      for (int64_t e = 0; e < c.Dv; ++e) {
+        const double A = r.out_bound[o + e];
+        r.out_bound[o + e] = 1.05 * (kU * std::abs(r.out[o + e]) + (kU + 1e-4) * A) + 1e-7;
+        Et += std::abs(pr.dout.at(b, t, e)) * r.out_bound[o + e];
+      }
+      double Dt = 0;
+      for (int64_t s = 0; s < c.S; ++s) {
+        double x = 0;
+        for (int64_t e = 0; e < c.Dv; ++e) {
+          const double go = pr.dout.at(b, t, e);
+          r.dv[(b * c.S + s) * c.Dv + e] += P[s] * Z[s] * go;
+          x += go * pr.v.at(b, s, e);
+        }
+        dP[s] = Z[s] * x;
+        Dt += P[s] * dP[s];
+      }
+      if (lim == 0) continue;
+      for (int64_t s = 0; s < lim; ++s) {
+        const double dS = P[s] * (dP[s] - Dt) * scale;
+        for (int64_t d = 0; d < c.D; ++d) {
+          r.dq[(b * c.T + t) * c.D + d] += dS * pr.k.at(b, s, d);
+          r.dk[(b * c.S + s) * c.D + d] += dS * pr.q.at(b, t, d);
+          r.dq_bound[(b * c.T + t) * c.D + d] += P[s] * Et * scale * std::abs(pr.k.at(b, s, d));
+          r.dk_bound[(b * c.S + s) * c.D + d] += P[s] * Et * scale * std::abs(pr.q.at(b, t, d));
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// |got - want| <= rel |want| + bound[i] + atol over a view; reports the first offender.
+::testing::AssertionResult close_view(const char* what, const View& got,
+                                      const std::vector<double>& want,
+                                      const std::vector<double>* bound, double rel, double atol) {
+  double worst = 0;
+  for (int64_t b = 0; b < got.B; ++b)
+    for (int64_t n = 0; n < got.N; ++n)
+      for (int64_t c = 0; c < got.C; ++c) {
+        const int64_t i = (b * got.N + n) * got.C + c;
+        const double w = want[i], x = got.at(b, n, c);
+        const double tol = rel * std::abs(w) + (bound ? 1.05 * (*bound)[i] : 0.0) + atol;
+        if (!(std::abs(x - w) <= tol))
+          return ::testing::AssertionFailure()
+                 << what << "[" << b << "," << n << "," << c << "] = " << x << ", want " << w
+                 << " (tol " << tol << ")";
+        worst = std::max(worst, std::abs(x - w) / tol);
+      }
+  if (int64_t bad = guard_damage(got))
+    return ::testing::AssertionFailure() << what << ": " << bad << " writes outside the tensor";
+  if (std::getenv("ATTN_BF16_VERBOSE"))
+    std::fprintf(stderr, "%s worst err/tol %.3f\n", what, worst);
+  return ::testing::AssertionSuccess();
+}
+
+double max_abs(const std::vector<double>& x) {
+  double m = 1e-30;
+  for (double e : x)
+    m = std::max(m, std::abs(e));
+  return m;
+}
+
+// Restores the native path (when the CPU has it) at the end of a scope.
+struct ForceFallback {
+  explicit ForceFallback(bool on) { flash_bf16_force_fallback(on); }
+  ~ForceFallback() { flash_bf16_force_fallback(false); }
+};
+
+std::vector<bool> modes() {  // fallback forced: false (native, if this CPU has it), true
+  flash_bf16_force_fallback(false);
+  if (flash_bf16_native()) return {false, true};
+  return {true};
+}
+
+std::vector<Case> sweep() {
+  std::vector<Case> cases;
+  // Query block 192 rows, key tile 64 keys (32 pairs): sizes 1..2x both, T != S, odd S (a pair
+  // with a padded second key), odd D (a padded pair), D in 16..256, Dv != D.
+  const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
+                              {2, 64, 64, 64, 64},   {1, 200, 131, 64, 48}, {1, 193, 129, 128, 128},
+                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32},
+                              {1, 385, 70, 80, 80}};
+  int layout = 0;
+  for (const auto& sz : sizes)
+    for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D})
+      for (bool causal : {false, true})
+        for (float p : {0.0f, 0.3f}) {
+          const bool zero = (layout % 2) == 1;
+          cases.push_back({sz[0], sz[1], sz[2], sz[3], sz[4], lens, causal, zero, p, layout % 3});
+          ++layout;
+        }
+  return cases;
+}
+
+class FlashBf16Sweep : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
+  const Case c = GetParam();
+  const Problem ref_pr(c);
+  const Reference ref = reference(ref_pr);
+  const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
+  for (bool fallback : modes()) {
+    SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
+    ForceFallback force(fallback);
+    Problem pr(c);
+    flash_attention_forward_bf16(pr.p);
+    EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
+    for (int64_t i = 0; i < c.B * c.T; ++i) {
+      if (std::isinf(ref.lse[i])) {
+        EXPECT_TRUE(std::isinf(pr.lse[i]) && pr.lse[i] < 0) << "lse[" << i << "]";
+      } else {
+        EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-4 + 1e-5 * std::abs(ref.lse[i]))
+            << "lse[" << i << "]";
+      }
+    }
+    flash_attention_backward_bf16(pr.p, pr.g);
+    EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, &ref.dq_bound, kU, 1e-4 * gscale));
+    EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, &ref.dk_bound, kU, 1e-4 * gscale));
+    EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, nullptr, kU, 1e-4 * gscale));
+
+    Problem pr2(c);  // two threads: the same bits
+    pr2.p.threads = 2;
+    flash_attention_forward_bf16(pr2.p);
+    flash_attention_backward_bf16(pr2.p, pr2.g);
+    EXPECT_EQ(pr.out.buf, pr2.out.buf);
+    EXPECT_EQ(0, std::memcmp(pr.lse.data(), pr2.lse.data(), pr.lse.size() * sizeof(float)));
+    EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
+    EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
+    EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
+  }
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return info.param.name();
+}
+INSTANTIATE_TEST_SUITE_P(Cases, FlashBf16Sweep, ::testing::ValuesIn(sweep()), case_name);
+
+// Logits up to +-1e4 (q, k in [-100, 100], D = 16, scale 1/4): the online softmax subtracts the
+// running max, so nothing overflows and no NaN appears; the softmax is then nearly one-hot, so
+// out stays inside the range of v and matches the reference. fp32 scores of that size carry
+// ~1e4 * 2^-24 * D = 1e-2 absolute error, i.e. weights of near-tied keys may move by ~1e-2.
+TEST(FlashBf16, HugeLogitsNeverNaN) {
+  for (bool fallback : modes()) {
+    ForceFallback force(fallback);
+    for (bool causal : {false, true}) {
+      Case c{2, 70, 150, 16, 16, Lens::k2D, causal, false, 0.0f, 0};
+      Problem pr(c, 100.0);
+      const Reference ref = reference(pr);
+      flash_attention_forward_bf16(pr.p);
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t t = 0; t < c.T; ++t) {
+          EXPECT_FALSE(std::isnan(pr.lse[b * c.T + t]));
+          for (int64_t e = 0; e < c.Dv; ++e) {
+            const double x = pr.out.at(b, t, e);
+            ASSERT_TRUE(std::isfinite(x)) << b << "," << t << "," << e;
+            EXPECT_LE(std::abs(x), 1.0);
+            EXPECT_NEAR(x, ref.out[(b * c.T + t) * c.Dv + e], 0.05);
+          }
+        }
+    }
+  }
+}
+
+// Every row fully masked: d2l's policy gives the mean of v (weights 1/S, here with dropout),
+// PyTorch's gives zeros; lse is -inf; dq and dk are zero.
+TEST(FlashBf16, FullyMaskedRows) {
+  for (bool fallback : modes()) {
+    ForceFallback force(fallback);
+    for (bool zero : {false, true}) {
+      Case c{2, 9, 75, 16, 24, Lens::k1D, false, zero, 0.2f, 1};
+      Problem pr(c);
+      std::fill(pr.key_limit.begin(), pr.key_limit.end(), 0);
+      const Reference ref = reference(pr);
+      flash_attention_forward_bf16(pr.p);
+      flash_attention_backward_bf16(pr.p, pr.g);
+      EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
+      for (float l : pr.lse)
+        EXPECT_TRUE(std::isinf(l) && l < 0);
+      for (int64_t t = 0; t < c.T; ++t)
+        for (int64_t d = 0; d < c.D; ++d)
+          EXPECT_EQ(pr.dq.at(1, t, d), 0.0);
+      EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, nullptr, kU, 1e-5));
+    }
+  }
+}
+
+// A NaN in v or an Inf in k of a key that a query masks never reaches that query (the native
+// kernel multiplies masked weights, exact zeros, by whole rows of V); causal: key 20 is masked
+// for the rows t < 20, which must stay finite and exact, while rows t >= 20 keep it.
+TEST(FlashBf16, NonFiniteMaskedKeysStayOut) {
+  for (bool fallback : modes()) {
+    ForceFallback force(fallback);
+    for (int64_t S : {100, 21}) {  // 21: the poisoned key is also a pair's padded second half
+      Case c{1, 40, S, 32, 32, Lens::kNone, true, false, 0.0f, 0};
+      Problem pr(c);
+      pr.v.raw(0, 20, 3) = 0x7fc0;  // NaN
+      pr.k.raw(0, 20, 5) = 0x7f80;  // +Inf
+      const Reference ref = reference(pr);
+      flash_attention_forward_bf16(pr.p);
+      for (int64_t t = 0; t < 20; ++t)
+        for (int64_t e = 0; e < c.Dv; ++e) {
+          const int64_t i = t * c.Dv + e;
+          ASSERT_TRUE(std::isfinite(pr.out.at(0, t, e))) << t << "," << e;
+          EXPECT_NEAR(pr.out.at(0, t, e), ref.out[i], 1.05 * ref.out_bound[i]) << t << "," << e;
+        }
+      for (int64_t t = 20; t < c.T; ++t)
+        EXPECT_FALSE(std::isfinite(pr.out.at(0, t, 3))) << t;  // as the reference: NaN
+    }
+  }
+}
+
+// ---- Through the ops layer -------------------------------------------------------------------
+
+Tensor bf16_slice(const Shape& wide, int64_t lo, int64_t hi, uint64_t seed) {
+  return testing::random_tensor(wide, DType::F32, seed).to(DType::BF16).slice(2, lo, hi);
+}
+
+TEST(FlashBf16, OpsCpuMatchesReferenceBackend) {
+  struct OpsCase {
+    int64_t B, T, S, D, Dv;
+    int lens;
+    bool causal, zero_rows, need_weights;
+    double dropout;
+  };
+  const OpsCase cases[] = {
+      {2, 70, 130, 16, 16, 0, false, false, true, 0.0},
+      {3, 97, 65, 33, 20, 1, false, false, false, 0.0},
+      {2, 50, 50, 64, 64, 2, true, false, false, 0.2},
+      {2, 40, 90, 24, 8, 2, false, true, true, 0.0},
+      {1, 200, 200, 128, 128, 0, true, true, false, 0.1},
+  };
+  for (bool fallback : modes()) {
+    ForceFallback force(fallback);
+    for (const OpsCase& c : cases) {
+      SCOPED_TRACE("B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " S" +
+                   std::to_string(c.S) + " D" + std::to_string(c.D) +
+                   (fallback ? " fallback" : " native"));
+      const Tensor q = bf16_slice({c.B, c.T, 3 * c.D}, c.D, 2 * c.D, 11);
+      const Tensor k = bf16_slice({c.B, c.S, 3 * c.D}, 2 * c.D, 3 * c.D, 12);
+      const Tensor v = bf16_slice({c.B, c.S, 3 * c.Dv}, c.Dv, 2 * c.Dv, 13);
+      const Tensor dout = testing::random_tensor({c.B, c.T, c.Dv}, DType::F32, 14).to(DType::BF16);
+      AttentionOptions o;
+      if (c.lens == 1) {
+        std::vector<int64_t> lens;
+        for (int64_t b = 0; b < c.B; ++b)
+          lens.push_back(b == 0 ? 0 : (b * 37) % (c.S + 5));
+        o.mask.valid_lens = Tensor::from_vector(lens, {c.B});
+      } else if (c.lens == 2) {
+        o.mask.valid_lens = testing::random_tensor({c.B, c.T}, DType::F32, 15, -2.0, c.S + 3.0);
+      }
+      o.mask.causal = c.causal;
+      o.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
+      o.need_weights = c.need_weights;
+      o.dropout = c.dropout;
+      o.training = c.dropout > 0;
+      Context ref_ctx, cpu_ctx;
+      ref_ctx.backend = Backend::kReference;
+      cpu_ctx.backend = Backend::kCpu;
+      cpu_ctx.threads = 2;
+      ref_ctx.seed = cpu_ctx.seed = 77;
+      const AttentionResult r = scaled_dot_product_attention(ref_ctx, q, k, v, o);
+      const AttentionResult f = scaled_dot_product_attention(cpu_ctx, q, k, v, o);
+      EXPECT_EQ(f.output.dtype(), DType::BF16);
+      EXPECT_EQ(r.output.dtype(), DType::BF16);
+      EXPECT_EQ(f.logsumexp.dtype(), DType::F32);
+      EXPECT_EQ(r.dropout_offset, f.dropout_offset);
+      // Both are bf16 roundings of values within the kernel bound (|out| <= max|v| = 1, weights'
+      // error <= u sum P Z |v| <= u / (1 - p)): 2 u (1 + 1/(1 - p)) covers both roundings.
+      const double tol = 2 * kU * (1 + 1 / (1 - c.dropout));
+      EXPECT_TRUE(testing::close(f.output, r.output, 0, tol));
+      for (int64_t i = 0; i < r.logsumexp.numel(); ++i) {
+        const double want = r.logsumexp.flat(i), got = f.logsumexp.flat(i);
+        if (std::isinf(want)) {
+          EXPECT_EQ(got, want) << "lse " << i;
+        } else {
+          EXPECT_NEAR(got, want, 2e-4 + 1e-5 * std::abs(want)) << "lse " << i;
+        }
+      }
+      if (c.need_weights) {
+        EXPECT_EQ(f.weights.dtype(), DType::F32);
+        EXPECT_TRUE(testing::close(f.weights, r.weights, 2e-6, 2e-6));
+      }
+      const AttentionGrads gr = scaled_dot_product_attention_backward(ref_ctx, dout, q, k, v, r, o);
+      const AttentionGrads gf = scaled_dot_product_attention_backward(cpu_ctx, dout, q, k, v, f, o);
+      EXPECT_EQ(gf.dq.dtype(), DType::BF16);
+      EXPECT_EQ(gr.dk.dtype(), DType::BF16);
+      double scale = 1e-30;
+      for (const Tensor* t : {&gr.dq, &gr.dk, &gr.dv})
+        for (int64_t i = 0; i < t->numel(); ++i)
+          scale = std::max(scale, std::abs(t->flat(i)));
+      // bf16 rounding of each (2 u relative) plus the out-error term of the header, which the
+      // random dO keeps below ~1e-2 of the largest gradient at these sizes.
+      EXPECT_TRUE(testing::close(gf.dq, gr.dq, 2 * kU, 2e-2 * scale));
+      EXPECT_TRUE(testing::close(gf.dk, gr.dk, 2 * kU, 2e-2 * scale));
+      EXPECT_TRUE(testing::close(gf.dv, gr.dv, 2 * kU, 1e-3 * scale));
+    }
+  }
+}
+
+TEST(FlashBf16, OpsRejectsMixedDtypes) {
+  Context ctx;
+  const Tensor q = testing::random_tensor({1, 4, 8}, DType::F32, 1).to(DType::BF16);
+  const Tensor k32 = testing::random_tensor({1, 5, 8}, DType::F32, 2);
+  const Tensor v = testing::random_tensor({1, 5, 8}, DType::F32, 3).to(DType::BF16);
+  try {
+    scaled_dot_product_attention(ctx, q, k32, v);
+    FAIL() << "expected attn::Error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("scaled_dot_product_attention"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("BF16"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("F32"), std::string::npos) << msg;
+  }
+  const Tensor k = k32.to(DType::BF16);
+  const AttentionResult r = scaled_dot_product_attention(ctx, q, k, v);
+  const Tensor dout32 = Tensor::zeros({1, 4, 8});
+  EXPECT_THROW(scaled_dot_product_attention_backward(ctx, dout32, q, k, v, r), Error);
+  EXPECT_THROW(
+      scaled_dot_product_attention(ctx, q.to(DType::F16), k.to(DType::F16), v.to(DType::F16)),
+      Error);
+}
+
+}  // namespace
+}  // namespace attn::cpu
