@@ -10,9 +10,15 @@
 //                                                the copy
 //   out = W_o(transpose_output(O_h))             (B, T, E)
 // backward runs the same steps in reverse; the head split of a gradient is a head split again.
+//
+// Fast path (float32, kAuto/kCpu, need_weights = false, no RoPE or ALiBi): the fused kernel reads
+// Q_h, K_h, V_h straight from the (B, T, E) projections and writes O (and in the backward dQ, dK,
+// dV) in that layout (ops/attention_heads.hpp), so transpose_qkv / transpose_output copy nothing.
+// Same numbers as the copying path, bit for bit: the kernel reads the same values.
 #include "attn/nn/attention.hpp"
 
 #include "nn/internal.hpp"
+#include "ops/attention_heads.hpp"
 
 #include <algorithm>
 #include <array>
@@ -133,6 +139,27 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
     values_read = zero_unread_padding(values, valid_lens, attention.causal, T_, uniform);
   }
 
+  // The fused path: no head copies, no (B*H, T, S) weights (attention_weights() is undefined).
+  AttentionOptions o;
+  o.mask.valid_lens = valid_lens;
+  o.mask.causal = attention.causal;
+  o.mask.masked_rows = attention.masked_rows;
+  o.dropout = attention.dropout;
+  o.training = attention.training();
+  o.need_weights = attention.need_weights;
+  fused_ = !attention.rotary && !attention.alibi_slopes.defined() &&
+           attn::detail::multi_head_fused_supported(ctx, dtype_, o);
+  if (fused_) {
+    core_options_ = o;
+    Q_ = W_q.forward(ctx, queries);  // (B, T, E): head h in features [h*D, (h+1)*D)
+    K_ = W_k.forward(ctx, keys_read);
+    V_ = W_v.forward(ctx, values_read);
+    core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
+    return W_o.forward(ctx, core_.output);
+  }
+  core_ = {};
+  Q_ = K_ = V_ = Tensor();
+
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
   Tensor Qh = detail::split_heads(W_q.forward(ctx, queries), H);
   Tensor Kh = detail::split_heads(W_k.forward(ctx, keys_read), H);
@@ -155,6 +182,14 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
   Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E)
+  if (fused_) {
+    // forward: O = attention(Q, K, V) in the (B, T, E) layout; the gradients land there too.
+    Tensor dQ = Tensor::empty(Q_.shape(), dtype_), dK = Tensor::empty(K_.shape(), dtype_),
+           dV = Tensor::empty(V_.shape(), dtype_);
+    attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
+                                                dQ, dK, dV);
+    return {W_q.backward(ctx, dQ), W_k.backward(ctx, dK), W_v.backward(ctx, dV)};
+  }
   // forward: concat = transpose_output(O_h); its adjoint is transpose_qkv.
   AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
   // forward: Q_h = transpose_qkv(W_q(queries)), and the same for K and V.

@@ -61,6 +61,24 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Keys [0, limit) are kept for row (b, t): the length mask and the causal mask both keep a prefix.
+// Offset of batch row b of a tensor with batch stride sb and head stride sh: with p.heads > 1,
+// b = batch * heads + head (see FlashParams); with heads = 1 it is b * sb.
+inline int64_t HeadOffset(const FlashParams& p, int64_t b, int64_t sb, int64_t sh) {
+  return p.heads == 1 ? b * sb : (b / p.heads) * sb + (b % p.heads) * sh;
+}
+inline int64_t QOff(const FlashParams& p, int64_t b) {
+  return HeadOffset(p, b, p.q_sb, p.q_sh);
+}
+inline int64_t KOff(const FlashParams& p, int64_t b) {
+  return HeadOffset(p, b, p.k_sb, p.k_sh);
+}
+inline int64_t VOff(const FlashParams& p, int64_t b) {
+  return HeadOffset(p, b, p.v_sb, p.v_sh);
+}
+inline int64_t OOff(const FlashParams& p, int64_t b) {
+  return HeadOffset(p, b, p.o_sb, p.o_sh);
+}
+
 inline int64_t RowLimit(const FlashParams& p, int64_t b, int64_t t) {
   int64_t lim = p.key_limit ? p.key_limit[b * p.T + t] : p.S;
   if (p.causal) lim = std::min(lim, t + 1);
@@ -223,7 +241,7 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
     }
     for (int64_t s = 0; s < nk; ++s) {
       const float w = z[s] / static_cast<float>(p.S);
-      const float* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+      const float* vs = p.v + VOff(p, b) + (s0 + s) * p.v_ss;
       for (int64_t c = 0; c < p.Dv; ++c)
         acc[c] += w * vs[c * p.v_sd];
     }
@@ -249,7 +267,7 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
     max_lim = std::max(max_lim, lim[r]);
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
-    GemmFwd(nk, mqp, p.D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
+    GemmFwd(nk, mqp, p.D, p.k + KOff(p, b) + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
     for (int64_t s = 0; s < nk; ++s)
       for (int64_t c = 0; c < mqp; c += kL) {
         float* x = xt + s * mqp + c;
@@ -294,7 +312,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: independent junk columns, never stored
-  PackTransposed(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qt, mqp);
+  PackTransposed(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qt, mqp);
   std::fill(ot, ot + Dv * mqp, 0.0f);
   std::fill(mv, mv + mqp, kNegInf);
   std::fill(lv, lv + mqp, 0.0f);
@@ -314,7 +332,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
       min_lim = std::min(min_lim, lim[r]);
 
     // X^T = K (Q^T scaled): (nk, ncol)
-    GemmFwd(nk, ncol, D, p.k + b * p.k_sb + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
+    GemmFwd(nk, ncol, D, p.k + KOff(p, b) + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
             /*accumulate=*/false);
     if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
       for (int64_t s = 0; s < nk; ++s) {
@@ -360,7 +378,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
       }
     }
     // O^T += V^T P^T: (Dv, ncol)
-    const float* vb = p.v + b * p.v_sb + s0 * p.v_ss;
+    const float* vb = p.v + VOff(p, b) + s0 * p.v_ss;
     if (min_lim >= s0 + nk || AllFinite(vb, nk, Dv, p.v_ss, p.v_sd)) {
       GemmFwd(Dv, ncol, nk, vb, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0, mqp, /*accumulate=*/true);
     } else {  // non-finite v of a key some queries mask: add only the kept terms
@@ -375,7 +393,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
 
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
-    float* orow = p.out + b * p.o_sb + t * p.o_st;
+    float* orow = p.out + OOff(p, b) + t * p.o_st;
     if (lim[r] == 0) {
       MaskedRow(p, b, t, tmp, z);
       p.lse[b * p.T + t] = kNegInf;
@@ -432,8 +450,8 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     lse2[t] = p.lse[b * T + t] * kLog2e;
-    const float* o = p.out + b * p.o_sb + t * p.o_st;
-    const float* dout = g.dout + b * g.do_sb + t * g.do_st;
+    const float* o = p.out + OOff(p, b) + t * p.o_st;
+    const float* dout = g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t * g.do_st;
     double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
     for (int64_t k = 0; k < Dv; ++k)
       acc += double(o[k * p.o_sd]) * dout[k * g.do_sd];
@@ -445,9 +463,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
     // masked-row term of dV below).
     const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
-    PackTransposed(p.k + b * p.k_sb + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
-    PackRows(p.k + b * p.k_sb + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
-    PackTransposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
+    PackTransposed(p.k + KOff(p, b) + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
+    PackRows(p.k + KOff(p, b) + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
+    PackTransposed(p.v + VOff(p, b) + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
     std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
     std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
     const bool k_finite = AllFinite(kp, nkr, D, Dp, 1);
@@ -461,8 +479,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         ++t0;
       if (t0 == T) break;
       mq = std::min(kBwdBlockQ, T - t0);
-      PackRows(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, qp, Dp);
-      PackRows(g.dout + b * g.do_sb + t0 * g.do_st, mq, Dv, g.do_st, g.do_sd, 1.0f, dop, Dvp);
+      PackRows(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, qp, Dp);
+      PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t0 * g.do_st, mq, Dv, g.do_st, g.do_sd,
+               1.0f, dop, Dvp);
       Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
       Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
 
@@ -532,7 +551,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         } else {
           std::fill(z, z + nk, 1.0f);
         }
-        const float* dout = g.dout + b * g.do_sb + t * g.do_st;
+        const float* dout = g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t * g.do_st;
         for (int64_t s = 0; s < nk; ++s) {
           const float w = z[s] / static_cast<float>(p.S);
           for (int64_t k = 0; k < Dv; ++k)
@@ -543,8 +562,8 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
 
     // dK = scale sum dS Q = ln 2 * sum dS (c Q), since c = scale log2 e.
     for (int64_t s = 0; s < nk; ++s) {
-      float* dk = g.dk + b * g.dk_sb + (s0 + s) * g.dk_ss;
-      float* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
+      float* dk = g.dk + HeadOffset(p, b, g.dk_sb, g.dk_sh) + (s0 + s) * g.dk_ss;
+      float* dv = g.dv + HeadOffset(p, b, g.dv_sb, g.dv_sh) + (s0 + s) * g.dv_ss;
       for (int64_t k = 0; k < D; ++k)
         dk[k * g.dk_sd] = kLn2 * dk_acc[s * Dp + k];
       for (int64_t k = 0; k < Dv; ++k)
@@ -664,7 +683,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
 #pragma omp for schedule(static)
     for (int64_t bt = 0; bt < rows; ++bt) {
       const int64_t b = bt / p.T, t = bt % p.T;
-      float* dq = g.dq + b * g.dq_sb + t * g.dq_st;
+      float* dq = g.dq + HeadOffset(p, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
       for (int64_t k = 0; k < p.D; ++k) {
         float acc = 0.0f;
         for (int64_t j = 0; j < splits; ++j)

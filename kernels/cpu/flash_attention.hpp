@@ -35,6 +35,14 @@ namespace attn::cpu {
 struct FlashParams {
   int64_t B = 0, T = 0, S = 0, D = 0, Dv = 0;
   // Element strides (not bytes) of each tensor's three axes; the last may be any value >= 1.
+  // Head split (multi-head attention without copies): with heads > 1 the batch index b is
+  // (batch, head) = (b / heads, b % heads), and row b of q starts at
+  //   (b / heads) * q_sb + (b % heads) * q_sh
+  // (likewise k, v, out and the gradients). So q may be a (B', T, heads * D) projection, head h
+  // owning features [h*D, (h+1)*D): q_sb = T * heads * D, q_st = heads * D, q_sh = D. lse,
+  // key_limit and the dropout stream index keep the flat b; weights stay b * w_sb.
+  int64_t heads = 1;
+  int64_t q_sh = 0, k_sh = 0, v_sh = 0, o_sh = 0;
   const float* q = nullptr;
   int64_t q_sb = 0, q_st = 0, q_sd = 1;
   const float* k = nullptr;
@@ -64,7 +72,8 @@ struct FlashParams {
 struct FlashGrads {
   const float* dout = nullptr;  // (B, T, Dv)
   int64_t do_sb = 0, do_st = 0, do_sd = 1;
-  float* dq = nullptr;  // (B, T, D)
+  int64_t do_sh = 0, dq_sh = 0, dk_sh = 0, dv_sh = 0;  // head strides, as FlashParams::heads
+  float* dq = nullptr;                                 // (B, T, D)
   int64_t dq_sb = 0, dq_st = 0, dq_sd = 1;
   float* dk = nullptr;  // (B, S, D)
   int64_t dk_sb = 0, dk_ss = 0, dk_sd = 1;

@@ -93,7 +93,10 @@ class MultiHeadAttention : public Module {
   Tensor forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
                  const Tensor& valid_lens = {});
   AttentionInputGrads backward(Context& ctx, const Tensor& dout);
-  const Tensor& attention_weights() const { return attention.attention_weights(); }
+  // Undefined after a forward that took the fused path (need_weights = false).
+  const Tensor& attention_weights() const {
+    return fused_ ? core_.weights : attention.attention_weights();
+  }
   void train(bool on = true) override;
 
   int64_t num_hiddens() const { return num_hiddens_; }
@@ -105,6 +108,13 @@ class MultiHeadAttention : public Module {
  private:
   int64_t num_hiddens_, num_heads_;
   int64_t B_ = 0, T_ = 0, S_ = 0;
+  // Fast path (float32, no need_weights, no RoPE/ALiBi): attention runs on the (B, T, E)
+  // projections with head strides instead of d2l's (B*H, T, D) copies; see
+  // nn/multihead_attention.cpp.
+  bool fused_ = false;
+  Tensor Q_, K_, V_;
+  AttentionResult core_;
+  AttentionOptions core_options_;
 };
 
 }  // namespace attn::nn

@@ -1,0 +1,290 @@
+// MultiHeadAttention's fast path: the fused kernel on (B, T, H*D) projections with head strides
+// (cpu::FlashParams::heads, ops/attention_heads.hpp) instead of d2l's (B*H, T, D) copies.
+//
+// 1. Op level, bitwise: the head-strided kernel reads exactly the values the copying path reads
+//    (d2l's transpose_qkv -> scaled_dot_product_attention on Backend::kCpu -> transpose_output),
+//    so output, logsumexp and every gradient must be identical bit for bit, for every mask kind,
+//    dropout, tails around the tiles, inputs that are misaligned column slices of one (B, T, 3E)
+//    buffer, every SIMD target and 1 or 2 threads. Writes outside the gradient slices are caught
+//    by a sentinel.
+// 2. Module level: the fused path (need_weights = false) against the d2l path (need_weights =
+//    true: the reference kernels, double accumulation) within the fp32 tolerances of
+//    tests/test_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and bitwise
+//    equal for 1 and 2 threads.
+#include "attn/nn/attention.hpp"
+#include "attn/ops/attention.hpp"
+#include "kernels/cpu/flash_attention.hpp"
+#include "ops/attention_heads.hpp"
+#include "testing.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace attn {
+namespace {
+
+using testing::random_tensor;
+
+constexpr float kSentinel = -777.0f;
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) return false;
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  return std::memcmp(ac.raw_data(), bc.raw_data(), size_t(ac.numel()) * sizeof(float)) == 0;
+}
+
+// (B, L, H*W) -> (B*H, L, W) contiguous: d2l's transpose_qkv.
+Tensor split(const Tensor& x, int64_t H) {
+  const int64_t B = x.dim(0), L = x.dim(1), W = x.dim(2) / H;
+  return x.contiguous()
+      .reshape({B, L, H, W})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .reshape({B * H, L, W});
+}
+// (B*H, L, W) -> (B, L, H*W) contiguous: d2l's transpose_output.
+Tensor merge(const Tensor& y, int64_t H) {
+  const int64_t B = y.dim(0) / H, L = y.dim(1), W = y.dim(2);
+  return y.reshape({B, H, L, W}).permute({0, 2, 1, 3}).contiguous().reshape({B, L, H * W});
+}
+
+enum class Lens { kNone, k1D, k2D };
+
+struct Case {
+  int64_t B, H, T, S, D, Dv;
+  Lens lens;
+  bool causal;
+  bool zero_rows;
+  double dropout;
+  std::string name() const {
+    static const char* kLens[] = {"none", "lens1d", "lens2d"};
+    return "B" + std::to_string(B) + "_H" + std::to_string(H) + "_T" + std::to_string(T) + "_S" +
+           std::to_string(S) + "_D" + std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" +
+           kLens[int(lens)] + (causal ? "_causal" : "") + (zero_rows ? "_zero" : "") + "_p" +
+           std::to_string(int(dropout * 100));
+  }
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  // Sizes straddling the tiles (forward query block 192/96, key tile 64/32, backward query tile
+  // 96/48), D odd and 64, Dv != D, one head and several.
+  for (auto [B, H, T, S, D, Dv] : std::vector<std::array<int64_t, 6>>{{2, 3, 37, 37, 8, 8},
+                                                                      {1, 4, 200, 70, 16, 5},
+                                                                      {2, 2, 65, 300, 17, 24},
+                                                                      {1, 1, 50, 50, 64, 64},
+                                                                      {2, 8, 97, 97, 64, 64}})
+    for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D})
+      for (bool causal : {false, true})
+        out.push_back({B, H, T, S, D, Dv, lens, causal, lens == Lens::k2D && causal,
+                       (lens == Lens::k1D && !causal) || (B == 2 && H == 2) ? 0.2 : 0.0});
+  return out;
+}
+
+Tensor valid_lens(const Case& c) {
+  if (c.lens == Lens::kNone) return {};
+  Rng rng(11, 3);
+  if (c.lens == Lens::k1D) {
+    std::vector<int64_t> v;
+    for (int64_t b = 0; b < c.B; ++b)
+      v.push_back(b == 0 ? 0 : int64_t(rng.below(uint64_t(c.S + 3))));  // 0: a fully masked batch
+    return Tensor::from_vector(v, {c.B});
+  }
+  std::vector<int64_t> v;
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t t = 0; t < c.T; ++t)
+      v.push_back(t == 1 ? 0 : int64_t(rng.below(uint64_t(c.S + 3))));
+  return Tensor::from_vector(v, {c.B, c.T});
+}
+
+struct Outcome {
+  Tensor out, lse, dq, dk, dv;
+};
+
+// The fused op on column slices of one (B, L, 3 * width + 3) buffer per input (offset 1, so every
+// row is misaligned), gradients into slices of a sentinel-filled buffer.
+Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts) {
+  Context ctx;
+  ctx.threads = threads;
+  ctx.seed = 99;
+  const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
+  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1);
+  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2);
+  const Tensor q = qbuf.slice(2, 1, 1 + E);
+  const Tensor k = kvbuf.slice(2, 1 + E, 1 + 2 * E), v = kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev);
+  AttentionResult r = detail::multi_head_attention_forward(ctx, q, k, v, c.H, opts);
+  const Tensor dout = random_tensor({c.B, c.T, Ev}, DType::F32, 3);
+  Tensor gq = Tensor::full({c.B, c.T, E + 2}, kSentinel),
+         gkv = Tensor::full({c.B, c.S, E + Ev + 2}, kSentinel);
+  Tensor dq = gq.slice(2, 1, 1 + E), dk = gkv.slice(2, 1, 1 + E),
+         dv = gkv.slice(2, 1 + E, 1 + E + Ev);
+  detail::multi_head_attention_backward(ctx, dout, q, k, v, r, c.H, opts, dq, dk, dv);
+  // Guards: the columns around the slices keep the sentinel.
+  for (const Tensor* buf : {&gq, &gkv})
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t l = 0; l < buf->dim(1); ++l) {
+        EXPECT_EQ(buf->at({b, l, 0}), kSentinel);
+        EXPECT_EQ(buf->at({b, l, buf->dim(2) - 1}), kSentinel);
+      }
+  return {r.output, r.logsumexp, dq, dk, dv};
+}
+
+// The copying path on the same values: split, sdpa on kCpu (the fused kernel), merge.
+Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts) {
+  Context ctx;
+  ctx.threads = threads;
+  ctx.seed = 99;
+  ctx.backend = Backend::kCpu;
+  const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
+  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1);
+  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2);
+  const Tensor q = split(qbuf.slice(2, 1, 1 + E), c.H);
+  const Tensor k = split(kvbuf.slice(2, 1 + E, 1 + 2 * E), c.H);
+  const Tensor v = split(kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev), c.H);
+  AttentionOptions opts = heads_opts;
+  opts.mask.lens_repeat = c.H;
+  AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, opts);
+  const Tensor dout = split(random_tensor({c.B, c.T, Ev}, DType::F32, 3), c.H);
+  AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, opts);
+  return {merge(r.output, c.H), r.logsumexp, merge(g.dq, c.H), merge(g.dk, c.H), merge(g.dv, c.H)};
+}
+
+class MhaHeadsOp : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
+  const Case c = GetParam();
+  AttentionOptions opts;
+  opts.mask.valid_lens = valid_lens(c);
+  opts.mask.causal = c.causal;
+  opts.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
+  opts.dropout = c.dropout;
+  opts.training = true;
+  for (int64_t target : cpu::flash_attention_targets()) {
+    cpu::flash_attention_set_targets(target);
+    const Outcome want = run_split(c, 1, opts);
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(std::string(cpu::flash_attention_target()) + " threads " +
+                   std::to_string(threads));
+      const Outcome got = run_heads(c, threads, opts);
+      EXPECT_TRUE(bitwise_equal(got.out, want.out)) << max_abs_diff(got.out, want.out);
+      EXPECT_TRUE(bitwise_equal(got.lse, want.lse));
+      EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << max_abs_diff(got.dq, want.dq);
+      EXPECT_TRUE(bitwise_equal(got.dk, want.dk)) << max_abs_diff(got.dk, want.dk);
+      EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << max_abs_diff(got.dv, want.dv);
+    }
+  }
+  cpu::flash_attention_set_targets(0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& tp) { return tp.param.name(); });
+
+TEST(MhaHeadsOp, RejectsBadInput) {
+  Context ctx;
+  const Tensor q = random_tensor({2, 5, 12}, DType::F32), k = random_tensor({2, 7, 12}, DType::F32);
+  AttentionOptions opts;
+  EXPECT_THROW(detail::multi_head_attention_forward(ctx, q, k, k, 5, opts), Error);  // 12 % 5
+  EXPECT_THROW(detail::multi_head_attention_forward(ctx, q, k.slice(1, 0, 6), k, 3, opts), Error);
+  const Tensor strided = random_tensor({2, 5, 12, 2}, DType::F32).select(3, 0);  // stride 2
+  EXPECT_THROW(detail::multi_head_attention_forward(ctx, strided, k, k, 3, opts), Error);
+  opts.need_weights = true;
+  EXPECT_THROW(detail::multi_head_attention_forward(ctx, q, k, k, 3, opts), Error);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Module level
+
+struct ModuleRun {
+  Tensor out, dX;
+  std::vector<Tensor> param_grads;
+  bool weights_defined;
+};
+
+ModuleRun run_module(bool fused, int threads, bool causal, const Tensor& lens) {
+  Context ctx;
+  ctx.threads = threads;
+  nn::MultiHeadAttention mha(48, 4, 0.0, /*bias=*/true, DType::F32, /*seed=*/5);
+  mha.attention.need_weights = !fused;  // need_weights = true is d2l's path (reference kernel)
+  mha.attention.causal = causal;
+  const Tensor X = random_tensor({2, 37, 48}, DType::F32, 7);
+  const Tensor dout = random_tensor({2, 37, 48}, DType::F32, 8);
+  ModuleRun r;
+  r.out = mha.forward(ctx, X, X, X, lens);
+  r.weights_defined = mha.attention_weights().defined();
+  nn::AttentionInputGrads g = mha.backward(ctx, dout);
+  r.dX = Tensor::empty(X.shape());
+  for (int64_t i = 0; i < X.numel(); ++i)
+    r.dX.set_flat(i, g.dqueries.flat(i) + g.dkeys.flat(i) + g.dvalues.flat(i));
+  for (auto& [name, p] : mha.named_parameters())
+    r.param_grads.push_back(p->grad);
+  return r;
+}
+
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    m = std::max(m, std::abs(t.flat(i)));
+  return m;
+}
+
+// |got - want| <= tol * max(max|want|, floor) everywhere. The floor matters for W_k.bias: its
+// gradient is exactly 0 in exact arithmetic (softmax ignores a shift q . b_k common to all keys),
+// so both sides hold rounding noise of the size of the other weight gradients.
+::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& want, double tol,
+                                        double floor = 0.0) {
+  return testing::close(got, want, 0.0, tol * std::max({max_abs(want), floor, 1e-30}));
+}
+
+TEST(MhaHeadsModule, FusedPathMatchesD2lPathAndIsThreadCountInvariant) {
+  const std::vector<Tensor> lens_options = {
+      Tensor(), Tensor::from_vector(std::vector<int64_t>{20, 37}, {2}),
+      Tensor::from_vector(std::vector<int64_t>(74, 9), {2, 37})};
+  for (const Tensor& lens : lens_options)
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(std::string("lens ") + (lens.defined() ? shape_str(lens.shape()) : "none") +
+                   (causal ? " causal" : ""));
+      const ModuleRun ref = run_module(false, 1, causal, lens);
+      const ModuleRun one = run_module(true, 1, causal, lens);
+      const ModuleRun two = run_module(true, 2, causal, lens);
+      EXPECT_TRUE(ref.weights_defined);
+      EXPECT_FALSE(one.weights_defined);
+      EXPECT_TRUE(testing::close(one.out, ref.out, 2e-6, 2e-6));
+      EXPECT_TRUE(close_scaled(one.dX, ref.dX, 1e-5));
+      ASSERT_EQ(one.param_grads.size(), ref.param_grads.size());
+      double grad_scale = 0;
+      for (const Tensor& g : ref.param_grads)
+        grad_scale = std::max(grad_scale, max_abs(g));
+      for (size_t i = 0; i < ref.param_grads.size(); ++i)
+        EXPECT_TRUE(close_scaled(one.param_grads[i], ref.param_grads[i], 1e-5, grad_scale)) << i;
+      EXPECT_TRUE(bitwise_equal(one.out, two.out));
+      EXPECT_TRUE(bitwise_equal(one.dX, two.dX));
+      for (size_t i = 0; i < one.param_grads.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(one.param_grads[i], two.param_grads[i])) << i;
+    }
+}
+
+// A forward that keeps weights after one that took the fused path (and the other way round):
+// attention_weights() follows the latest forward.
+TEST(MhaHeadsModule, AttentionWeightsFollowTheLatestForward) {
+  Context ctx;
+  nn::MultiHeadAttention mha(16, 2, 0.0, false, DType::F32, 1);
+  const Tensor X = random_tensor({1, 5, 16}, DType::F32, 2);
+  mha.forward(ctx, X, X, X);
+  ASSERT_TRUE(mha.attention_weights().defined());
+  EXPECT_EQ(mha.attention_weights().shape(), Shape({2, 5, 5}));
+  mha.attention.need_weights = false;
+  mha.forward(ctx, X, X, X);
+  EXPECT_FALSE(mha.attention_weights().defined());
+  mha.attention.need_weights = true;
+  mha.forward(ctx, X, X, X);
+  EXPECT_TRUE(mha.attention_weights().defined());
+}
+
+}  // namespace
+}  // namespace attn
