@@ -62,6 +62,12 @@ class SequenceModel : public nn::Module {
   void backward(Context& ctx, const Tensor& dlogits);  // accumulates every parameter gradient
 
   const ModelConfig& config() const { return config_; }
+  // Keep every block's attention weights (d2l's encoder.attention_weights, for inspection) on
+  // the next forward. Off by default: training and scoring never read them, and keeping them
+  // sends the attention to the kernel that writes the (B*H, T, T) matrix (the reference loops
+  // on Backend::kAuto) instead of the fused one. Results are the same either way up to float32
+  // rounding.
+  bool need_weights = false;
   nn::TransformerEncoder encoder;
   std::unique_ptr<nn::ClassificationHead> classifier;  // exactly one of the two heads exists
   std::unique_ptr<nn::TaggingHead> tagger;
