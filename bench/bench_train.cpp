@@ -1,0 +1,136 @@
+// Training throughput of a small Transformer encoder classifier: the model `attn train` builds
+// (embedding * sqrt(E) + sinusoidal PE, 2 post-norm encoder blocks, masked-mean classification
+// head), one full step of model::Trainer per iteration: forward, softmax cross-entropy, backward,
+// clip_grad_norm(1.0) and AdamW.
+//
+// Shapes of issue 5: E = 128, H = 4 (D = 32), 2 blocks, FFN 256 (d2l's 2 * E), vocabulary 1000,
+// 2 classes, B = 32 sequences of T = 128 tokens (every sequence full length, valid_lens given),
+// dropout 0.1, fp32, ATTN_THREADS threads (default 2). bench/torch_train.py is the same model in
+// PyTorch (d2l's code) and bench/run_train.sh runs both side by side.
+//
+// Counter tokens_per_second = B * T per step / wall time. BM_TrainStepParts times the parts of a
+// step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf.
+//
+//   build/<dir>/bench/bench_train --benchmark_repetitions=5       (bench/run_train.sh runs it)
+#include "attn/model/trainer.hpp"
+#include "attn/nn/optim.hpp"
+#include "attn/ops/loss.hpp"
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kB = 32, kT = 128, kE = 128, kH = 4, kF = 256, kBlocks = 2, kVocab = 1000,
+                  kClasses = 2;
+constexpr double kDropout = 0.1;
+
+int bench_threads() {
+  const char* env = std::getenv("ATTN_THREADS");
+  return env != nullptr ? std::max(1, std::atoi(env)) : 2;
+}
+
+attn::model::TrainOptions train_options() {
+  attn::model::TrainOptions o;
+  o.model.type = attn::model::TaskType::kClassification;
+  o.model.vocab_size = kVocab;
+  o.model.num_classes = kClasses;
+  o.model.num_hiddens = kE;
+  o.model.ffn_num_hiddens = kF;
+  o.model.num_heads = kH;
+  o.model.num_blks = kBlocks;
+  o.model.dropout = kDropout;
+  o.model.positional = attn::nn::PositionalKind::kSinusoidal;
+  o.adamw.lr = 1e-3;
+  o.clip_norm = 1.0;
+  o.seed = 0;
+  o.threads = bench_threads();
+  return o;
+}
+
+attn::model::Batch make_batch() {
+  std::mt19937_64 rng(42);
+  attn::model::Batch b;
+  b.ids = attn::Tensor::empty({kB, kT}, attn::DType::I64);
+  b.valid_lens = attn::Tensor::empty({kB}, attn::DType::I64);
+  b.targets = attn::Tensor::empty({kB}, attn::DType::I64);
+  int64_t* ids = b.ids.data<int64_t>();
+  for (int64_t i = 0; i < kB * kT; ++i)
+    ids[i] = 2 + static_cast<int64_t>(rng() % (kVocab - 2));
+  for (int64_t i = 0; i < kB; ++i) {
+    b.valid_lens.data<int64_t>()[i] = kT;
+    b.targets.data<int64_t>()[i] = static_cast<int64_t>(rng() % kClasses);
+  }
+  b.tokens = kB * kT;
+  return b;
+}
+
+void set_counters(benchmark::State& state) {
+  state.counters["tokens_per_second"] = benchmark::Counter(
+      static_cast<double>(kB * kT), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = bench_threads();
+}
+
+// One optimisation step of the trainer, as `attn train` runs it.
+void BM_TrainStep(benchmark::State& state) {
+  attn::model::Trainer trainer(train_options());
+  const attn::model::Batch batch = make_batch();
+  trainer.train_step(batch);  // warm-up: allocations, thread pool
+  for (auto _ : state) {
+    attn::model::StepStats s = trainer.train_step(batch);
+    benchmark::DoNotOptimize(s.loss);
+  }
+  set_counters(state);
+}
+
+// The same step in its four parts, each timed by hand (manual time = the whole step), with the
+// seconds per step of each part as counters.
+void BM_TrainStepParts(benchmark::State& state) {
+  attn::model::Trainer trainer(train_options());
+  const attn::model::Batch batch = make_batch();
+  attn::model::SequenceModel& model = trainer.model();
+  attn::Context& ctx = trainer.context();
+  trainer.train_step(batch);
+  using clock = std::chrono::steady_clock;
+  double t_forward = 0, t_loss = 0, t_backward = 0, t_optim = 0;
+  for (auto _ : state) {
+    const auto t0 = clock::now();
+    model.train();
+    trainer.optimizer().zero_grad();
+    attn::Tensor logits = model.forward(ctx, batch.ids, batch.valid_lens);
+    const auto t1 = clock::now();
+    attn::CrossEntropyResult loss = attn::softmax_cross_entropy(ctx, logits, batch.targets);
+    attn::Tensor dlogits = attn::softmax_cross_entropy_backward(ctx, logits, batch.targets);
+    const auto t2 = clock::now();
+    model.backward(ctx, dlogits);
+    const auto t3 = clock::now();
+    attn::nn::clip_grad_norm(trainer.optimizer().parameters(), 1.0);
+    trainer.optimizer().step();
+    const auto t4 = clock::now();
+    benchmark::DoNotOptimize(loss.loss);
+    auto sec = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+    t_forward += sec(t0, t1);
+    t_loss += sec(t1, t2);
+    t_backward += sec(t2, t3);
+    t_optim += sec(t3, t4);
+    state.SetIterationTime(sec(t0, t4));
+  }
+  const double n = static_cast<double>(state.iterations());
+  state.counters["forward_ms"] = 1e3 * t_forward / n;
+  state.counters["loss_ms"] = 1e3 * t_loss / n;
+  state.counters["backward_ms"] = 1e3 * t_backward / n;
+  state.counters["clip_adamw_ms"] = 1e3 * t_optim / n;
+  set_counters(state);
+}
+
+}  // namespace
+
+BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
+
+BENCHMARK_MAIN();
