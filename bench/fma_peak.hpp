@@ -1,12 +1,16 @@
-// The machine's FP32 FMA peak, measured: a register-only loop of independent fused multiply-adds
-// on the widest SIMD target Highway picks, run on `threads` threads at once.
+// The benchmarks' name for the measured FMA peak; it lives in the library (kernels/cpu/fma_peak)
+// so that `attn bench` measures it the same way.
 #pragma once
+
+#include "kernels/cpu/fma_peak.hpp"
 
 namespace attn::bench {
 
-// GFLOP/s of all `threads` together (2 FLOP per lane per FMA); best of a few short runs.
-double measure_fma_peak_gflops(int threads);
-// Name of the SIMD target the loop ran on (e.g. "AVX3").
-const char* fma_peak_target();
+inline double measure_fma_peak_gflops(int threads) {
+  return cpu::measure_fma_peak_gflops(threads);
+}
+inline const char* fma_peak_target() {
+  return cpu::fma_peak_target();
+}
 
 }  // namespace attn::bench

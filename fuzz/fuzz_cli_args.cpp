@@ -9,9 +9,10 @@
 //   - the command runs in a private temporary directory and every '/' in a word becomes '_',
 //     so a flag naming a file (--weights-svg, --curves, --heatmap, --svg) writes a plain name in
 //     that directory, which is emptied after each run;
-//   - inputs naming the subcommands `tour`, `train`, `experiment` (or `compare`) are skipped: they
-//     run every demonstration or train models (seconds to minutes per call), which would stall
-//     the fuzzer; their argument handling needs a fuzzer of its own with a step budget;
+//   - inputs naming the subcommands `tour`, `train`, `experiment`, `compare` or `bench` are
+//     skipped: they run every demonstration, train models or time kernels (seconds to minutes
+//     per call), which would stall the fuzzer; their argument handling needs a fuzzer of its own
+//     with a step budget;
 //   - an input whose numbers exceed 1024, or multiply to more than 2^16, is skipped: the
 //     commands accept sizes up to 2^26 elements by design, and one such run takes seconds under
 //     the sanitizers. The validation of large values is covered by the CLI's own tests.
@@ -63,7 +64,8 @@ std::vector<std::string> split_words(const uint8_t* data, size_t size) {
 bool cheap(const std::vector<std::string>& words) {
   double product = 1;
   for (const std::string& w : words) {
-    if (w == "tour" || w == "train" || w == "experiment" || w == "compare") return false;
+    if (w == "tour" || w == "train" || w == "experiment" || w == "compare" || w == "bench")
+      return false;
     const char* s = w.c_str();
     for (size_t i = 0; i < w.size();) {
       if (!std::isdigit(static_cast<unsigned char>(s[i])) && s[i] != '.') {

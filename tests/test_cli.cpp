@@ -305,6 +305,12 @@ TEST_F(Cli, BadInputExitsTwoWithOneLineAndNoFile) {
       "pe relative --delta 2 --dim 1",
       "tour",
       "tour --out " + file_in_the_way,
+      "bench",
+      "bench attention --queries 0",
+      "bench attention --repeats 0",
+      "bench attention --dtype f16",
+      "bench attention --backend gpu",
+      "bench attention --head-dim x",
       "",
       "no-such-command",
   };
@@ -320,9 +326,42 @@ TEST_F(Cli, BadInputExitsTwoWithOneLineAndNoFile) {
   }
 }
 
+// --- bench -----------------------------------------------------------------------------------
+
+// The JSON that scripts read: the fields the issue names, consistent with each other. (No timing
+// is asserted: tests check what the benchmark reports, not how fast it is.)
+TEST_F(Cli, BenchAttentionJson) {
+  for (const std::string flags : {"", " --backward", " --causal --backward", " --keys 40"}) {
+    const Result r =
+        run("bench attention --batch-heads 2 --queries 24 --head-dim 16 --threads 1 "
+            "--repeats 3 --warmup 0 --json" +
+            flags);
+    ASSERT_EQ(r.status, 0) << flags << ": " << r.err;
+    const auto doc = nlohmann::json::parse(r.out);
+    for (const char* key : {"gflops", "peak_gflops", "median_ms", "peak_rss_mib", "flops"}) {
+      ASSERT_TRUE(doc.contains(key)) << key;
+      EXPECT_GT(doc[key].get<double>(), 0.0) << key;
+    }
+    EXPECT_EQ(doc["pass"], flags.find("--backward") != std::string::npos ? "backward" : "forward");
+    EXPECT_EQ(doc["threads"], 1);
+    const double S = doc["keys"].get<double>();
+    EXPECT_EQ(S, flags.find("--keys") != std::string::npos ? 40 : 24);
+    // FLOPs: 4 * BH * pairs * D, backward 2.5x; causal keeps sum_t (t + 1) of T = S = 24 pairs.
+    const double pairs = flags.find("--causal") != std::string::npos ? 24.0 * 25.0 / 2.0 : 24.0 * S;
+    const double factor = flags.find("--backward") != std::string::npos ? 2.5 : 1.0;
+    EXPECT_DOUBLE_EQ(doc["flops"].get<double>(), 4.0 * 2.0 * pairs * 16.0 * factor);
+    EXPECT_NEAR(doc["gflops"].get<double>(),
+                doc["flops"].get<double>() / (doc["median_ms"].get<double>() * 1e6), 1e-9);
+  }
+  const Result text = run("bench attention --batch-heads 1 --queries 8 --head-dim 8 --repeats 1");
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("GFLOP/s"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("% of peak"), std::string::npos) << text.out;
+}
+
 TEST_F(Cli, HelpExitsZero) {
   for (const char* args : {"--help", "self-attention --help", "pe --help", "pe binary --help",
-                           "pe relative --help", "tour --help"}) {
+                           "pe relative --help", "tour --help", "bench attention --help"}) {
     const Result r = run(args);
     EXPECT_EQ(r.status, 0) << args;
     EXPECT_EQ(r.err, "") << args;

@@ -1,0 +1,251 @@
+// attn bench attention: times scaled dot-product attention (forward, or backward with
+// --backward) through the library's public op on one shape, and reports GFLOP/s beside the
+// machine's FP32 FMA peak measured in the same run, the median time and the peak memory. --json
+// prints one object, so that scripts can drive it (bench/ has the side-by-side comparisons).
+//
+// FLOPs follow the FlashAttention papers: forward 4 * BH * pairs * D (two products of 2*D FLOPs
+// per query-key pair: q.k and p*v), backward 2.5x the forward. `pairs` counts the pairs the mask
+// keeps: T*S without a mask, sum_t min(t + 1, S) when causal (about half for T = S).
+#include "attn/core/context.hpp"
+#include "attn/core/error.hpp"
+#include "attn/core/rng.hpp"
+#include "attn/ops/attention.hpp"
+#include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/fma_peak.hpp"
+#include "tools/attn/commands.hpp"
+
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace attn::cli {
+
+namespace {
+
+constexpr const char* kOp = "bench attention";
+
+struct BenchAttentionArgs {
+  int64_t batch_heads = 16, queries = 1024, keys = 0, head_dim = 64;
+  std::string dtype = "f32";
+  bool causal = false, backward = false, json = false;
+  int threads = 0, repeats = 10, warmup = 2;
+  std::string backend = "auto";
+};
+
+// Resident set now and at its peak, in MiB (Linux: /proc/self/statm and getrusage).
+double rss_now_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long pages_total = 0, pages_resident = 0;
+  if (!(statm >> pages_total >> pages_resident)) return 0.0;
+  return static_cast<double>(pages_resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) /
+         (1024.0 * 1024.0);
+}
+
+double rss_peak_mib() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) / 1024.0;  // ru_maxrss is in KiB on Linux
+}
+
+DType parse_dtype(const std::string& name) {
+  if (name == "f32" || name == "float32") return DType::F32;
+  if (name == "bf16" || name == "bfloat16") return DType::BF16;
+  if (name == "f64" || name == "float64") return DType::F64;
+  throw Error(kOp, fmt::format("--dtype {}: expected f32, bf16 or f64", name));
+}
+
+Backend parse_backend(const std::string& name) {
+  if (name == "auto") return Backend::kAuto;
+  if (name == "cpu") return Backend::kCpu;
+  if (name == "reference") return Backend::kReference;
+  throw Error(kOp, fmt::format("--backend {}: expected auto, cpu or reference", name));
+}
+
+// Uniform [-1, 1) values from the library's generator, converted to `dtype`.
+Tensor random_tensor(const Shape& shape, DType dtype, Rng& gen) {
+  int64_t n = 1;
+  for (int64_t e : shape)
+    n *= e;
+  std::vector<float> values(static_cast<size_t>(n));
+  for (float& x : values)
+    x = static_cast<float>(gen.uniform(-1.0, 1.0));
+  return Tensor::from_vector(values, shape).to(dtype);
+}
+
+double median(std::vector<double> xs) {
+  std::sort(xs.begin(), xs.end());
+  const size_t n = xs.size();
+  return n % 2 ? xs[n / 2] : 0.5 * (xs[n / 2 - 1] + xs[n / 2]);
+}
+
+struct BenchResult {
+  BenchAttentionArgs args;
+  int64_t keys = 0, threads = 0;
+  double flops = 0, median_ms = 0, min_ms = 0, gflops = 0, peak_gflops = 0;
+  double rss_before_mib = 0, peak_rss_mib = 0, io_mib = 0;
+  std::string peak_target, kernel_target;
+};
+
+BenchResult run_bench(const BenchAttentionArgs& a) {
+  check(a.batch_heads >= 1 && a.queries >= 1 && a.keys >= 0 && a.head_dim >= 1, kOp,
+        "--batch-heads {} --queries {} --keys {} --head-dim {}: expected sizes >= 1", a.batch_heads,
+        a.queries, a.keys, a.head_dim);
+  check(a.repeats >= 1 && a.warmup >= 0 && a.threads >= 0, kOp,
+        "--repeats {} --warmup {} --threads {}: expected repeats >= 1, warmup >= 0 and "
+        "threads >= 0 (0: all hardware threads)",
+        a.repeats, a.warmup, a.threads);
+  const DType dtype = parse_dtype(a.dtype);
+  BenchResult r;
+  r.args = a;
+  r.keys = a.keys > 0 ? a.keys : a.queries;
+  const int64_t BH = a.batch_heads, T = a.queries, S = r.keys, D = a.head_dim;
+
+  Context ctx;
+  ctx.threads = a.threads;
+  ctx.backend = parse_backend(a.backend);
+  r.threads = ctx.resolved_threads();
+  r.peak_gflops = cpu::measure_fma_peak_gflops(static_cast<int>(r.threads));
+  r.peak_target = cpu::fma_peak_target();
+  r.kernel_target = cpu::flash_attention_target();
+
+  Rng gen(42);
+  const Tensor q = random_tensor({BH, T, D}, dtype, gen);
+  const Tensor k = random_tensor({BH, S, D}, dtype, gen);
+  const Tensor v = random_tensor({BH, S, D}, dtype, gen);
+  const Tensor dout = a.backward ? random_tensor({BH, T, D}, dtype, gen) : Tensor();
+  AttentionOptions opts;
+  opts.mask.causal = a.causal;
+  opts.need_weights = false;
+
+  // Inputs and outputs of the pass timed: q, k, v, out (+ lse) and for the backward dout and
+  // the three gradients. Memory beyond them is the kernel's.
+  const double bytes = static_cast<double>(dtype_size(dtype));
+  const double qkvo = static_cast<double>(BH) * static_cast<double>(2 * T * D + 2 * S * D) * bytes;
+  r.io_mib = (a.backward ? 2.0 * qkvo : qkvo) / (1024.0 * 1024.0);
+
+  double pairs = 0;
+  for (int64_t t = 0; t < T; ++t)
+    pairs += static_cast<double>(a.causal ? std::min(t + 1, S) : S);
+  r.flops = 4.0 * static_cast<double>(BH) * pairs * static_cast<double>(D);
+  if (a.backward) r.flops *= 2.5;
+
+  r.rss_before_mib = rss_now_mib();
+  std::vector<double> ms;
+  AttentionResult fwd;
+  if (a.backward) fwd = scaled_dot_product_attention(ctx, q, k, v, opts);
+  for (int i = 0; i < a.warmup + a.repeats; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    if (a.backward) {
+      const AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, fwd, opts);
+    } else {
+      fwd = scaled_dot_product_attention(ctx, q, k, v, opts);
+    }
+    const double elapsed =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (i >= a.warmup) ms.push_back(elapsed);
+  }
+  r.median_ms = median(ms);
+  r.min_ms = *std::min_element(ms.begin(), ms.end());
+  r.gflops = r.flops / (r.median_ms * 1e6);
+  r.peak_rss_mib = rss_peak_mib();
+  return r;
+}
+
+std::string bench_json(const BenchResult& r) {
+  const BenchAttentionArgs& a = r.args;
+  nlohmann::ordered_json j;
+  j["op"] = "attention";
+  j["pass"] = a.backward ? "backward" : "forward";
+  j["dtype"] = a.dtype;
+  j["backend"] = a.backend;
+  j["batch_heads"] = a.batch_heads;
+  j["queries"] = a.queries;
+  j["keys"] = r.keys;
+  j["head_dim"] = a.head_dim;
+  j["causal"] = a.causal;
+  j["threads"] = r.threads;
+  j["repeats"] = a.repeats;
+  j["flops"] = r.flops;
+  j["median_ms"] = r.median_ms;
+  j["min_ms"] = r.min_ms;
+  j["gflops"] = r.gflops;
+  j["peak_gflops"] = r.peak_gflops;
+  j["percent_of_peak"] = 100.0 * r.gflops / r.peak_gflops;
+  j["peak_rss_mib"] = r.peak_rss_mib;
+  j["rss_before_mib"] = r.rss_before_mib;
+  j["inputs_outputs_mib"] = r.io_mib;
+  j["simd_target"] = r.kernel_target;
+  j["peak_simd_target"] = r.peak_target;
+  return j.dump(2);
+}
+
+std::string bench_text(const BenchResult& r) {
+  const BenchAttentionArgs& a = r.args;
+  std::string s = fmt::format(
+      "attention {} {}, B*H={} T={} S={} D={}{}, {} thread{}, backend {} ({})\n",
+      a.backward ? "backward" : "forward", a.dtype, a.batch_heads, a.queries, r.keys, a.head_dim,
+      a.causal ? " causal" : "", r.threads, r.threads == 1 ? "" : "s", a.backend, r.kernel_target);
+  s += fmt::format("  median {:.3f} ms (min {:.3f}) over {} runs: {:.1f} GFLOP/s\n", r.median_ms,
+                   r.min_ms, a.repeats, r.gflops);
+  s += fmt::format("  FMA peak measured now: {:.1f} GFLOP/s ({}) -> {:.1f}% of peak\n",
+                   r.peak_gflops, r.peak_target, 100.0 * r.gflops / r.peak_gflops);
+  s += fmt::format(
+      "  memory: peak RSS {:.1f} MiB; {:.1f} MiB before the first call; inputs and "
+      "outputs {:.1f} MiB\n",
+      r.peak_rss_mib, r.rss_before_mib, r.io_mib);
+  return s;
+}
+
+}  // namespace
+
+std::vector<Command> add_bench_command(CLI::App& app) {
+  CLI::App* bench = app.add_subcommand(
+      "bench",
+      "Time attn's kernels on this machine: GFLOP/s, % of the FMA peak measured in the "
+      "same run, memory. See docs/performance.md for the side-by-side tables.");
+  bench->require_subcommand(1);
+
+  auto args = std::make_shared<BenchAttentionArgs>();
+  CLI::App* sub = bench->add_subcommand(
+      "attention",
+      "Scaled dot-product attention (q, k, v of shape (B*H, T|S, D), uniform [-1, 1) values) "
+      "through attn::scaled_dot_product_attention: forward, or the backward with --backward. "
+      "FLOPs: forward 4*B*H*T*S*D, backward 2.5x, causal counts only the kept pairs.");
+  sub->add_option("--batch-heads", args->batch_heads, "B*H: batch times heads")
+      ->capture_default_str();
+  sub->add_option("--queries", args->queries, "T: queries per head")->capture_default_str();
+  sub->add_option("--keys", args->keys, "S: keys per head (default: T)");
+  sub->add_option("--head-dim", args->head_dim, "D: width of q, k and v per head")
+      ->capture_default_str();
+  sub->add_option("--dtype", args->dtype, "f32, bf16 or f64 (inputs; accumulation in f32/f64)")
+      ->capture_default_str();
+  sub->add_flag("--causal", args->causal, "causal mask (query t sees keys 0..t)");
+  sub->add_flag("--backward", args->backward,
+                "time the backward (dq, dk, dv from dout) instead of the forward");
+  sub->add_option("--threads", args->threads, "threads (0: all hardware threads)")
+      ->capture_default_str();
+  sub->add_option("--repeats", args->repeats, "timed runs (the median is reported)")
+      ->capture_default_str();
+  sub->add_option("--warmup", args->warmup, "untimed runs first")->capture_default_str();
+  sub->add_option("--backend", args->backend,
+                  "auto, cpu (fused kernels) or reference (the plain-loop oracle: slow)")
+      ->capture_default_str();
+  sub->add_flag("--json", args->json,
+                "print one JSON object (gflops, peak_gflops, median_ms, peak_rss_mib, ...)");
+  auto run = [args] {
+    const BenchResult r = run_bench(*args);
+    print(args->json ? bench_json(r) + "\n" : bench_text(r));
+  };
+  return {{sub, run}, {bench, [] {}}};
+}
+
+}  // namespace attn::cli
