@@ -7,13 +7,13 @@
 // So every operand is laid out as *pairs* along the reduction axis:
 //
 //   X^T = K Q^T  (keys x queries)   reduction over d: Q^T packed per block as qt2[d/2][t] =
-//                                   (q[t][2i], q[t][2i+1]); K read as a broadcast 32-bit pair
-//                                   (k[s][2i], k[s][2i+1]), straight from the tensor when its
-//                                   feature stride is 1 and D is even, else from a packed copy.
+//                                   (q[t][2i], q[t][2i+1]); K as a broadcast 32-bit pair
+//                                   (k[s][2i], k[s][2i+1]) from a copy packed once per call,
+//                                   kt2[b][i][s], so that the 8 keys of a micro-tile are adjacent.
 //   O^T += V^T P^T (Dv x queries)   reduction over s: P^T rounded to bf16 as pt2[s/2][t] =
 //                                   (P[2j][t], P[2j+1][t]) (vcvtne2ps2bf16 + one vpermw per two key
 //                                   rows); V as a broadcast pair (v[2j][e], v[2j+1][e]) from a
-//                                   copy of V packed once per call (vt2[b][j][e]).
+//                                   copy packed once per call, vt2[b][j][e].
 //
 // Scores come out of the dot products in fp32 and are multiplied by c = scale log2 e on the
 // store (q is not pre-scaled: that would round q * c to bf16 again). The softmax is fp32 with a
@@ -175,40 +175,39 @@ inline uint32_t load_u32(const uint8_t* x) {
 }
 
 // One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
-// A(i, k) is the 32-bit word at a + i*a_rs + k*a_ks (bytes), two bf16 (broadcast); row k of B is
-// NV*16 words at b + k*ldb, each two bf16. alpha null: C starts at 0; else C starts as C times
-// alpha per column (the online softmax's rescale, fused into the load). Stores C * out_mul.
-// Rows past `rows` repeat the last valid row of A and are not stored.
+// A(i, k) = a[k*lda + i], a 32-bit word holding two bf16 (broadcast); row k of B is NV*16 words
+// at b + k*ldb, each two bf16. The rows of A are adjacent words, so one pointer and constant
+// offsets address all MR broadcasts (GCC spilled accumulators when each row had its own
+// pointer). Rows past `rows` read the words after them (the packed buffers have MR words of
+// slack) and are not stored. alpha null: C starts at 0; else C starts as C times alpha per
+// column (the online softmax's rescale, fused into the load). Stores C * out_mul.
 template <int MR, int NV>
-inline __attribute__((always_inline)) void micro_tile(int64_t K2, const uint8_t* a, int64_t a_rs,
-                                                      int64_t a_ks, int rows, const uint32_t* b,
-                                                      int64_t ldb, float* c, int64_t ldc,
-                                                      const float* alpha, float out_mul) {
+__attribute__((noinline)) void micro_tile(int64_t K2, const uint32_t* a, int64_t lda, int rows,
+                                          const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                                          const float* alpha, float out_mul) {
   __m512 acc[MR][NV];
-  const uint8_t* ar[MR];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) {
-    ar[i] = a + (i < rows ? i : rows - 1) * a_rs;
+  for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
       acc[i][j] = (alpha != nullptr && i < rows)
                       ? _mm512_mul_ps(_mm512_loadu_ps(c + i * ldc + j * kL),
                                       _mm512_loadu_ps(alpha + j * kL))
                       : _mm512_setzero_ps();
-  }
   for (int64_t k = 0; k < K2; ++k) {
     __m512bh bv[NV];
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j)
-      bv[j] = (__m512bh)_mm512_loadu_si512(b + k * ldb + j * kL);
-    const int64_t ak = k * a_ks;
+      bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kL);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(load_u32(ar[i] + ak)));
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i]));
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j)
         acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ai, bv[j]);
     }
+    a += lda;
+    b += ldb;
   }
   const __m512 mul = _mm512_set1_ps(out_mul);
 #pragma GCC unroll 8
@@ -222,20 +221,19 @@ inline __attribute__((always_inline)) void micro_tile(int64_t K2, const uint8_t*
 
 // C (M x N) = [alpha .*] C + A B over the micro-tiles (N a multiple of 16): one B panel of NV
 // vectors stays in L1 while every MR-row panel of A streams past it.
-__attribute__((noinline)) void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint8_t* a,
-                                         int64_t a_rs, int64_t a_ks, const uint32_t* b, int64_t ldb,
-                                         float* c, int64_t ldc, const float* alpha, float out_mul) {
+__attribute__((noinline)) void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* a,
+                                         int64_t lda, const uint32_t* b, int64_t ldb, float* c,
+                                         int64_t ldc, const float* alpha, float out_mul) {
   int64_t j0 = 0;
   for (; j0 + kNV * kL <= N; j0 += kNV * kL)
     for (int64_t i0 = 0; i0 < M; i0 += kMR)
-      micro_tile<kMR, kNV>(K2, a + i0 * a_rs, a_rs, a_ks,
-                           static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0, ldb,
-                           c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
+      micro_tile<kMR, kNV>(K2, a + i0, lda, static_cast<int>(std::min<int64_t>(kMR, M - i0)),
+                           b + j0, ldb, c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr,
+                           out_mul);
   for (; j0 < N; j0 += kL)
     for (int64_t i0 = 0; i0 < M; i0 += kMR)
-      micro_tile<kMR, 1>(K2, a + i0 * a_rs, a_rs, a_ks,
-                         static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0, ldb,
-                         c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
+      micro_tile<kMR, 1>(K2, a + i0, lda, static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0,
+                         ldb, c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
 }
 
 // 2^x, exactly 0 for x <= -150 (masked scores set to -inf, minus a finite max). x = n + f,
@@ -269,12 +267,44 @@ inline bool pairs_finite(__m512i w) {
   return _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, e), e) == 0;
 }
 
-// Packed copies made once per call, before the work items: V as pairs along s for every batch
-// row, and K as rows of D2 = ceil(D/2) pairs when it cannot be read in place.
+// dst[j*ld + r] = (x[r][2j], x[r][2j+1]) for r < n, j < ceil(D/2), with x[r][c] = src[r*rs + c*sd]
+// (a zero high half past D): a tile's rows laid along the lanes as bf16 pairs. With unit feature
+// stride a gather fetches the pair j of 16 rows at once.
+void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs, int64_t sd,
+                           uint32_t* dst, int64_t ld) {
+  const int64_t D2 = (D + 1) / 2, full = D / 2;  // pairs [0, full) lie inside the row
+  const bool gather = sd == 1 && rs * 2 * kL < (int64_t{1} << 31);
+  const __m512i idx =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(static_cast<int>(gather ? rs * 2 : 0)));
+  for (int64_t ra = 0; ra < n; ra += kL) {
+    const int64_t m = std::min(kL, n - ra);
+    int64_t j = 0;
+    if (gather) {
+      const __mmask16 mask = m == kL ? __mmask16(0xffff) : __mmask16((1u << m) - 1);
+      for (; j < full; ++j) {
+        const __m512i w = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx,
+                                                      src + ra * rs + 2 * j, 1);
+        _mm512_mask_storeu_epi32(dst + j * ld + ra, mask, w);
+      }
+    }
+    for (; j < D2; ++j) {
+      const bool has1 = 2 * j + 1 < D;
+      for (int64_t r = ra; r < ra + m; ++r) {
+        const uint16_t* x = src + r * rs + 2 * j * sd;
+        dst[j * ld + r] = uint32_t{x[0]} | (has1 ? uint32_t{x[sd]} << 16 : 0u);
+      }
+    }
+  }
+}
+
+// Packed copies made once per call, before the work items (O(B S (D + Dv)), against the
+// O(B T S (D + Dv)) of the products): the A operands of both products with their rows (keys for
+// K, features for V) in adjacent words.
 struct Packed {
-  int64_t S2 = 0, D2 = 0, tiles = 0;
+  int64_t S2 = 0, D2 = 0, tiles = 0, ldk = 0;
   std::unique_ptr<uint32_t[], FreeDeleter> vt2;  // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
-  std::unique_ptr<uint32_t[], FreeDeleter> kp;   // (B, S, D2) words, or null: k read in place
+  std::unique_ptr<uint32_t[], FreeDeleter> kt2;  // (B, D2, ldk) words: (k[s][2i], k[s][2i+1])
   std::vector<uint8_t> v_finite;                 // (B, tiles): V of the 64-key tile is finite
 };
 
@@ -310,18 +340,9 @@ void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
     }
     pk.v_finite[b * pk.tiles + tile] = finite;
   }
-  if (pk.kp) {
-    const int64_t D = p.D, D2 = pk.D2;
-    for (int64_t s = 0; s < S; ++s) {
-      const uint16_t* ks = p.k + b * p.k_sb + s * p.k_ss;
-      uint32_t* o = pk.kp.get() + (b * S + s) * D2;
-      for (int64_t j = 0; j < D2; ++j) {
-        const uint32_t lo = ks[2 * j * p.k_sd];
-        const uint32_t hi = 2 * j + 1 < D ? ks[(2 * j + 1) * p.k_sd] : 0u;
-        o[j] = lo | (hi << 16);
-      }
-    }
-  }
+  uint32_t* kt = pk.kt2.get() + b * pk.D2 * pk.ldk;
+  // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
+  pack_pairs_transposed(p.k + b * p.k_sb, S, p.D, p.k_ss, p.k_sd, kt, pk.ldk);
 }
 
 size_t scratch_floats(const FlashBf16Params& p, const Packed& pk) {
@@ -376,30 +397,15 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
-  for (int64_t j = 0; j < D2; ++j) {
-    uint32_t* o = qt2 + j * mqp;
-    for (int64_t r = 0; r < mq; ++r) {
-      const uint16_t* qr = p.q + b * p.q_sb + (t0 + r) * p.q_st;
-      const uint32_t lo = qr[2 * j * p.q_sd], hi = 2 * j + 1 < D ? qr[(2 * j + 1) * p.q_sd] : 0u;
-      o[r] = lo | (hi << 16);
-    }
-    std::fill(o + mq, o + mqp, 0u);
-  }
+  pack_pairs_transposed(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, qt2, mqp);
+  for (int64_t j = 0; j < D2; ++j)
+    std::fill(qt2 + j * mqp + mq, qt2 + (j + 1) * mqp, 0u);
   std::fill(ot, ot + Dv * mqp, 0.0f);
   std::fill(mv, mv + mqp, kNegInf);
   std::fill(lv, lv + mqp, 0.0f);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
 
-  // K as pairs: in place (byte strides) or from the packed copy.
-  const uint8_t* kbase;
-  int64_t k_rs;
-  if (pk.kp) {
-    kbase = reinterpret_cast<const uint8_t*>(pk.kp.get() + b * p.S * D2);
-    k_rs = D2 * 4;
-  } else {
-    kbase = reinterpret_cast<const uint8_t*>(p.k + b * p.k_sb);
-    k_rs = p.k_ss * 2;
-  }
+  const uint32_t* kt2 = pk.kt2.get() + b * D2 * pk.ldk;
   const uint32_t* vt2 = pk.vt2.get() + b * pk.S2 * Dv;
 
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
@@ -413,7 +419,7 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
       min_lim = std::min(min_lim, lim[r]);
 
     // X^T = c K Q^T: (nk, ncol), fp32
-    gemm_bf16(nk, ncol, D2, kbase + s0 * k_rs, k_rs, 4, qt2 + c0, mqp, xt + c0, mqp, nullptr, c);
+    gemm_bf16(nk, ncol, D2, kt2 + s0, pk.ldk, qt2 + c0, mqp, xt + c0, mqp, nullptr, c);
     if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
       for (int64_t s = 0; s < nk; ++s) {
         const __m512 key = _mm512_set1_ps(static_cast<float>(s0 + s));
@@ -475,8 +481,8 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     // non-finite v, add only the kept terms.
     const bool clean = min_lim >= s0 + nk && (nk % 2 == 0 || s0 + nk == p.S);
     if (clean || pk.v_finite[b * pk.tiles + s0 / kBlockK]) {
-      gemm_bf16(Dv, ncol, nk2, reinterpret_cast<const uint8_t*>(vt2 + s0 / 2 * Dv), 4, Dv * 4,
-                pt2 + c0, mqp, ot + c0, mqp, alpha + c0, 1.0f);
+      gemm_bf16(Dv, ncol, nk2, vt2 + s0 / 2 * Dv, Dv, pt2 + c0, mqp, ot + c0, mqp, alpha + c0,
+                1.0f);
     } else {
       for (int64_t e = 0; e < Dv; ++e)
         for (int64_t q = c0; q < mqp; ++q)
@@ -492,19 +498,28 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     }
   }
 
+  // out = O^T / l, transposed back 16 queries at a time (vcvtneps2bf16 rounds to nearest even).
+  for (int64_t r = 0; r < mqp; ++r)
+    alpha[r] = r < mq && lim[r] > 0 ? 1.0f / lv[r] : 0.0f;
+  alignas(32) uint16_t o16[kL];
+  for (int64_t e = 0; e < Dv; ++e)
+    for (int64_t q = 0; q < mq; q += kL) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(ot + e * mqp + q), _mm512_loadu_ps(alpha + q));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o16), (__m256i)_mm512_cvtneps_pbh(x));
+      uint16_t* o = p.out + b * p.o_sb + (t0 + q) * p.o_st + e * p.o_sd;
+      for (int64_t l = 0; l < std::min(kL, mq - q); ++l)
+        o[l * p.o_st] = o16[l];
+    }
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
-    uint16_t* orow = p.out + b * p.o_sb + t * p.o_st;
     if (lim[r] == 0) {
+      uint16_t* orow = p.out + b * p.o_sb + t * p.o_st;
       masked_row(p, b, t, tmp, z);
       p.lse[b * p.T + t] = kNegInf;
       for (int64_t e = 0; e < Dv; ++e)
         orow[e * p.o_sd] = float_to_bf16(tmp[e]);
     } else {
-      const float inv = 1.0f / lv[r];
       p.lse[b * p.T + t] = (mv[r] + std::log2(lv[r])) * kLn2;
-      for (int64_t e = 0; e < Dv; ++e)
-        orow[e * p.o_sd] = float_to_bf16(ot[e * mqp + r] * inv);
     }
   }
 }
@@ -514,9 +529,12 @@ void forward_native(const FlashBf16Params& p) {
   pk.S2 = (p.S + 1) / 2;
   pk.D2 = (p.D + 1) / 2;
   pk.tiles = (p.S + kBlockK - 1) / kBlockK;
-  pk.vt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.S2 * p.Dv));
-  if (p.k_sd != 1 || p.D % 2 != 0)
-    pk.kp = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * p.S * pk.D2));
+  pk.ldk = p.S;
+  // + kMR words of slack: the micro-kernel reads (and discards) up to kMR - 1 rows past the end.
+  pk.vt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR));
+  pk.kt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR));
+  std::fill(pk.vt2.get() + p.B * pk.S2 * p.Dv, pk.vt2.get() + p.B * pk.S2 * p.Dv + kMR, 0u);
+  std::fill(pk.kt2.get() + p.B * pk.D2 * pk.ldk, pk.kt2.get() + p.B * pk.D2 * pk.ldk + kMR, 0u);
   pk.v_finite.assign(static_cast<size_t>(p.B * pk.tiles), 1);
   const int64_t blocks = (p.T + kBlockQ - 1) / kBlockQ, items = p.B * blocks;
   const size_t floats = scratch_floats(p, pk);
