@@ -319,9 +319,12 @@ void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs
     for (int64_t j0 = 0; j0 < D2; j0 += kL) {
       const int64_t ne = std::min<int64_t>(2 * kL, D - 2 * j0);  // bf16 elements of the row
       const __mmask32 cols = ne == 2 * kL ? __mmask32(0xffffffffu) : __mmask32((1u << ne) - 1);
-      for (int i = 0; i < kL; ++i)
-        blk[i] = i < m ? _mm512_maskz_loadu_epi16(cols, src + (ra + i) * rs + 2 * j0)
-                       : _mm512_setzero_si512();
+      for (int i = 0; i < kL; ++i) {
+        const uint16_t* x = src + (ra + i) * rs + 2 * j0;
+        blk[i] = i >= m         ? _mm512_setzero_si512()
+                 : ne == 2 * kL ? _mm512_loadu_si512(x)
+                                : _mm512_maskz_loadu_epi16(cols, x);
+      }
       transpose16x16(blk);
       for (int64_t c = 0; c < std::min(kL, D2 - j0); ++c)
         _mm512_mask_storeu_epi32(dst + (j0 + c) * ld + ra, rows, blk[c]);
@@ -566,7 +569,9 @@ void forward_native(const FlashBf16Params& p) {
   pk.S2 = (p.S + 1) / 2;
   pk.D2 = (p.D + 1) / 2;
   pk.tiles = (p.S + kBlockK - 1) / kBlockK;
-  pk.ldk = p.S;
+  // Rows of kt2 16 words longer than a multiple of 16: the transposed stores of a 16 x 16 block
+  // then fall into different L1 sets (a stride of S = 1024 words, 4 KiB, put all 16 in one set).
+  pk.ldk = (p.S + kL - 1) / kL * kL + kL;
   // + kMR words of slack: the micro-kernel reads (and discards) up to kMR - 1 rows past the end.
   pk.vt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR));
   pk.kt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR));
