@@ -90,13 +90,15 @@ void BM_MhaTraining(benchmark::State& state) {
   attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::F32, /*seed=*/1);
   mha.train();
   mha.attention.need_weights = false;
+  // The gradient of X as one tensor, as PyTorch's xg.grad (not d2l's three terms to be summed).
+  mha.self_attention_input_grad = true;
   attn::Tensor X = random({kB, T, kE}, 2);
   attn::Tensor dout = random({kB, T, kE}, 3);
   for (auto _ : state) {
     // One step: forward, then backward of <out, dout>; parameter grads accumulate (no
     // zero_grad), as in the PyTorch loop of torch_mha.py.
     attn::Tensor out = mha.forward(ctx, X, X, X);
-    attn::nn::AttentionInputGrads g = mha.backward(ctx, dout);
+    attn::nn::AttentionInputGrads g = mha.backward(ctx, dout);  // g.dqueries = dX
     benchmark::DoNotOptimize(g.dqueries.raw_data());
   }
   set_counters(state, 3.0 * projection_flops(T) + 3.5 * attention_flops(T));

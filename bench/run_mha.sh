@@ -89,10 +89,12 @@ for r in range(1, rounds + 1):
         ours.setdefault(name, []).append((b["real_time"], b["GFLOP"], b["cpu_time"]))
 torch = {}  # (mode, T) -> [(wall ms, GFLOP/s, process CPU ms)] (best of each round)
 torch_version = "?"
+torch_blas = set()  # the libblas / OpenBLAS file the torch process really mapped
 for r in range(1, rounds + 1):
     for line in open(f"{tmp}/torch.{r}.jsonl"):
         d = json.loads(line)
         torch_version = d["torch"]
+        torch_blas.add(os.path.basename(d.get("blas", "?")))
         torch.setdefault((d["mode"], d["T"]), []).append(
             (d["ms_min"], d["gflops_best"], d["cpu_ms_min"]))
 
@@ -170,13 +172,20 @@ for mode, name, pk, ck in (("inference", "BM_MhaInference", "BM_ProjectionForwar
                      f"{core:.1f} ({100 * core / tot:.0f}%) | {rest:.1f} ({100 * rest / tot:.0f}%) |")
 
 blas = "system libblas.so.3 (OpenBLAS)" if blas_dir == "system" else f"OpenBLAS from {os.path.basename(blas_dir)}"
+blas += f", mapped: {', '.join(sorted(torch_blas))}"
 if coretype:
     blas += f", OPENBLAS_CORETYPE={coretype}"
+if any("openblas" not in b for b in torch_blas):
+    sys.exit(f"run_mha: PyTorch mapped {torch_blas}, not OpenBLAS: its numbers would be invalid")
 block = f"""<!-- mha:begin -->
 ## MultiHeadAttention: attn vs PyTorch nn.MultiheadAttention (CPU)
 
 Written by `bench/run_mha.sh` (do not edit by hand). B = 4, E = 512, H = 8 (D = 64),
-self-attention X (B, T, E), T = S, projections with bias, fp32, {threads} threads, no dropout.
+self-attention X (B, T, E), T = S, projections with bias, fp32, {threads} threads, no dropout,
+**need_weights = False on both sides** (attn's `mha.attention.need_weights = false`: the fused
+kernel on the projections' layout; d2l's default `true` keeps the (B*H, T, S) weights and runs
+the reference kernel), the training step returns dX as one tensor on both sides
+(`self_attention_input_grad`, PyTorch's `x.grad`).
 GFLOP/s count projections 2·rows·E·E each (4 of them) plus attention 4·B·H·T·S·D; a training
 step (forward + backward wrt parameters and input) counts 3x the projections + 3.5x attention.
 PyTorch {torch_version} (Debian, {blas}), eval + no_grad for inference; attn with
@@ -194,8 +203,8 @@ round and at the end: {loads} (2 cores; > 2 means other processes competed).
 {chr(10).join(rows)}
 
 Where attn's time goes, in process CPU ms (all threads; the parts timed alone on the same
-shapes, so an estimate; "rest" = head split/merge copies, page faults of fresh outputs, bias
-and gradient accumulation):
+shapes, so an estimate; "rest" = packing [W_q; W_k; W_v], page faults of fresh outputs, bias
+and gradient accumulation, the scheduler; the head split/merge copies are gone):
 
 | mode | T | total CPU ms | 4 projections | attention core | rest |
 |---|---|---|---|---|---|

@@ -17,6 +17,7 @@
 // Same numbers as the copying path, bit for bit: the kernel reads the same values.
 #include "attn/nn/attention.hpp"
 
+#include "attn/ops/linear.hpp"
 #include "nn/internal.hpp"
 #include "ops/attention_heads.hpp"
 
@@ -78,6 +79,12 @@ Tensor zero_unread_padding(const Tensor& X, const Tensor& valid_lens, bool causa
   for (int64_t b = 0; b < B; ++b)
     if (read[b] < S) clean.select(0, b).slice(0, read[b], S).fill(0.0);
   return clean;
+}
+
+// The same tensor: same memory, shape and strides (self-attention passes X three times).
+bool same_tensor(const Tensor& a, const Tensor& b) {
+  return a.raw_data() == b.raw_data() && a.shape() == b.shape() && a.strides() == b.strides() &&
+         a.dtype() == b.dtype();
 }
 
 }  // namespace
@@ -149,16 +156,42 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   o.need_weights = attention.need_weights;
   fused_ = !attention.rotary && !attention.alibi_slopes.defined() &&
            attn::detail::multi_head_fused_supported(ctx, dtype_, o);
+  // Self-attention (one tensor for queries, keys and values, no padding copy): one projection
+  // with the stacked weights [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM.
+  packed_ = fused_ && same_tensor(queries, keys) && same_tensor(queries, values) &&
+            same_tensor(keys, keys_read) && same_tensor(values, values_read);
   if (fused_) {
     core_options_ = o;
-    Q_ = W_q.forward(ctx, queries);  // (B, T, E): head h in features [h*D, (h+1)*D)
-    K_ = W_k.forward(ctx, keys_read);
-    V_ = W_v.forward(ctx, values_read);
+    if (packed_) {
+      const int64_t E = num_hiddens_;
+      for (Linear* l : {&W_q, &W_k, &W_v})
+        l->materialize(queries.dim(2), op);
+      // Repacked every forward: the optimizer updates the three weights in place.
+      if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, queries.dim(2)}))
+        W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, dtype_);
+      const bool bias = W_q.has_bias();
+      if (bias && !b_qkv_.defined()) b_qkv_ = Tensor::empty({3 * E}, dtype_);
+      int64_t i = 0;
+      for (Linear* l : {&W_q, &W_k, &W_v}) {
+        W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
+        if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
+        ++i;
+      }
+      X_ = queries;
+      const Tensor QKV = linear(ctx, queries, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
+      Q_ = QKV.slice(2, 0, E);  // views, row stride 3E
+      K_ = QKV.slice(2, E, 2 * E);
+      V_ = QKV.slice(2, 2 * E, 3 * E);
+    } else {
+      Q_ = W_q.forward(ctx, queries);  // (B, T, E): head h in features [h*D, (h+1)*D)
+      K_ = W_k.forward(ctx, keys_read);
+      V_ = W_v.forward(ctx, values_read);
+    }
     core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
     return W_o.forward(ctx, core_.output);
   }
   core_ = {};
-  Q_ = K_ = V_ = Tensor();
+  Q_ = K_ = V_ = X_ = Tensor();
 
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
   Tensor Qh = detail::split_heads(W_q.forward(ctx, queries), H);
@@ -182,6 +215,30 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
   Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E)
+  if (fused_ && packed_) {
+    // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
+    // attention gradients land in the slices of one (B, T, 3E) buffer, every element written.
+    const int64_t E = num_hiddens_;
+    const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, dtype_);
+    Tensor dQ = dQKV.slice(2, 0, E), dK = dQKV.slice(2, E, 2 * E), dV = dQKV.slice(2, 2 * E, 3 * E);
+    attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
+                                                dQ, dK, dV);
+    // dX = dQKV [W_q; W_k; W_v] (one GEMM over 3E), dW_qkv = dQKV^T X, db_qkv = column sums.
+    const bool bias = W_q.has_bias();
+    LinearGrads lg = linear_backward(ctx, dQKV, X_, W_qkv_, bias);
+    int64_t i = 0;
+    for (Linear* l : {&W_q, &W_k, &W_v}) {
+      detail::accumulate(l->weight.grad, lg.dW.slice(0, i * E, (i + 1) * E));
+      if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E));
+      ++i;
+    }
+    if (self_attention_input_grad) return {lg.dx, Tensor(), Tensor()};
+    // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on.
+    auto input_grad = [&](const Tensor& dY, const Linear& l) {
+      return linear(ctx, dY, l.weight.value.transpose(0, 1));
+    };
+    return {input_grad(dQ, W_q), input_grad(dK, W_k), input_grad(dV, W_v)};
+  }
   if (fused_) {
     // forward: O = attention(Q, K, V) in the (B, T, E) layout; the gradients land there too.
     Tensor dQ = Tensor::empty(Q_.shape(), dtype_), dK = Tensor::empty(K_.shape(), dtype_),

@@ -7,6 +7,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and benchmarks
   libhwy-dev libdnnl-dev                       # SIMD kernels, GEMMs
   python3 python3-numpy python3-pytest python3-torch pybind11-dev python3-dev  # oracle, bindings
+  libopenblas0-pthread                         # PyTorch's BLAS in bench/run_*.sh (not the reference)
   clang libclang-rt-14-dev libomp-14-dev       # fuzzers (libFuzzer; the library uses OpenMP)
   doxygen                                      # API reference (scripts/docs.sh)
 )

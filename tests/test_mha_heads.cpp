@@ -206,21 +206,36 @@ struct ModuleRun {
   bool weights_defined;
 };
 
-ModuleRun run_module(bool fused, int threads, bool causal, const Tensor& lens) {
+// kD2l: need_weights = true (d2l's default, the reference kernels); kFused: need_weights = false
+// on forward(X, X, X), which also packs the three projections into one; kSeparate: the same on
+// three distinct copies of X (three projections); kSelfGrad: kFused with
+// self_attention_input_grad (the full dX in dqueries).
+enum class Path { kD2l, kFused, kSeparate, kSelfGrad };
+
+ModuleRun run_module(Path path, int threads, bool causal, const Tensor& lens,
+                     Shape shape = {2, 37, 48}, int64_t heads = 4) {
   Context ctx;
   ctx.threads = threads;
-  nn::MultiHeadAttention mha(48, 4, 0.0, /*bias=*/true, DType::F32, /*seed=*/5);
-  mha.attention.need_weights = !fused;  // need_weights = true is d2l's path (reference kernel)
+  nn::MultiHeadAttention mha(shape[2], heads, 0.0, /*bias=*/true, DType::F32, /*seed=*/5);
+  mha.attention.need_weights = path == Path::kD2l;
   mha.attention.causal = causal;
-  const Tensor X = random_tensor({2, 37, 48}, DType::F32, 7);
-  const Tensor dout = random_tensor({2, 37, 48}, DType::F32, 8);
+  mha.self_attention_input_grad = path == Path::kSelfGrad;
+  const Tensor X = random_tensor(shape, DType::F32, 7);
+  const Tensor dout = random_tensor(shape, DType::F32, 8);
   ModuleRun r;
-  r.out = mha.forward(ctx, X, X, X, lens);
+  r.out = path == Path::kSeparate ? mha.forward(ctx, X, X.clone(), X.clone(), lens)
+                                  : mha.forward(ctx, X, X, X, lens);
   r.weights_defined = mha.attention_weights().defined();
   nn::AttentionInputGrads g = mha.backward(ctx, dout);
-  r.dX = Tensor::empty(X.shape());
-  for (int64_t i = 0; i < X.numel(); ++i)
-    r.dX.set_flat(i, g.dqueries.flat(i) + g.dkeys.flat(i) + g.dvalues.flat(i));
+  if (path == Path::kSelfGrad) {
+    EXPECT_FALSE(g.dkeys.defined());
+    EXPECT_FALSE(g.dvalues.defined());
+    r.dX = g.dqueries;
+  } else {
+    r.dX = Tensor::empty(X.shape());
+    for (int64_t i = 0; i < X.numel(); ++i)
+      r.dX.set_flat(i, g.dqueries.flat(i) + g.dkeys.flat(i) + g.dvalues.flat(i));
+  }
   for (auto& [name, p] : mha.named_parameters())
     r.param_grads.push_back(p->grad);
   return r;
@@ -249,24 +264,41 @@ TEST(MhaHeadsModule, FusedPathMatchesD2lPathAndIsThreadCountInvariant) {
     for (bool causal : {false, true}) {
       SCOPED_TRACE(std::string("lens ") + (lens.defined() ? shape_str(lens.shape()) : "none") +
                    (causal ? " causal" : ""));
-      const ModuleRun ref = run_module(false, 1, causal, lens);
-      const ModuleRun one = run_module(true, 1, causal, lens);
-      const ModuleRun two = run_module(true, 2, causal, lens);
+      const ModuleRun ref = run_module(Path::kD2l, 1, causal, lens);
       EXPECT_TRUE(ref.weights_defined);
-      EXPECT_FALSE(one.weights_defined);
-      EXPECT_TRUE(testing::close(one.out, ref.out, 2e-6, 2e-6));
-      EXPECT_TRUE(close_scaled(one.dX, ref.dX, 1e-5));
-      ASSERT_EQ(one.param_grads.size(), ref.param_grads.size());
       double grad_scale = 0;
       for (const Tensor& g : ref.param_grads)
         grad_scale = std::max(grad_scale, max_abs(g));
-      for (size_t i = 0; i < ref.param_grads.size(); ++i)
-        EXPECT_TRUE(close_scaled(one.param_grads[i], ref.param_grads[i], 1e-5, grad_scale)) << i;
-      EXPECT_TRUE(bitwise_equal(one.out, two.out));
-      EXPECT_TRUE(bitwise_equal(one.dX, two.dX));
-      for (size_t i = 0; i < one.param_grads.size(); ++i)
-        EXPECT_TRUE(bitwise_equal(one.param_grads[i], two.param_grads[i])) << i;
+      for (Path path : {Path::kFused, Path::kSeparate, Path::kSelfGrad}) {
+        SCOPED_TRACE("path " + std::to_string(int(path)));
+        const ModuleRun one = run_module(path, 1, causal, lens);
+        const ModuleRun two = run_module(path, 2, causal, lens);
+        EXPECT_FALSE(one.weights_defined);
+        EXPECT_TRUE(testing::close(one.out, ref.out, 2e-6, 2e-6));
+        EXPECT_TRUE(close_scaled(one.dX, ref.dX, 1e-5));
+        ASSERT_EQ(one.param_grads.size(), ref.param_grads.size());
+        for (size_t i = 0; i < ref.param_grads.size(); ++i)
+          EXPECT_TRUE(close_scaled(one.param_grads[i], ref.param_grads[i], 1e-5, grad_scale)) << i;
+        EXPECT_TRUE(bitwise_equal(one.out, two.out));
+        EXPECT_TRUE(bitwise_equal(one.dX, two.dX));
+        for (size_t i = 0; i < one.param_grads.size(); ++i)
+          EXPECT_TRUE(bitwise_equal(one.param_grads[i], two.param_grads[i])) << i;
+      }
     }
+}
+
+// The benchmark's shape class (E = 512, H = 8; T shortened): 1 and 2 threads agree bit for bit
+// through oneDNN's projections (whose weight-gradient product may split its contraction by
+// thread count on other shapes, kernels/cpu/matmul.hpp) and the fused kernel.
+TEST(MhaHeadsModule, BenchmarkShapeIsThreadCountInvariant) {
+  for (Path path : {Path::kFused, Path::kSelfGrad}) {
+    const ModuleRun one = run_module(path, 1, false, {}, {4, 256, 512}, 8);
+    const ModuleRun two = run_module(path, 2, false, {}, {4, 256, 512}, 8);
+    EXPECT_TRUE(bitwise_equal(one.out, two.out));
+    EXPECT_TRUE(bitwise_equal(one.dX, two.dX));
+    for (size_t i = 0; i < one.param_grads.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(one.param_grads[i], two.param_grads[i])) << i;
+  }
 }
 
 // A forward that keeps weights after one that took the fused path (and the other way round):

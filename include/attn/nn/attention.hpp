@@ -104,6 +104,11 @@ class MultiHeadAttention : public Module {
 
   DotProductAttention attention;
   Linear W_q, W_k, W_v, W_o;
+  // Self-attention only (forward(X, X, X) on one tensor): when set, backward returns the full
+  // gradient of X in dqueries and leaves dkeys, dvalues undefined, instead of the three terms
+  // whose sum it is. Saves two (B, T, E) GEMM outputs and the caller's sum; off by default
+  // (d2l's contract). Ignored (three terms returned) when queries, keys, values differ.
+  bool self_attention_input_grad = false;
 
  private:
   int64_t num_hiddens_, num_heads_;
@@ -112,7 +117,9 @@ class MultiHeadAttention : public Module {
   // projections with head strides instead of d2l's (B*H, T, D) copies; see
   // nn/multihead_attention.cpp.
   bool fused_ = false;
-  Tensor Q_, K_, V_;
+  bool packed_ = false;  // self-attention: Q, K, V are slices of one (B, T, 3E) projection
+  Tensor Q_, K_, V_, X_;
+  Tensor W_qkv_, b_qkv_;  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v], packed per forward
   AttentionResult core_;
   AttentionOptions core_options_;
 };
