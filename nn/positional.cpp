@@ -5,6 +5,7 @@
 #include "attn/nn/positional.hpp"
 
 #include "attn/ops/attention.hpp"
+#include "attn/ops/dropout.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>
@@ -96,7 +97,7 @@ Tensor PositionalEncoding::forward(Context& ctx, const Tensor& X) {
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) {
     dropout_offset_ = ctx.next_dropout_offset();
-    Y = attn::dropout(Y, dropout, ctx.seed, dropout_offset_);
+    Y = attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_);
   }
   return Y;
 }
@@ -106,7 +107,7 @@ Tensor PositionalEncoding::backward(Context& ctx, const Tensor& dout) {
   check(dout.defined() && dout.ndim() == 3 && dout.dim(2) == num_hiddens_ && dout.dtype() == dtype_,
         "PositionalEncoding::backward", "dout has shape {}, expected (B, T, {}) of {}",
         shape_str(dout.shape()), num_hiddens_, dtype_name(dtype_));
-  if (dropped_) return dropout_backward(dout, dropout, ctx.seed, dropout_offset_);
+  if (dropped_) return dropout_backward(ctx, dout, dropout, ctx.seed, dropout_offset_);
   return dout.clone();
 }
 
@@ -143,7 +144,7 @@ Tensor LearnedPositionalEmbedding::forward(Context& ctx, const Tensor& X) {
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) {
     dropout_offset_ = ctx.next_dropout_offset();
-    Y = attn::dropout(Y, dropout, ctx.seed, dropout_offset_);
+    Y = attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_);
   }
   return Y;
 }
@@ -157,7 +158,8 @@ Tensor LearnedPositionalEmbedding::backward(Context& ctx, const Tensor& dout) {
         dtype_name(dtype_));
   // forward: Y = X + W[:T]; out = dropout(Y). So dY = dropout_backward(dout), dX = dY and
   // W.grad[t] += sum over b of dY[b, t].
-  Tensor dX = dropped_ ? dropout_backward(dout, dropout, ctx.seed, dropout_offset_) : dout.clone();
+  Tensor dX =
+      dropped_ ? dropout_backward(ctx, dout, dropout, ctx.seed, dropout_offset_) : dout.clone();
   dX = dX.contiguous();
   if (dtype_ == DType::F32)
     accumulate_positions<float>(dX, weight.grad);

@@ -4,6 +4,7 @@
 // Vocabulary: B batch, T positions, E = num_hiddens, H heads, V vocabulary.
 #include "attn/nn/transformer.hpp"
 
+#include "attn/ops/dropout.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
 
@@ -201,7 +202,7 @@ Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor
       dropped_ = training_ && dropout > 0.0;
       if (dropped_) {
         dropout_offset_ = ctx.next_dropout_offset();
-        X = attn::dropout(X, dropout, ctx.seed, dropout_offset_);
+        X = attn::dropout(ctx, X, dropout, ctx.seed, dropout_offset_);
       }
       break;
   }
@@ -222,7 +223,7 @@ void TransformerEncoder::backward(Context& ctx, const Tensor& dout) {
       dX = learned_pos->backward(ctx, dX);
       break;
     default:
-      if (dropped_) dX = dropout_backward(dX, dropout, ctx.seed, dropout_offset_);
+      if (dropped_) dX = dropout_backward(ctx, dX, dropout, ctx.seed, dropout_offset_);
       break;
   }
   // forward: X = embedding(ids) * sqrt(E)

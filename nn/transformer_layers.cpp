@@ -6,6 +6,7 @@
 #include "attn/nn/transformer.hpp"
 
 #include "attn/ops/activation.hpp"
+#include "attn/ops/dropout.hpp"
 #include "attn/ops/embedding.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
@@ -182,7 +183,7 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   Tensor Yd = Y;
   if (dropped_) {
     dropout_offset_ = ctx.next_dropout_offset();
-    Yd = attn::dropout(Y, dropout, ctx.seed, dropout_offset_);
+    Yd = attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_);
   }
   return ln.forward(ctx, detail::add_all({Yd, X}));
 }
@@ -191,7 +192,7 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   // forward: Z = dropout(Y) + X; out = ln(Z). So dX = dZ and dY = dropout_backward(dZ).
   Tensor dZ = ln.backward(ctx, dout);
   AddNormGrads g;
-  g.dY = dropped_ ? dropout_backward(dZ, dropout, ctx.seed, dropout_offset_) : dZ;
+  g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
   g.dX = dZ;
   return g;
 }

@@ -1,6 +1,11 @@
-// dropout / dropout_backward free functions (declared in attn/ops/attention.hpp): validation,
-// then the reference kernel (kernels/ref/dropout.cpp).
+// dropout / dropout_backward free functions (declared in attn/ops/attention.hpp, and with a
+// Context in attn/ops/dropout.hpp): validation, then the reference kernel
+// (kernels/ref/dropout.cpp), or for float32 on kAuto / kCpu the threaded kernel
+// (kernels/cpu/encoder_ops.cpp), which gives the same bits.
+#include "attn/ops/dropout.hpp"
+
 #include "attn/ops/attention.hpp"
+#include "kernels/cpu/encoder_ops.hpp"
 
 #include "kernels/ref/dropout.hpp"
 #include "ops/common.hpp"
@@ -9,12 +14,18 @@ namespace attn {
 namespace {
 
 Tensor apply_dropout(const char* op, const char* name, const Tensor& x, double p, uint64_t seed,
-                     uint64_t offset, bool backward) {
+                     uint64_t offset, bool backward, const Context* ctx = nullptr) {
   detail::check_float_tensor(op, name, x);
   check(p >= 0.0 && p <= 1.0, op, "p is {}, expected in [0, 1]", p);
   const Tensor xc = x.contiguous();
   Tensor y = Tensor::empty(x.shape(), x.dtype());
   // p == 0 is the identity; it still returns a fresh tensor so callers may write into it.
+  if (ctx != nullptr && ctx->backend != Backend::kReference && x.dtype() == DType::F32) {
+    // The mask and the scale of an element do not depend on the direction.
+    cpu::dropout_f32(xc.data<float>(), y.data<float>(), x.numel(), p, seed, offset,
+                     ctx->resolved_threads());
+    return y;
+  }
   const ref::DropoutSpec spec{p > 0.0, p, seed, offset};
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
@@ -35,6 +46,14 @@ Tensor dropout(const Tensor& x, double p, uint64_t seed, uint64_t offset) {
 
 Tensor dropout_backward(const Tensor& dy, double p, uint64_t seed, uint64_t offset) {
   return apply_dropout("dropout_backward", "dy", dy, p, seed, offset, true);
+}
+
+Tensor dropout(Context& ctx, const Tensor& x, double p, uint64_t seed, uint64_t offset) {
+  return apply_dropout("dropout", "x", x, p, seed, offset, false, &ctx);
+}
+
+Tensor dropout_backward(Context& ctx, const Tensor& dy, double p, uint64_t seed, uint64_t offset) {
+  return apply_dropout("dropout_backward", "dy", dy, p, seed, offset, true, &ctx);
 }
 
 }  // namespace attn

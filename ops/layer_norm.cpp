@@ -1,7 +1,9 @@
 // layer_norm / layer_norm_backward: validation, then the reference kernel
-// (kernels/ref/layer_norm.cpp). dispatch: a fast CPU path can plug in here.
+// (kernels/ref/layer_norm.cpp), or for float32 on kAuto / kCpu the row-parallel one
+// (kernels/cpu/encoder_ops.cpp: the reference's arithmetic per row; see its header).
 #include "attn/ops/layer_norm.hpp"
 
+#include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/ref/layer_norm.hpp"
 #include "ops/common.hpp"
 
@@ -41,13 +43,19 @@ LayerNormResult layer_norm(Context& ctx, const Tensor& x, const Tensor& gamma, c
   constexpr const char* op = "layer_norm";
   const int64_t E = check_layer_norm(op, x, gamma, beta);
   check(std::isfinite(eps) && eps >= 0.0, op, "eps is {}, expected a finite number >= 0", eps);
-  (void)ctx;
   const int64_t R = x.numel() / E;
   const Tensor xc = x.contiguous();
   const Tensor gc = gamma.defined() ? gamma.contiguous() : Tensor();
   const Tensor bc = beta.defined() ? beta.contiguous() : Tensor();
   LayerNormResult r{Tensor::empty(x.shape(), x.dtype()), Tensor::empty(row_shape(x), x.dtype()),
                     Tensor::empty(row_shape(x), x.dtype())};
+  if (ctx.backend != Backend::kReference && x.dtype() == DType::F32) {
+    cpu::layer_norm_forward_f32(xc.data<float>(), gc.defined() ? gc.data<float>() : nullptr,
+                                bc.defined() ? bc.data<float>() : nullptr, r.y.data<float>(),
+                                r.mean.data<float>(), r.rstd.data<float>(), R, E, eps,
+                                ctx.resolved_threads());
+    return r;
+  }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::layer_norm_forward<F>(xc.data<F>(), gc.defined() ? gc.data<F>() : nullptr,
@@ -73,7 +81,6 @@ LayerNormGrads layer_norm_backward(Context& ctx, const Tensor& dy, const Tensor&
     check(t->shape() == row_shape(x), op, "saved {} has shape {}, expected {} (x without E)", name,
           shape_str(t->shape()), shape_str(row_shape(x)));
   }
-  (void)ctx;
   const int64_t R = x.numel() / E;
   const Tensor dyc = dy.contiguous(), xc = x.contiguous();
   const Tensor gc = gamma.defined() ? gamma.contiguous() : Tensor();
@@ -83,6 +90,14 @@ LayerNormGrads layer_norm_backward(Context& ctx, const Tensor& dy, const Tensor&
   if (gamma.defined()) {
     g.dgamma = Tensor::empty({E}, x.dtype());
     g.dbeta = Tensor::empty({E}, x.dtype());
+  }
+  if (ctx.backend != Backend::kReference && x.dtype() == DType::F32) {
+    cpu::layer_norm_backward_f32(
+        dyc.data<float>(), xc.data<float>(), gc.defined() ? gc.data<float>() : nullptr,
+        mc.data<float>(), sc.data<float>(), g.dx.data<float>(),
+        gc.defined() ? g.dgamma.data<float>() : nullptr,
+        gc.defined() ? g.dbeta.data<float>() : nullptr, R, E, ctx.resolved_threads());
+    return g;
   }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);

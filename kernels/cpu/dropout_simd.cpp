@@ -1,0 +1,121 @@
+// The dropout stream's Philox blocks, many at once in SIMD lanes (Highway, dispatched at run
+// time): the part of cpu::dropout_f32 (encoder_ops.cpp) that costs. Element i's keep decision is
+// the reference's exactly (attn/core/rng.hpp): u_i = (philox(key, (i / 4, offset))[i % 4] >> 8)
+// * 2^-24, kept iff u_i >= p; then y = float(double(x) * factor) as ref::DropoutSpec::factor.
+#include "kernels/cpu/dropout_simd.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/dropout_simd.cpp"
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
+#endif
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/highway.h"
+
+#include "attn/core/rng.hpp"
+
+#include <algorithm>
+#include <cstdint>
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if HWY_TARGET != HWY_SCALAR
+using DU = hn::ScalableTag<uint32_t>;
+using VU = hn::Vec<DU>;
+constexpr size_t kMaxLanes = HWY_MAX_BYTES / sizeof(uint32_t);
+
+// x * m as 64-bit products, split into the high and low 32 bits per lane: MulEven gives the even
+// lanes' products; the odd lanes are shifted into even position first; OddEven merges the two.
+HWY_INLINE void MulWide(VU x, uint32_t m, VU& hi, VU& lo) {
+  const DU du;
+  const hn::RepartitionToWide<DU> dw;
+  const VU vm = hn::Set(du, m);
+  lo = hn::Mul(x, vm);
+  const VU even_hi = hn::BitCast(du, hn::ShiftRight<32>(hn::MulEven(x, vm)));
+  const VU x_odd = hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, x)));
+  const VU odd_hi = hn::BitCast(du, hn::MulEven(x_odd, vm));  // high half sits in odd lanes
+  hi = hn::OddEven(odd_hi, even_hi);
+}
+#endif
+
+// Elements [begin, end) of one dropout call; begin is a multiple of 4. `threshold` is the
+// smallest 24-bit integer r with r * 2^-24 >= p, so "u >= p" is "(word >> 8) >= threshold".
+void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
+                  double scale, uint64_t seed, uint64_t offset) {
+  int64_t i0 = begin;
+#if HWY_TARGET != HWY_SCALAR
+  const DU du;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(du));
+  HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
+  HWY_ALIGN uint32_t words[4][kMaxLanes];
+  const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
+  const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
+  for (; i0 + 4 * L <= end; i0 += 4 * L) {
+    const uint64_t block0 = static_cast<uint64_t>(i0) >> 2;
+    for (int64_t k = 0; k < L; ++k) {
+      lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
+      hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
+    }
+    // Philox 4x32-10, word w of every lane's counter in c[w] (attn/core/rng.hpp, round for round).
+    VU c0 = hn::Load(du, lo), c1 = hn::Load(du, hi), c2 = off_lo, c3 = off_hi;
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      VU hi0, lo0, hi1, lo1;
+      MulWide(c0, 0xD2511F53u, hi0, lo0);
+      MulWide(c2, 0xCD9E8D57u, hi1, lo1);
+      const VU n0 = hn::Xor(hn::Xor(hi1, c1), hn::Set(du, k0));
+      const VU n2 = hn::Xor(hn::Xor(hi0, c3), hn::Set(du, k1));
+      c0 = n0;
+      c1 = lo1;
+      c2 = n2;
+      c3 = lo0;
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    hn::Store(c0, du, words[0]);
+    hn::Store(c1, du, words[1]);
+    hn::Store(c2, du, words[2]);
+    hn::Store(c3, du, words[3]);
+    for (int64_t k = 0; k < L; ++k) {
+      const int64_t base = i0 + 4 * k;
+      for (int64_t j = 0; j < 4; ++j) {
+        const double f = (words[j][k] >> 8) >= threshold ? scale : 0.0;
+        y[base + j] = static_cast<float>(static_cast<double>(x[base + j]) * f);
+      }
+    }
+  }
+#endif
+  // The tail (and the scalar target): one block at a time, as the reference.
+  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  for (; i0 < end; i0 += 4) {
+    const uint64_t block = static_cast<uint64_t>(i0) >> 2;
+    const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                             static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)};
+    uint32_t bits[4];
+    philox4x32_10(key, ctr, bits);
+    const int64_t m = std::min<int64_t>(4, end - i0);
+    for (int64_t j = 0; j < m; ++j) {
+      const double f = (bits[j] >> 8) >= threshold ? scale : 0.0;
+      y[i0 + j] = static_cast<float>(static_cast<double>(x[i0 + j]) * f);
+    }
+  }
+}
+
+}  // namespace attn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attn::cpu {
+
+HWY_EXPORT(DropoutRange);
+
+void dropout_range_f32(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
+                       double scale, uint64_t seed, uint64_t offset) {
+  HWY_DYNAMIC_DISPATCH(DropoutRange)(x, y, begin, end, threshold, scale, seed, offset);
+}
+
+}  // namespace attn::cpu
+#endif

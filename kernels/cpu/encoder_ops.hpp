@@ -1,0 +1,42 @@
+// Fast float32 CPU paths for the elementwise and per-row ops of a Transformer encoder's training
+// step: inverted dropout, ReLU, and LayerNorm forward and backward (internal).
+//
+// Each is the reference kernel's math (kernels/ref/dropout.cpp, activation.cpp, layer_norm.cpp)
+// spread over `threads` OpenMP threads in chunks fixed by the shape, never by the thread count, so
+// results are bitwise identical for any `threads`:
+//   dropout, relu      elementwise; bit-identical to the reference (dropout draws the Philox
+//                      blocks in SIMD lanes, kernels/cpu/dropout_simd.cpp, one per 4 elements,
+//                      where the reference redraws a block per element)
+//   layer_norm         rows in parallel; per row the reference's two-pass double arithmetic, so
+//                      y, mean and rstd are bit-identical to the reference
+//   layer_norm_backward dx per row as the reference; dgamma / dbeta summed in double per chunk
+//                      of kLayerNormChunkRows rows, the chunks added in order (the reference
+//                      adds rows one by one: equal up to double rounding, then float rounding)
+// Tested against the reference over sweeps in tests/test_encoder_ops_cpu.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::cpu {
+
+constexpr int64_t kLayerNormChunkRows = 64;
+
+// y[i] = float(double(x[i]) * factor), factor = 0 (dropped), 1 / (1 - p) (kept), as
+// ref::DropoutSpec::factor; keep iff dropout_uniform(seed, offset, i) >= p. x may alias y.
+void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, uint64_t offset,
+                 int threads);
+
+// x and y (dy, x and dx) must not overlap.
+void relu_forward_f32(const float* x, float* y, int64_t n, int threads);
+void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, int threads);
+
+// x (R, E) -> y (R, E), mean (R), rstd (R); gamma, beta (E) or both null.
+void layer_norm_forward_f32(const float* x, const float* gamma, const float* beta, float* y,
+                            float* mean, float* rstd, int64_t R, int64_t E, double eps,
+                            int threads);
+// dx (R, E); dgamma, dbeta (E) when gamma is given (else unused).
+void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma, const float* mean,
+                             const float* rstd, float* dx, float* dgamma, float* dbeta, int64_t R,
+                             int64_t E, int threads);
+
+}  // namespace attn::cpu
