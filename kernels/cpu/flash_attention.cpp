@@ -662,12 +662,44 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   const std::vector<int64_t> bounds = KeySplits(p);
   const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
   const int threads = std::max(1, p.threads);
-  // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
   const size_t part_floats = static_cast<size_t>(p.T * Dp);
-  hwy::AlignedFreeUniquePtr<float[]> parts =
-      hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
   const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p);
   auto* item_fn = HWY_DYNAMIC_DISPATCH(BackwardItem);
+  // dQ row (b, t) from its shares: dq = scale * (0 + part_0 + part_1 + ...), in j order, so the
+  // same sum whatever thread made each part (the leading 0 + keeps -0 shares as the sum did).
+  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
+    float* dq = g.dq + HeadOffset(p, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
+    for (int64_t k = 0; k < p.D; ++k) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < splits; ++j)
+        acc += part_rows[j][k];
+      dq[k * g.dq_sd] = p.scale * acc;
+    }
+  };
+  if (splits == 1) {
+    // One item per b (B >= 4, e.g. MultiHeadAttention's B*H rows): its dQ share is the whole
+    // dQ of b, written by the item's own thread straight from a per-thread buffer while it is
+    // still in L2, instead of B buffers of T x Dp summed in a second pass.
+#pragma omp parallel num_threads(threads)
+    {
+      hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
+      hwy::AlignedFreeUniquePtr<float[]> part =
+          hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < p.B; ++b) {
+        std::fill(part.get(), part.get() + part_floats, 0.0f);
+        item_fn(p, g, b, bounds[0], bounds[1], part.get(), Dp, scratch.get());
+        for (int64_t t = 0; t < p.T; ++t) {
+          const float* row = part.get() + t * Dp;
+          write_dq(b, t, &row);
+        }
+      }
+    }
+    return;
+  }
+  // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
+  hwy::AlignedFreeUniquePtr<float[]> parts =
+      hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
 #pragma omp parallel num_threads(threads)
   {
     hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
@@ -678,18 +710,14 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
       const int64_t b = i / splits, j = i % splits;
       item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch.get());
     }
-    // dQ = scale * sum_j part_j, in j order: the same sum whatever thread made each part.
     const int64_t rows = p.B * p.T;
+    std::vector<const float*> part_rows(static_cast<size_t>(splits));
 #pragma omp for schedule(static)
     for (int64_t bt = 0; bt < rows; ++bt) {
       const int64_t b = bt / p.T, t = bt % p.T;
-      float* dq = g.dq + HeadOffset(p, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
-      for (int64_t k = 0; k < p.D; ++k) {
-        float acc = 0.0f;
-        for (int64_t j = 0; j < splits; ++j)
-          acc += parts[static_cast<size_t>(b * splits + j) * part_floats + t * Dp + k];
-        dq[k * g.dq_sd] = p.scale * acc;
-      }
+      for (int64_t j = 0; j < splits; ++j)
+        part_rows[j] = parts.get() + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
+      write_dq(b, t, part_rows.data());
     }
   }
 }
