@@ -51,6 +51,14 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
   const int64_t L = static_cast<int64_t>(hn::Lanes(du));
   HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
   HWY_ALIGN uint32_t words[4][kMaxLanes];
+  HWY_ALIGN uint32_t ordered[4 * kMaxLanes];
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const hn::Rebind<uint32_t, decltype(dd)> dw32;
+  const hn::Rebind<int32_t, decltype(dd)> di;
+  const int64_t Ld = static_cast<int64_t>(hn::Lanes(dd));
+  const auto vthreshold = hn::Set(dd, static_cast<double>(threshold));
+  const auto vscale = hn::Set(dd, scale);
   const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
   const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
   for (; i0 + 4 * L <= end; i0 += 4 * L) {
@@ -79,12 +87,19 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
     hn::Store(c1, du, words[1]);
     hn::Store(c2, du, words[2]);
     hn::Store(c3, du, words[3]);
-    for (int64_t k = 0; k < L; ++k) {
-      const int64_t base = i0 + 4 * k;
-      for (int64_t j = 0; j < 4; ++j) {
-        const double f = (words[j][k] >> 8) >= threshold ? scale : 0.0;
-        y[base + j] = static_cast<float>(static_cast<double>(x[base + j]) * f);
-      }
+    // Element i0 + e takes word e % 4 of lane e / 4: put the words in element order, then
+    // decide and scale Ld elements at a time, the product in double as the reference.
+    for (int64_t k = 0; k < L; ++k)
+      for (int64_t j = 0; j < 4; ++j)
+        ordered[4 * k + j] = words[j][k];
+    for (int64_t e = 0; e < 4 * L; e += Ld) {
+      // r = w >> 8 < 2^24: as int32 and as double it is exact.
+      const auto r = hn::BitCast(di, hn::ShiftRight<8>(hn::LoadU(dw32, ordered + e)));
+      const auto keep = hn::Ge(hn::PromoteTo(dd, r), vthreshold);  // exact: r < 2^24
+      const auto xd = hn::PromoteTo(dd, hn::LoadU(df, x + i0 + e));
+      // Dropped elements are x * 0.0, as the reference (keeps -0 and NaN).
+      const auto out = hn::IfThenElse(keep, hn::Mul(xd, vscale), hn::Mul(xd, hn::Zero(dd)));
+      hn::StoreU(hn::DemoteTo(df, out), df, y + i0 + e);
     }
   }
 #endif

@@ -55,8 +55,10 @@ void relu_forward_chunk(const float* __restrict x, float* __restrict y, int64_t 
 void relu_backward_chunk(const float* __restrict dy, const float* __restrict x,
                          float* __restrict dx, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i)
-    dx[i] = x[i] > 0.0f ? dy[i] : 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = dy[i];  // loaded unconditionally, so the select vectorises
+    dx[i] = x[i] > 0.0f ? g : 0.0f;
+  }
 }
 
 }  // namespace
