@@ -189,12 +189,16 @@ double clip_grad_norm(const NamedParameters& params, double max_norm, double nor
   double acc = 0.0;
   for (const auto& [n, p] : params) {
     if (!has_grad(*p)) continue;
-    const Tensor& g = p->grad;
-    for (int64_t j = 0; j < g.numel(); ++j) {
-      const double x = g.flat(j);
-      acc = inf_norm ? std::max(acc, std::abs(x)) : acc + x * x;
-      if (std::isnan(x)) acc = std::numeric_limits<double>::quiet_NaN();
-    }
+    // Through typed pointers (the gradients are contiguous, as step() assumes), element by
+    // element in order.
+    with_typed(*p, [&](auto* w, auto* g, int64_t count) {
+      (void)w;
+      for (int64_t j = 0; j < count; ++j) {
+        const double x = g[j];
+        acc = inf_norm ? std::max(acc, std::abs(x)) : acc + x * x;
+        if (std::isnan(x)) acc = std::numeric_limits<double>::quiet_NaN();
+      }
+    });
   }
   const double total = inf_norm ? acc : std::sqrt(acc);
   // torch: clip_coef = max_norm / (total + 1e-6), clamped to 1, multiplied into every gradient.

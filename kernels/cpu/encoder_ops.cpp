@@ -19,9 +19,11 @@ int64_t chunks_of(int64_t n, int64_t chunk) {
   return (n + chunk - 1) / chunk;
 }
 
-// One LayerNorm row, exactly as ref::layer_norm_forward computes it.
-void layer_norm_row(const float* xr, const float* gamma, const float* beta, float* yr, float* mean,
-                    float* rstd, int64_t E, double eps) {
+// One LayerNorm row, exactly as ref::layer_norm_forward computes it: the two sums in order
+// (scalar), the elementwise output as a SIMD loop (no reordering, so the same bits).
+void layer_norm_row(const float* __restrict xr, const float* __restrict gamma,
+                    const float* __restrict beta, float* __restrict yr, float* mean, float* rstd,
+                    int64_t E, double eps) {
   double m = 0.0;
   for (int64_t e = 0; e < E; ++e)
     m += xr[e];
@@ -34,14 +36,52 @@ void layer_norm_row(const float* xr, const float* gamma, const float* beta, floa
   var /= static_cast<double>(E);
   const double s = 1.0 / std::sqrt(var + eps);
   if (gamma != nullptr) {
+#pragma omp simd
     for (int64_t e = 0; e < E; ++e)
       yr[e] = static_cast<float>((xr[e] - m) * s * gamma[e] + beta[e]);
   } else {
+#pragma omp simd
     for (int64_t e = 0; e < E; ++e)
       yr[e] = static_cast<float>((xr[e] - m) * s);
   }
   *mean = static_cast<float>(m);
   *rstd = static_cast<float>(s);
+}
+
+// One LayerNorm row's backward (ref::layer_norm_backward's arithmetic): g and g * xhat per
+// element and the dgamma / dbeta accumulation as SIMD loops, the two row sums in order, dx as a
+// SIMD loop. gbuf, gxbuf: E doubles of scratch.
+void layer_norm_backward_row(const float* __restrict dyr, const float* __restrict xr,
+                             const float* __restrict gamma, double m, double s,
+                             float* __restrict dxr, double* __restrict dg, double* __restrict db,
+                             double* __restrict gbuf, double* __restrict gxbuf, int64_t E) {
+#pragma omp simd
+  for (int64_t e = 0; e < E; ++e) {
+    const double xhat = (xr[e] - m) * s;
+    const double g = gamma != nullptr ? static_cast<double>(dyr[e]) * gamma[e] : dyr[e];
+    gbuf[e] = g;
+    gxbuf[e] = g * xhat;
+  }
+  if (dg != nullptr) {
+#pragma omp simd
+    for (int64_t e = 0; e < E; ++e) {
+      const double xhat = (xr[e] - m) * s;
+      dg[e] += static_cast<double>(dyr[e]) * xhat;
+      db[e] += dyr[e];
+    }
+  }
+  double g_mean = 0.0, gx_mean = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    g_mean += gbuf[e];
+    gx_mean += gxbuf[e];
+  }
+  g_mean /= static_cast<double>(E);
+  gx_mean /= static_cast<double>(E);
+#pragma omp simd
+  for (int64_t e = 0; e < E; ++e) {
+    const double xhat = (xr[e] - m) * s;
+    dxr[e] = static_cast<float>(s * (gbuf[e] - g_mean - xhat * gx_mean));
+  }
 }
 
 // SIMD loops (omp simd; at -O2 GCC keeps a data-dependent branch, which mispredicts on half of
@@ -124,31 +164,11 @@ void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma
   for (int64_t c = 0; c < chunks; ++c) {
     double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
     double* db = gamma != nullptr ? dg + E : nullptr;
+    std::vector<double> scratch(static_cast<size_t>(2 * E));
     const int64_t end = std::min(R, (c + 1) * kLayerNormChunkRows);
-    for (int64_t r = c * kLayerNormChunkRows; r < end; ++r) {
-      const float* xr = x + r * E;
-      const float* dyr = dy + r * E;
-      const double m = mean[r], s = rstd[r];
-      // dx = rstd * (g - mean_e(g) - xhat * mean_e(g * xhat)), g = dy * gamma (the reference's)
-      double g_mean = 0.0, gx_mean = 0.0;
-      for (int64_t e = 0; e < E; ++e) {
-        const double xhat = (xr[e] - m) * s;
-        const double g = gamma != nullptr ? static_cast<double>(dyr[e]) * gamma[e] : dyr[e];
-        g_mean += g;
-        gx_mean += g * xhat;
-        if (dg != nullptr) {
-          dg[e] += static_cast<double>(dyr[e]) * xhat;
-          db[e] += dyr[e];
-        }
-      }
-      g_mean /= static_cast<double>(E);
-      gx_mean /= static_cast<double>(E);
-      for (int64_t e = 0; e < E; ++e) {
-        const double xhat = (xr[e] - m) * s;
-        const double g = gamma != nullptr ? static_cast<double>(dyr[e]) * gamma[e] : dyr[e];
-        dx[r * E + e] = static_cast<float>(s * (g - g_mean - xhat * gx_mean));
-      }
-    }
+    for (int64_t r = c * kLayerNormChunkRows; r < end; ++r)
+      layer_norm_backward_row(dy + r * E, x + r * E, gamma, mean[r], rstd[r], dx + r * E, dg, db,
+                              scratch.data(), scratch.data() + E, E);
   }
   if (gamma == nullptr) return;
   for (int64_t e = 0; e < E; ++e) {
