@@ -180,11 +180,13 @@ inline uint32_t load_u32(const uint8_t* x) {
 // offsets address all MR broadcasts (GCC spilled accumulators when each row had its own
 // pointer). Rows past `rows` read the words after them (the packed buffers have MR words of
 // slack) and are not stored. alpha null: C starts at 0; else C starts as C times alpha per
-// column (the online softmax's rescale, fused into the load). Stores C * out_mul.
+// column (the online softmax's rescale, fused into the load). Stores C * out_mul and, when colmax
+// is set, folds the stored rows into the running column maxima colmax[0 .. NV*16) (the score
+// tile's maximum, so the softmax needs no pass of its own for it).
 template <int MR, int NV>
 __attribute__((noinline)) void micro_tile(int64_t K2, const uint32_t* a, int64_t lda, int rows,
                                           const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
-                                          const float* alpha, float out_mul) {
+                                          const float* alpha, float out_mul, float* colmax) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i)
@@ -210,41 +212,81 @@ __attribute__((noinline)) void micro_tile(int64_t K2, const uint32_t* a, int64_t
     b += ldb;
   }
   const __m512 mul = _mm512_set1_ps(out_mul);
+  if (colmax == nullptr) {
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      if (i >= rows) break;
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j)
+        _mm512_storeu_ps(c + i * ldc + j * kL, _mm512_mul_ps(acc[i][j], mul));
+    }
+    return;
+  }
+  __m512 mx[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j)
+    mx[j] = _mm512_loadu_ps(colmax + j * kL);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     if (i >= rows) break;
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j)
-      _mm512_storeu_ps(c + i * ldc + j * kL, _mm512_mul_ps(acc[i][j], mul));
+    for (int j = 0; j < NV; ++j) {
+      const __m512 x = _mm512_mul_ps(acc[i][j], mul);
+      _mm512_storeu_ps(c + i * ldc + j * kL, x);
+      mx[j] = _mm512_max_ps(mx[j], x);
+    }
   }
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j)
+    _mm512_storeu_ps(colmax + j * kL, mx[j]);
 }
 
 // C (M x N) = [alpha .*] C + A B over the micro-tiles (N a multiple of 16): one B panel of NV
 // vectors stays in L1 while every MR-row panel of A streams past it.
 __attribute__((noinline)) void gemm_bf16(int64_t M, int64_t N, int64_t K2, const uint32_t* a,
                                          int64_t lda, const uint32_t* b, int64_t ldb, float* c,
-                                         int64_t ldc, const float* alpha, float out_mul) {
+                                         int64_t ldc, const float* alpha, float out_mul,
+                                         float* colmax) {
   int64_t j0 = 0;
   for (; j0 + kNV * kL <= N; j0 += kNV * kL)
     for (int64_t i0 = 0; i0 < M; i0 += kMR)
       micro_tile<kMR, kNV>(K2, a + i0, lda, static_cast<int>(std::min<int64_t>(kMR, M - i0)),
                            b + j0, ldb, c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr,
-                           out_mul);
+                           out_mul, colmax ? colmax + j0 : nullptr);
   for (; j0 < N; j0 += kL)
     for (int64_t i0 = 0; i0 < M; i0 += kMR)
       micro_tile<kMR, 1>(K2, a + i0, lda, static_cast<int>(std::min<int64_t>(kMR, M - i0)), b + j0,
-                         ldb, c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul);
+                         ldb, c + i0 * ldc + j0, ldc, alpha ? alpha + j0 : nullptr, out_mul,
+                         colmax ? colmax + j0 : nullptr);
 }
 
 // 2^x, exactly 0 for x <= -150 (masked scores set to -inf, minus a finite max). x = n + f,
-// n = round(x), |f| <= 1/2; 2^f by its Taylor series to degree 4 (truncation (ln2/2)^5/5! =
-// 4.2e-5 relative: the weights are rounded to bf16, 2^-8 = 4e-3, right after); vscalefps
-// multiplies by 2^n and underflows to 0 below the subnormals.
+// n = round(x), |f| <= 1/2; 2^f by a degree-3 polynomial fitted for minimal relative error on
+// [-1/2, 1/2] (iteratively reweighted least squares; max relative error 7.5e-5, as low as the
+// degree-4 Taylor series, 5.6e-5, with one FMA less: the weights are rounded to bf16, 2^-8 =
+// 3.9e-3, right after); vscalefps multiplies by 2^n and underflows to 0 below the subnormals.
 inline __m512 exp2_bf16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 poly = _mm512_set1_ps(9.6181291076284772e-03f);  // ln2^4 / 4!
+  __m512 poly = _mm512_set1_ps(0.05517167f);
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.24261114f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.69326097f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(0.99992806f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// 2^x as exp2_bf16 but accurate to fp32 (degree-6 Taylor series, truncation (ln2/2)^7/7! = 1.3e-7)
+// and exact at x = 0: for the rescale factor 2^(m_old - m_new) of the running sum and output,
+// which compounds over the key tiles (a bias of exp2_bf16's 7.5e-5 per tile would reach 5e-3 in
+// lse after 64 tiles).
+inline __m512 exp2_accurate(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-160.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 poly = _mm512_set1_ps(1.5403530393381606e-04f);  // ln2^6 / 6!
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.6181291076284772e-03f));
   poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.5504108664821580e-02f));
   poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.4022650695910071e-01f));
   poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.9314718055994531e-01f));
@@ -381,7 +423,7 @@ void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
 
 size_t scratch_floats(const FlashBf16Params& p, const Packed& pk) {
   return static_cast<size_t>(pk.D2 * kBlockQ + kBlockK * kBlockQ + kBlockK / 2 * kBlockQ +
-                             p.Dv * kBlockQ + 4 * kBlockQ + kBlockK + p.Dv + kL);
+                             p.Dv * kBlockQ + 5 * kBlockQ + kBlockK + p.Dv + kL);
 }
 
 // Output row of a query with no kept key: the mean of v over all S keys (d2l), dropout applied
@@ -420,6 +462,7 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
   float* alpha = limv + mqp;                                        // (mqp) rescale
   float* z = alpha + mqp;                                           // (kBlockK) dropout
   float* tmp = z + kBlockK;                                         // (Dv) masked row
+  float* tmax = tmp + p.Dv;                                         // (mqp) tile maximum
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
 
@@ -453,8 +496,10 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
       min_lim = std::min(min_lim, lim[r]);
 
     // X^T = c K Q^T: (nk, ncol), fp32
-    gemm_bf16(nk, ncol, D2, kt2 + s0, pk.ldk, qt2 + c0, mqp, xt + c0, mqp, nullptr, c);
-    if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
+    std::fill(tmax + c0, tmax + mqp, kNegInf);
+    gemm_bf16(nk, ncol, D2, kt2 + s0, pk.ldk, qt2 + c0, mqp, xt + c0, mqp, nullptr, c, tmax + c0);
+    const bool masked = min_lim < s0 + nk;
+    if (masked) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
       for (int64_t s = 0; s < nk; ++s) {
         const __m512 key = _mm512_set1_ps(static_cast<float>(s0 + s));
         float* row = xt + s * mqp;
@@ -469,15 +514,19 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     // pairs, with it they stay fp32 in xt until the multipliers are applied.
     for (int64_t q = c0; q < mqp; q += kL) {
       const __m512 m_old = _mm512_loadu_ps(mv + q);
-      // Four running maxima: one chain of dependent vmaxps would cost its latency per key.
-      __m512 mx[4] = {m_old, m_old, m_old, m_old};
-      int64_t s = 0;
-      for (; s + 4 <= nk; s += 4)
-        for (int u = 0; u < 4; ++u)
-          mx[u] = _mm512_max_ps(mx[u], _mm512_loadu_ps(xt + (s + u) * mqp + q));
-      for (; s < nk; ++s)
-        mx[0] = _mm512_max_ps(mx[0], _mm512_loadu_ps(xt + s * mqp + q));
-      const __m512 m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+      __m512 m_new;
+      if (!masked) {  // the score GEMM left the tile maximum in tmax
+        m_new = _mm512_max_ps(m_old, _mm512_loadu_ps(tmax + q));
+      } else {  // over the kept keys only; four chains (one vmaxps chain is latency-bound)
+        __m512 mx[4] = {m_old, m_old, m_old, m_old};
+        int64_t s = 0;
+        for (; s + 4 <= nk; s += 4)
+          for (int u = 0; u < 4; ++u)
+            mx[u] = _mm512_max_ps(mx[u], _mm512_loadu_ps(xt + (s + u) * mqp + q));
+        for (; s < nk; ++s)
+          mx[0] = _mm512_max_ps(mx[0], _mm512_loadu_ps(xt + s * mqp + q));
+        m_new = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+      }
       // No kept key so far: m = -inf; subtract 0 instead (weights 2^-inf = 0, not NaN).
       const __m512 m_use = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, neg_inf, _CMP_EQ_OQ),
                                                 m_new, _mm512_setzero_ps());
@@ -496,7 +545,7 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
           _mm512_storeu_si512(pt2 + j * mqp + q, pair_bf16(e0, e1));
         }
       }
-      const __m512 a = exp2_bf16(_mm512_sub_ps(m_old, m_use));  // 0 on a first kept tile
+      const __m512 a = exp2_accurate(_mm512_sub_ps(m_old, m_use));  // 0 on a first kept tile
       _mm512_storeu_ps(lv + q, _mm512_fmadd_ps(_mm512_loadu_ps(lv + q), a, sum));
       _mm512_storeu_ps(mv + q, m_new);
       _mm512_storeu_ps(alpha + q, a);
@@ -521,8 +570,8 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     // non-finite v, add only the kept terms.
     const bool clean = min_lim >= s0 + nk && (nk % 2 == 0 || s0 + nk == p.S);
     if (clean || pk.v_finite[b * pk.tiles + s0 / kBlockK]) {
-      gemm_bf16(Dv, ncol, nk2, vt2 + s0 / 2 * Dv, Dv, pt2 + c0, mqp, ot + c0, mqp, alpha + c0,
-                1.0f);
+      gemm_bf16(Dv, ncol, nk2, vt2 + s0 / 2 * Dv, Dv, pt2 + c0, mqp, ot + c0, mqp, alpha + c0, 1.0f,
+                nullptr);
     } else {
       for (int64_t e = 0; e < Dv; ++e)
         for (int64_t q = c0; q < mqp; ++q)
