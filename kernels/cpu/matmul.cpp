@@ -3,6 +3,8 @@
 
 #include <omp.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -42,7 +44,7 @@ struct GemmKeyHash {
 
 struct GemmPlan {
   dnnl::matmul primitive;
-  dnnl::memory::desc a_md, b_md, c_md, bias_md;
+  dnnl::memory::desc a_md, b_md, c_md, bias_md, scratch_md;
 };
 
 dnnl::engine& cpu_engine() {
@@ -55,6 +57,15 @@ dnnl::engine& cpu_engine() {
 dnnl::stream& thread_stream() {
   thread_local dnnl::stream stream(cpu_engine());
   return stream;
+}
+
+// The calling thread's scratchpad, grown to the largest any plan asked for, 64-byte aligned.
+void* scratchpad(size_t bytes) {
+  thread_local std::vector<std::byte> buffer;
+  constexpr size_t kAlign = 64;
+  if (buffer.size() < bytes + kAlign) buffer.resize(bytes + kAlign);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((kAlign - address % kAlign) % kAlign);
 }
 
 std::mutex cache_mutex;
@@ -73,6 +84,12 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   plan->c_md = dnnl::memory::desc(dims{k.M, k.N}, dt::f32, dims{k.ldc, 1});
   if (k.has_bias) plan->bias_md = dnnl::memory::desc(dims{1, k.N}, dt::f32, dims{k.N, 1});
   dnnl::primitive_attr attr;
+  // The plans are shared by every calling thread. oneDNN's default, library-managed scratchpad
+  // is one buffer for all primitives, which only allows executing a primitive in the thread that
+  // created it (oneDNN's scratchpad_mode docs); two trainings in two threads crashed inside the
+  // JIT code that way. With a user scratchpad each caller passes its own (scratchpad() below),
+  // and one primitive may run in several threads at once.
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   if (k.accumulate) {
     // dst = product + bias + 1.0 * dst_old: the sum post-op is oneDNN's beta = 1.
     dnnl::post_ops po;
@@ -82,6 +99,7 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   auto desc = k.has_bias ? dnnl::matmul::desc(plan->a_md, plan->b_md, plan->bias_md, plan->c_md)
                          : dnnl::matmul::desc(plan->a_md, plan->b_md, plan->c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  plan->scratch_md = pd.scratchpad_desc();
   plan->primitive = dnnl::matmul(pd);
   return plan;
 }
@@ -176,6 +194,10 @@ void gemm(const GemmArgs& g, int threads) {
     dnnl::memory c(plan->c_md, eng, g.C);
     std::unordered_map<int, dnnl::memory> exec_args{
         {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
+    if (const size_t bytes = plan->scratch_md.get_size(); bytes > 0) {
+      exec_args.emplace(DNNL_ARG_SCRATCHPAD,
+                        dnnl::memory(plan->scratch_md, eng, scratchpad(bytes)));
+    }
     if (g.bias) {
       exec_args.emplace(DNNL_ARG_BIAS,
                         dnnl::memory(plan->bias_md, eng, const_cast<float*>(g.bias)));
