@@ -21,6 +21,7 @@
 #include "attn/ops/linear.hpp"
 #include "bench/fma_peak.hpp"
 #include "kernels/cpu/matmul.hpp"
+#include "ops/attention_heads.hpp"
 
 #include <benchmark/benchmark.h>
 
@@ -116,6 +117,18 @@ void BM_ProjectionForward(benchmark::State& state) {
   set_counters(state, projection_flops(T) / 4);
 }
 
+// The packed self-attention projection X [W_q; W_k; W_v]^T + b: (B*T, E) x (E, 3E).
+void BM_ProjectionQkvForward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor x = random({kB, T, kE}, 4), W = random({3 * kE, kE}, 5), b = random({3 * kE}, 6);
+  for (auto _ : state) {
+    attn::Tensor y = attn::linear(ctx, x, W, b);
+    benchmark::DoNotOptimize(y.raw_data());
+  }
+  set_counters(state, 3 * projection_flops(T) / 4);
+}
+
 // One projection's backward: dx = dy W and dW = dy^T x (db too).
 void BM_ProjectionBackward(benchmark::State& state) {
   const int64_t T = state.range(0);
@@ -154,6 +167,38 @@ void BM_AttentionCoreBackward(benchmark::State& state) {
   set_counters(state, 2.5 * attention_flops(T));
 }
 
+// The attention core as MultiHeadAttention's fast path runs it: heads read in place from the
+// (B, T, 3E) packed projection (row stride 3E) through head strides, output (B, T, E).
+void BM_AttentionHeadsForward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor qkv = random({kB, T, 3 * kE}, 8);
+  const attn::Tensor q = qkv.slice(2, 0, kE), k = qkv.slice(2, kE, 2 * kE),
+                     v = qkv.slice(2, 2 * kE, 3 * kE);
+  for (auto _ : state) {
+    attn::AttentionResult r = attn::detail::multi_head_attention_forward(ctx, q, k, v, kH, {});
+    benchmark::DoNotOptimize(r.output.raw_data());
+  }
+  set_counters(state, attention_flops(T));
+}
+
+void BM_AttentionHeadsBackward(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::Tensor qkv = random({kB, T, 3 * kE}, 8), dout = random({kB, T, kE}, 11);
+  const attn::Tensor q = qkv.slice(2, 0, kE), k = qkv.slice(2, kE, 2 * kE),
+                     v = qkv.slice(2, 2 * kE, 3 * kE);
+  attn::AttentionResult fwd = attn::detail::multi_head_attention_forward(ctx, q, k, v, kH, {});
+  attn::Tensor dqkv = attn::Tensor::empty({kB, T, 3 * kE});
+  attn::Tensor dq = dqkv.slice(2, 0, kE), dk = dqkv.slice(2, kE, 2 * kE),
+               dv = dqkv.slice(2, 2 * kE, 3 * kE);
+  for (auto _ : state) {
+    attn::detail::multi_head_attention_backward(ctx, dout, q, k, v, fwd, kH, {}, dq, dk, dv);
+    benchmark::DoNotOptimize(dqkv.raw_data());
+  }
+  set_counters(state, 2.5 * attention_flops(T));
+}
+
 // The f32 peak this machine reaches in practice: a 2048^3 oneDNN GEMM on the same threads.
 void BM_GemmPeak(benchmark::State& state) {
   const int64_t n = state.range(0);
@@ -184,8 +229,11 @@ ATTN_MHA_BENCH(BM_MhaInference);
 ATTN_MHA_BENCH(BM_MhaTraining);
 ATTN_MHA_BENCH(BM_ProjectionForward);
 ATTN_MHA_BENCH(BM_ProjectionBackward);
+ATTN_MHA_BENCH(BM_ProjectionQkvForward);
 ATTN_MHA_BENCH(BM_AttentionCoreForward);
 ATTN_MHA_BENCH(BM_AttentionCoreBackward);
+ATTN_MHA_BENCH(BM_AttentionHeadsForward);
+ATTN_MHA_BENCH(BM_AttentionHeadsBackward);
 BENCHMARK(BM_GemmPeak)
     ->Arg(2048)
     ->Unit(benchmark::kMillisecond)

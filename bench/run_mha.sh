@@ -130,8 +130,11 @@ parts = []
 labels = {
     "BM_ProjectionForward": "one projection, forward (x W^T + b)",
     "BM_ProjectionBackward": "one projection, backward (dx, dW, db)",
+    "BM_ProjectionQkvForward": "packed [W_q; W_k; W_v] projection, forward",
     "BM_AttentionCoreForward": "attention core, forward (B*H, T, D)",
     "BM_AttentionCoreBackward": "attention core, backward",
+    "BM_AttentionHeadsForward": "attention core on the (B, T, 3E) projection, head strides, forward",
+    "BM_AttentionHeadsBackward": "attention core, head strides, backward (into (B, T, 3E))",
 }
 for key, label in labels.items():
     for T in (512, 2048):
@@ -153,19 +156,18 @@ def cpu_ms(key):
     return min(s[2] for s in ours[key])
 
 split = []
-for mode, name, pk, ck in (("inference", "BM_MhaInference", "BM_ProjectionForward",
-                            "BM_AttentionCoreForward"),
-                           ("training", "BM_MhaTraining", None, None)):
+for mode, name in (("inference", "BM_MhaInference"), ("training", "BM_MhaTraining")):
     for T in (512, 2048):
-        total = ours.get(f"{name}/{T}")
-        if not total:
+        if not ours.get(f"{name}/{T}"):
             continue
-        if mode == "inference":
-            proj = 4 * cpu_ms(f"{pk}/{T}")
-            core = cpu_ms(f"{ck}/{T}")
-        else:
-            proj = 4 * (cpu_ms(f"BM_ProjectionForward/{T}") + cpu_ms(f"BM_ProjectionBackward/{T}"))
-            core = cpu_ms(f"BM_AttentionCoreForward/{T}") + cpu_ms(f"BM_AttentionCoreBackward/{T}")
+        # What MultiHeadAttention runs: the packed Q/K/V projection + W_o, and the head-strided
+        # core; the training step adds the backward of 4 projections' worth of GEMMs (the packed
+        # one is 3 of them in one call) and the core's backward.
+        proj = cpu_ms(f"BM_ProjectionQkvForward/{T}") + cpu_ms(f"BM_ProjectionForward/{T}")
+        core = cpu_ms(f"BM_AttentionHeadsForward/{T}")
+        if mode == "training":
+            proj += 4 * cpu_ms(f"BM_ProjectionBackward/{T}")
+            core += cpu_ms(f"BM_AttentionHeadsBackward/{T}")
         tot = cpu_ms(f"{name}/{T}")
         rest = tot - proj - core
         split.append(f"| {mode} | {T} | {tot:.1f} | {proj:.1f} ({100 * proj / tot:.0f}%) | "
@@ -206,7 +208,7 @@ Where attn's time goes, in process CPU ms (all threads; the parts timed alone on
 shapes, so an estimate; "rest" = packing [W_q; W_k; W_v], page faults of fresh outputs, bias
 and gradient accumulation, the scheduler; the head split/merge copies are gone):
 
-| mode | T | total CPU ms | 4 projections | attention core | rest |
+| mode | T | total CPU ms | projections | attention core | rest |
 |---|---|---|---|---|---|
 {chr(10).join(split)}
 
