@@ -85,24 +85,31 @@ void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float
 // ---------------------------------------------------------------------------------------------
 // Fallback: through the fp32 kernels
 
-// A (B, N, C) bf16 view as a contiguous fp32 copy.
+// A (B, N, C) bf16 view as a contiguous fp32 copy (rows split over the threads: elementwise, so
+// the result does not depend on the split).
 std::vector<float> to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb,
-                            int64_t sn, int64_t sc) {
+                            int64_t sn, int64_t sc, int threads) {
   std::vector<float> dst(static_cast<size_t>(B * N * C));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t c = 0; c < C; ++c)
-        dst[(b * N + n) * C + c] = bf16_to_float(src[b * sb + n * sn + c * sc]);
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
+  for (int64_t bn = 0; bn < B * N; ++bn) {
+    const uint16_t* x = src + bn / N * sb + bn % N * sn;
+    float* y = dst.data() + bn * C;
+    for (int64_t c = 0; c < C; ++c)
+      y[c] = bf16_to_float(x[c * sc]);
+  }
   return dst;
 }
 
 // Rounds a contiguous (B, N, C) fp32 array into a strided bf16 view.
 void to_bf16(const std::vector<float>& src, uint16_t* dst, int64_t B, int64_t N, int64_t C,
-             int64_t sb, int64_t sn, int64_t sc) {
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t c = 0; c < C; ++c)
-        dst[b * sb + n * sn + c * sc] = float_to_bf16(src[(b * N + n) * C + c]);
+             int64_t sb, int64_t sn, int64_t sc, int threads) {
+#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
+  for (int64_t bn = 0; bn < B * N; ++bn) {
+    const float* x = src.data() + bn * C;
+    uint16_t* y = dst + bn / N * sb + bn % N * sn;
+    for (int64_t c = 0; c < C; ++c)
+      y[c * sc] = float_to_bf16(x[c]);
+  }
 }
 
 struct Fp32Copies {
@@ -114,10 +121,11 @@ struct Fp32Copies {
 Fp32Copies fp32_params(const FlashBf16Params& p, bool with_out) {
   Fp32Copies c;
   const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
-  c.q = to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd);
-  c.k = to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd);
-  c.v = to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd);
-  c.out = with_out ? to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd)
+  const int th = p.threads;
+  c.q = to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd, th);
+  c.k = to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd, th);
+  c.v = to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd, th);
+  c.out = with_out ? to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd, th)
                    : std::vector<float>(static_cast<size_t>(B * T * Dv));
   FlashParams& f = c.f;
   f.B = B, f.T = T, f.S = S, f.D = D, f.Dv = Dv;
@@ -140,7 +148,7 @@ Fp32Copies fp32_params(const FlashBf16Params& p, bool with_out) {
 void forward_fallback(const FlashBf16Params& p) {
   Fp32Copies c = fp32_params(p, /*with_out=*/false);
   flash_attention_forward(c.f);
-  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.o_sb, p.o_st, p.o_sd);
+  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.o_sb, p.o_st, p.o_sd, p.threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -675,7 +683,7 @@ void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grad
   Fp32Copies c = fp32_params(p, /*with_out=*/true);
   c.f.weights = nullptr;
   const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
-  std::vector<float> dout = to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd);
+  std::vector<float> dout = to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd, p.threads);
   std::vector<float> dq(static_cast<size_t>(B * T * D)), dk(static_cast<size_t>(B * S * D)),
       dv(static_cast<size_t>(B * S * Dv));
   FlashGrads fg;
@@ -684,9 +692,9 @@ void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grad
   fg.dk = dk.data(), fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
   fg.dv = dv.data(), fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
   flash_attention_backward(c.f, fg);
-  to_bf16(dq, g.dq, B, T, D, g.dq_sb, g.dq_st, g.dq_sd);
-  to_bf16(dk, g.dk, B, S, D, g.dk_sb, g.dk_ss, g.dk_sd);
-  to_bf16(dv, g.dv, B, S, Dv, g.dv_sb, g.dv_ss, g.dv_sd);
+  to_bf16(dq, g.dq, B, T, D, g.dq_sb, g.dq_st, g.dq_sd, p.threads);
+  to_bf16(dk, g.dk, B, S, D, g.dk_sb, g.dk_ss, g.dk_sd, p.threads);
+  to_bf16(dv, g.dv, B, S, Dv, g.dv_sb, g.dv_ss, g.dv_sd, p.threads);
 }
 
 }  // namespace attn::cpu
