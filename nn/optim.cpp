@@ -4,6 +4,7 @@
 #include "attn/nn/optim.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <set>
 
@@ -49,8 +50,14 @@ Optimizer::Optimizer(NamedParameters params, double lr_, const char* name)
 }
 
 void Optimizer::zero_grad() {
-  for (auto& [n, p] : params_)
-    if (p->grad.defined()) p->grad.fill(0.0);
+  for (auto& [n, p] : params_) {
+    if (!p->grad.defined()) continue;
+    // All-zero bytes are +0.0 in F32 and F64: one memset instead of a per-element fill.
+    if (p->grad.is_contiguous())
+      std::memset(p->grad.raw_data(), 0, p->grad.nbytes());
+    else
+      p->grad.fill(0.0);
+  }
 }
 
 StateDict Optimizer::state_dict() const {
