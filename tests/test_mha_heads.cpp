@@ -185,6 +185,39 @@ TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
 INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& tp) { return tp.param.name(); });
 
+// Long rows (T * (D + Dv) > 2^20 floats) make the backward pack q and dO per query tile instead
+// of once per item (flash_attention.cpp, PackWholeRows); both against the reference kernels.
+TEST(MhaHeadsOp, PerTileAndWholeRowPackingMatchTheReference) {
+  for (int64_t T : {int64_t{300}, int64_t{8200}}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    const Case c{1, 2, T, 40, 64, 64, Lens::kNone, true, false, 0.0};
+    AttentionOptions opts;
+    opts.mask.causal = true;
+    const Outcome got = run_heads(c, 2, opts);
+    AttentionOptions ref_opts = opts;
+    ref_opts.mask.lens_repeat = c.H;
+    Context ctx;
+    ctx.backend = Backend::kReference;
+    const int64_t E = c.H * c.D;
+    const Tensor qbuf = random_tensor({c.B, c.T, 3 * E + 3}, DType::F32, 1);
+    const Tensor kvbuf = random_tensor({c.B, c.S, 3 * E + 3}, DType::F32, 2);
+    const Tensor q = split(qbuf.slice(2, 1, 1 + E), c.H);
+    const Tensor k = split(kvbuf.slice(2, 1 + E, 1 + 2 * E), c.H);
+    const Tensor v = split(kvbuf.slice(2, 1 + 2 * E, 1 + 3 * E), c.H);
+    AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, ref_opts);
+    const Tensor dout = split(random_tensor({c.B, c.T, E}, DType::F32, 3), c.H);
+    AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, ref_opts);
+    EXPECT_TRUE(testing::close(got.out, merge(r.output, c.H), 2e-6, 2e-6));
+    for (auto [got_g, want_g] : {std::pair{got.dq, g.dq}, {got.dk, g.dk}, {got.dv, g.dv}}) {
+      const Tensor want = merge(want_g, c.H);
+      double scale = 0;
+      for (int64_t i = 0; i < want.numel(); ++i)
+        scale = std::max(scale, std::abs(want.flat(i)));
+      EXPECT_TRUE(testing::close(got_g, want, 0.0, 1e-5 * scale));
+    }
+  }
+}
+
 TEST(MhaHeadsOp, RejectsBadInput) {
   Context ctx;
   const Tensor q = random_tensor({2, 5, 12}, DType::F32), k = random_tensor({2, 7, 12}, DType::F32);

@@ -411,11 +411,20 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
 // ---------------------------------------------------------------------------------------------
 // Backward
 
+// Every key block of an item reads all T rows of q and dO. Packed per query tile, that is T/64
+// copies of both per item, and with head strides (rows E or 3E floats apart) one page per row
+// each time; when they fit in 4 MiB per thread they are packed once per item instead (the same
+// values, so the same results). Longer rows keep the O(tile) memory of the per-tile packing.
+bool PackWholeRows(const FlashParams& p) {
+  return p.T * (RoundUpLanes(p.D) + RoundUpLanes(p.Dv)) <= (int64_t{1} << 20);
+}
+
 size_t BackwardScratchFloats(const FlashParams& p) {
   const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
   return static_cast<size_t>(p.D * kBlockK + kBlockK * Dp + p.Dv * kBlockK + kBwdBlockQ * Dp +
                              kBwdBlockQ * Dvp + 3 * kBwdBlockQ * kBlockK + kBlockK * Dp +
-                             kBlockK * Dvp + kBlockK + 3 * p.T);
+                             kBlockK * Dvp + kBlockK + 3 * p.T +
+                             (PackWholeRows(p) ? p.T * (Dp + Dvp) : 0));
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch b, and their share of dQ (unscaled, summed
@@ -427,9 +436,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   float* kt = scratch;                        // (D, kBlockK)      K^T of the tile (scores)
   float* kp = kt + D * kBlockK;               // (kBlockK, Dp)     K of the tile (dQ)
   float* vt = kp + kBlockK * Dp;              // (Dv, kBlockK)     V^T of the tile (dP)
-  float* qp = vt + Dv * kBlockK;              // (kBwdBlockQ, Dp)     q * scale * log2 e
-  float* dop = qp + kBwdBlockQ * Dp;          // (kBwdBlockQ, Dvp)    dO
-  float* pb = dop + kBwdBlockQ * Dvp;         // (kBwdBlockQ, nkp)    P
+  float* q_tile = vt + Dv * kBlockK;          // (kBwdBlockQ, Dp)     q * scale * log2 e
+  float* do_tile = q_tile + kBwdBlockQ * Dp;  // (kBwdBlockQ, Dvp)    dO
+  float* pb = do_tile + kBwdBlockQ * Dvp;     // (kBwdBlockQ, nkp)    P
   float* ds = pb + kBwdBlockQ * kBlockK;      // (kBwdBlockQ, nkp)    dP, then dS
   float* pz = ds + kBwdBlockQ * kBlockK;      // (kBwdBlockQ, nkp)    P * Z (dropout only)
   float* dk_acc = pz + kBwdBlockQ * kBlockK;  // (kBlockK, Dp)
@@ -438,8 +447,16 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   float* lse2 = z + kBlockK;                  // (T) lse in log2 units
   float* drow = lse2 + T;                     // (T) D_t = dO_t . out_t
   float* limf = drow + T;                     // (T) row limits (exact in float below 2^24 keys)
+  float* q_all = limf + T;                    // (T, Dp)  when PackWholeRows: all of q, scaled
+  float* do_all = q_all + T * Dp;             // (T, Dvp) and all of dO
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
+  const bool whole = PackWholeRows(p);
+  if (whole) {
+    PackRows(p.q + QOff(p, b), T, D, p.q_st, p.q_sd, c, q_all, Dp);
+    PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh), T, Dv, g.do_st, g.do_sd, 1.0f, do_all,
+             Dvp);
+  }
 
   bool any_masked = false;
   int64_t max_lim =
@@ -479,9 +496,13 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         ++t0;
       if (t0 == T) break;
       mq = std::min(kBwdBlockQ, T - t0);
-      PackRows(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, qp, Dp);
-      PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t0 * g.do_st, mq, Dv, g.do_st, g.do_sd,
-               1.0f, dop, Dvp);
+      const float* qp = whole ? q_all + t0 * Dp : q_tile;      // (mq, Dp)  c Q of the tile
+      const float* dop = whole ? do_all + t0 * Dvp : do_tile;  // (mq, Dvp) dO of the tile
+      if (!whole) {
+        PackRows(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, q_tile, Dp);
+        PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t0 * g.do_st, mq, Dv, g.do_st,
+                 g.do_sd, 1.0f, do_tile, Dvp);
+      }
       Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
       Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
 
