@@ -19,8 +19,9 @@
 // (then dropout as usual); true (PyTorch SDPA) gives a zero output row. lse is -inf there.
 //
 // Memory: never a T x S matrix. Per thread O(tile * (D + Dv)) scratch for the forward; the
-// backward adds an fp32 dQ accumulator of B * splits * T * D floats (splits is 1 unless B is too
-// small to feed the threads, see flash_attention.cpp).
+// backward adds an fp32 dQ accumulator of B * splits * T * D floats when B is too small to feed
+// the threads (splits > 1, see flash_attention.cpp), else T * D per thread, and T * (D + Dv)
+// per thread of packed q and dO when that is at most 2^20 floats.
 //
 // Threads: a fixed list of work items (forward: (b, query block); backward: (b, key range))
 // whose arithmetic does not depend on which thread runs it, so any thread count gives bitwise
