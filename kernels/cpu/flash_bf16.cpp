@@ -317,6 +317,78 @@ inline __m512i pair_bf16(__m512 lo, __m512 hi) {
   return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
 }
 
+// Philox 4x32-10 (attn/core/rng.hpp) on 16 counters at once: c[w] holds word w of every lane's
+// counter on entry and word w of its output on exit. 32 x 32 -> 64-bit products: vpmuludq on
+// the even lanes and on the odd lanes shifted down, merged by a blend.
+inline void mul_hi_lo(__m512i x, uint32_t m, __m512i& hi, __m512i& lo) {
+  const __m512i vm = _mm512_set1_epi32(static_cast<int>(m));
+  lo = _mm512_mullo_epi32(x, vm);
+  const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(x, vm), 32);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), vm);
+  hi = _mm512_mask_blend_epi32(0xaaaa, even, odd);
+}
+
+inline void philox16(__m512i c[4], uint64_t seed) {
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    __m512i hi0, lo0, hi1, lo1;
+    mul_hi_lo(c[0], 0xD2511F53u, hi0, lo0);
+    mul_hi_lo(c[2], 0xCD9E8D57u, hi1, lo1);
+    const __m512i n0 =
+        _mm512_xor_si512(_mm512_xor_si512(hi1, c[1]), _mm512_set1_epi32(static_cast<int>(k0)));
+    const __m512i n2 =
+        _mm512_xor_si512(_mm512_xor_si512(hi0, c[3]), _mm512_set1_epi32(static_cast<int>(k1)));
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// X^T *= Z^T on the weight tile (nk keys x query lanes [c0, mqp)), keys from s0, vectorized
+// across queries. Needs S % 4 == 0: then query t's run of keys starts at element (bT + t)S + s0,
+// a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of every lane is word j of
+// Philox block ((bT + t)S + s0)/4 + g: one 16-lane Philox per 4 keys of 16 queries (the scalar
+// draw costs one call per 4 keys per query). Returns false (nothing done) otherwise. Masked keys
+// hold weight 0 and stay 0.
+bool dropout_tile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
+                  int64_t c0, int64_t mqp, float* xt) {
+  if (p.S % 4 != 0) return false;
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const __m512 vp = _mm512_set1_ps(p.dropout), vkeep = _mm512_set1_ps(keep_scale);
+  const __m512 two_m24 = _mm512_set1_ps(1.0f / 16777216.0f);
+  const __m512i off_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset)));
+  const __m512i off_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset >> 32)));
+  alignas(64) uint32_t lo_w[kL], hi_w[kL];
+  for (int64_t q = c0; q < mqp; q += kL) {
+    for (int64_t l = 0; l < kL; ++l) {
+      const uint64_t blk = static_cast<uint64_t>((b * p.T + t0 + q + l) * p.S + s0) >> 2;
+      lo_w[l] = static_cast<uint32_t>(blk);
+      hi_w[l] = static_cast<uint32_t>(blk >> 32);
+    }
+    const __m512i lo = _mm512_load_si512(lo_w), hi = _mm512_load_si512(hi_w);
+    for (int64_t g = 0; 4 * g < nk; ++g) {
+      __m512i c[4];
+      c[0] = _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int>(g)));
+      const __mmask16 carry = _mm512_cmplt_epu32_mask(c[0], lo);
+      c[1] = _mm512_mask_add_epi32(hi, carry, hi, _mm512_set1_epi32(1));
+      c[2] = off_lo;
+      c[3] = off_hi;
+      philox16(c, p.seed);
+      for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
+        // kept iff (r >> 8) 2^-24 >= p, exactly as attn::dropout_keep computes it in float
+        const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[j], 8)), two_m24);
+        const __m512 z = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, vp, _CMP_GE_OQ), vkeep);
+        float* row = xt + (4 * g + j) * mqp + q;
+        _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), z));
+      }
+    }
+  }
+  return true;
+}
+
 // True when a 16-word vector of bf16 pairs holds no Inf or NaN (exponent field all ones).
 inline bool pairs_finite(__m512i w) {
   const __m512i e = _mm512_set1_epi16(0x7f80);
@@ -564,13 +636,16 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
       _mm512_storeu_ps(mv + q, m_new);
       _mm512_storeu_ps(alpha + q, a);
     }
-    if (dropout) {  // numerator weights only (dropout acts after the normalization)
+    // Dropout: numerator weights only (it acts after the normalization).
+    if (dropout && !dropout_tile(p, b, t0, s0, nk, c0, mqp, xt)) {
       for (int64_t r = r_first; r < mq; ++r) {
         const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
         dropout_multipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
         for (int64_t s = 0; s < n; ++s)
           xt[s * mqp + r] *= z[s];
       }
+    }
+    if (dropout) {
       for (int64_t q = c0; q < mqp; q += kL)
         for (int64_t j = 0; j < nk2; ++j) {
           const float* x0 = xt + 2 * j * mqp + q;
