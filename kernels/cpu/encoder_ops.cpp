@@ -3,6 +3,7 @@
 #include "kernels/cpu/encoder_ops.hpp"
 
 #include "kernels/cpu/dropout_simd.hpp"
+#include "kernels/cpu/layer_norm_simd.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -17,79 +18,6 @@ constexpr int64_t kParallelMin = 32768;
 
 int64_t chunks_of(int64_t n, int64_t chunk) {
   return (n + chunk - 1) / chunk;
-}
-
-// sum_{e < E} term(e) in double with 8 interleaved partial sums (a single running sum waits on
-// each add's latency), added pairwise at the end: the reference sums in order, so results differ
-// from it by double rounding only (~1e-16 relative), far below the float32 outputs' resolution.
-template <typename Term>
-double row_sum(int64_t E, Term term) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t e = 0;
-  for (; e + 8 <= E; e += 8)
-    for (int64_t k = 0; k < 8; ++k)
-      acc[k] += term(e + k);
-  for (; e < E; ++e)
-    acc[e & 7] += term(e);
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-// One LayerNorm row, ref::layer_norm_forward's arithmetic: the two sums by row_sum, the
-// elementwise output as a SIMD loop.
-void layer_norm_row(const float* __restrict xr, const float* __restrict gamma,
-                    const float* __restrict beta, float* __restrict yr, float* mean, float* rstd,
-                    int64_t E, double eps) {
-  const double m =
-      row_sum(E, [&](int64_t e) { return static_cast<double>(xr[e]); }) / static_cast<double>(E);
-  const double var = row_sum(E,
-                             [&](int64_t e) {
-                               const double c = xr[e] - m;
-                               return c * c;
-                             }) /
-                     static_cast<double>(E);
-  const double s = 1.0 / std::sqrt(var + eps);
-  if (gamma != nullptr) {
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e)
-      yr[e] = static_cast<float>((xr[e] - m) * s * gamma[e] + beta[e]);
-  } else {
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e)
-      yr[e] = static_cast<float>((xr[e] - m) * s);
-  }
-  *mean = static_cast<float>(m);
-  *rstd = static_cast<float>(s);
-}
-
-// One LayerNorm row's backward (ref::layer_norm_backward's arithmetic): g and g * xhat per
-// element and the dgamma / dbeta accumulation as SIMD loops, the two row sums by row_sum, dx as
-// a SIMD loop. gbuf, gxbuf: E doubles of scratch.
-void layer_norm_backward_row(const float* __restrict dyr, const float* __restrict xr,
-                             const float* __restrict gamma, double m, double s,
-                             float* __restrict dxr, double* __restrict dg, double* __restrict db,
-                             double* __restrict gbuf, double* __restrict gxbuf, int64_t E) {
-#pragma omp simd
-  for (int64_t e = 0; e < E; ++e) {
-    const double xhat = (xr[e] - m) * s;
-    const double g = gamma != nullptr ? static_cast<double>(dyr[e]) * gamma[e] : dyr[e];
-    gbuf[e] = g;
-    gxbuf[e] = g * xhat;
-  }
-  if (dg != nullptr) {
-#pragma omp simd
-    for (int64_t e = 0; e < E; ++e) {
-      const double xhat = (xr[e] - m) * s;
-      dg[e] += static_cast<double>(dyr[e]) * xhat;
-      db[e] += dyr[e];
-    }
-  }
-  const double g_mean = row_sum(E, [&](int64_t e) { return gbuf[e]; }) / static_cast<double>(E);
-  const double gx_mean = row_sum(E, [&](int64_t e) { return gxbuf[e]; }) / static_cast<double>(E);
-#pragma omp simd
-  for (int64_t e = 0; e < E; ++e) {
-    const double xhat = (xr[e] - m) * s;
-    dxr[e] = static_cast<float>(s * (gbuf[e] - g_mean - xhat * gx_mean));
-  }
 }
 
 // SIMD loops (omp simd; at -O2 GCC keeps a data-dependent branch, which mispredicts on half of
@@ -156,9 +84,11 @@ void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, in
 void layer_norm_forward_f32(const float* x, const float* gamma, const float* beta, float* y,
                             float* mean, float* rstd, int64_t R, int64_t E, double eps,
                             int threads) {
+  const int64_t chunks = chunks_of(R, kLayerNormChunkRows);
 #pragma omp parallel for schedule(static) num_threads(threads) if (R * E >= kParallelMin)
-  for (int64_t r = 0; r < R; ++r)
-    layer_norm_row(x + r * E, gamma, beta, y + r * E, mean + r, rstd + r, E, eps);
+  for (int64_t c = 0; c < chunks; ++c)
+    layer_norm_forward_rows_f32(x, gamma, beta, y, mean, rstd, c * kLayerNormChunkRows,
+                                std::min(R, (c + 1) * kLayerNormChunkRows), E, eps);
 }
 
 void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma, const float* mean,
@@ -173,10 +103,9 @@ void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma
     double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
     double* db = gamma != nullptr ? dg + E : nullptr;
     std::vector<double> scratch(static_cast<size_t>(2 * E));
-    const int64_t end = std::min(R, (c + 1) * kLayerNormChunkRows);
-    for (int64_t r = c * kLayerNormChunkRows; r < end; ++r)
-      layer_norm_backward_row(dy + r * E, x + r * E, gamma, mean[r], rstd[r], dx + r * E, dg, db,
-                              scratch.data(), scratch.data() + E, E);
+    layer_norm_backward_rows_f32(dy, x, gamma, mean, rstd, dx, dg, db, scratch.data(),
+                                 c * kLayerNormChunkRows,
+                                 std::min(R, (c + 1) * kLayerNormChunkRows), E);
   }
   if (gamma == nullptr) return;
   for (int64_t e = 0; e < E; ++e) {

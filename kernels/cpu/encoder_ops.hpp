@@ -7,7 +7,8 @@
 //   dropout, relu      elementwise; bit-identical to the reference (dropout draws the Philox
 //                      blocks in SIMD lanes, kernels/cpu/dropout_simd.cpp, one per 4 elements,
 //                      where the reference redraws a block per element)
-//   layer_norm         rows in parallel; per row the reference's double arithmetic, but each
+//   layer_norm         rows in parallel (kernels/cpu/layer_norm_simd.cpp: compiled per SIMD
+//                      target); per row the reference's double arithmetic, but each
 //                      row sum with 8 partial sums (the reference adds in order): y, mean, rstd
 //                      and dx agree with the reference to float32 rounding (a few ulp at most)
 //   layer_norm_backward dgamma / dbeta summed in double per chunk of kLayerNormChunkRows rows,
