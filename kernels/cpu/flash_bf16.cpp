@@ -161,12 +161,17 @@ void forward_fallback(const FlashBf16Params& p) {
 // Native forward (AVX512-BF16). Everything from here to the pop_options is compiled for
 // AVX-512 + BF16 and reached only when cpu_has_bf16().
 
+#if defined(__clang__)  // the fuzz build
+#pragma clang attribute push( \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 // GCC 12's avx512fintrin.h builds _mm512_max_ps and friends on `__m512 __Y = __Y;`
 // (_mm512_undefined_ps), which -Wmaybe-uninitialized reports once inlined here.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 constexpr int64_t kL = 16;            // fp32 lanes (queries) per vector
 constexpr int64_t kBlockK = 64;       // keys per tile (32 pairs)
@@ -180,12 +185,6 @@ template <typename T>
 std::unique_ptr<T[], FreeDeleter> alloc_aligned(size_t n) {
   const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
   return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(64, bytes)));
-}
-
-inline uint32_t load_u32(const uint8_t* x) {
-  uint32_t w;
-  std::memcpy(&w, x, 4);
-  return w;
 }
 
 // One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
@@ -735,8 +734,12 @@ void forward_native(const FlashBf16Params& p) {
   }
 }
 
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
+#endif
 
 }  // namespace
 
