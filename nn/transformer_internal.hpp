@@ -1,4 +1,5 @@
-// Elementwise helpers shared by nn/transformer*.cpp (not part of the public API).
+// Elementwise helpers shared by nn/transformer*.cpp (not part of the public API). The loops are
+// omp simd: elementwise, so vectorising them changes no result.
 #pragma once
 
 #include "attn/core/tensor.hpp"
@@ -22,7 +23,9 @@ inline Tensor add_all(std::initializer_list<Tensor> terms) {
       }
       const Tensor c = t.contiguous();
       const F* s = c.data<F>();
-      for (int64_t i = 0; i < out.numel(); ++i)
+      const int64_t n = out.numel();
+#pragma omp simd  // out is a fresh tensor: no term aliases it
+      for (int64_t i = 0; i < n; ++i)
         o[i] += s[i];
     }
   };
@@ -39,7 +42,9 @@ inline Tensor scaled(const Tensor& x, double factor) {
   auto run = [&](auto zero) {
     using F = decltype(zero);
     F* o = out.data<F>();
-    for (int64_t i = 0; i < out.numel(); ++i)
+    const int64_t n = out.numel();
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i)
       o[i] = static_cast<F>(static_cast<double>(o[i]) * factor);
   };
   if (out.dtype() == DType::F32)
