@@ -447,11 +447,11 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   float* lse2 = z + kBlockK;                  // (T) lse in log2 units
   float* drow = lse2 + T;                     // (T) D_t = dO_t . out_t
   float* limf = drow + T;                     // (T) row limits (exact in float below 2^24 keys)
-  float* q_all = limf + T;                    // (T, Dp)  when PackWholeRows: all of q, scaled
-  float* do_all = q_all + T * Dp;             // (T, Dvp) and all of dO
+  const bool whole = PackWholeRows(p);
+  float* q_all = whole ? limf + T : nullptr;         // (T, Dp)  all of q, scaled (PackWholeRows)
+  float* do_all = whole ? q_all + T * Dp : nullptr;  // (T, Dvp) all of dO
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
-  const bool whole = PackWholeRows(p);
   if (whole) {
     PackRows(p.q + QOff(p, b), T, D, p.q_st, p.q_sd, c, q_all, Dp);
     PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh), T, Dv, g.do_st, g.do_sd, 1.0f, do_all,
