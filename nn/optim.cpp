@@ -171,8 +171,6 @@ void AdamW::step() {
       using T = std::remove_pointer_t<decltype(w)>;
       T* m = buffer_data<T>(s["exp_avg"]);
       T* v = buffer_data<T>(s["exp_avg_sq"]);
-      // Elementwise (w, g, m, v never alias), so a SIMD loop gives the same bits.
-#pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
         const double gj = g[j];
         // Decoupled weight decay: shrink p before the Adam step, independent of the gradient.
