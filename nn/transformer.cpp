@@ -24,7 +24,11 @@ TransformerEncoderBlock::TransformerEncoderBlock(int64_t num_hiddens, int64_t ff
                 detail::child_seed(seed, "attention")),
       addnorm1(num_hiddens, dropout, dtype),
       ffn(ffn_num_hiddens, num_hiddens, dtype, detail::child_seed(seed, "ffn")),
-      addnorm2(num_hiddens, dropout, dtype) {}
+      addnorm2(num_hiddens, dropout, dtype) {
+  // The block only needs the sum dX = dQ + dK + dV of the attention's input gradients: the
+  // attention returns it as one tensor (one GEMM on the packed projection; same math).
+  attention.self_attention_input_grad = true;
+}
 
 std::vector<std::pair<std::string, Parameter*>> TransformerEncoderBlock::named_parameters() {
   // d2l's registration order: attention, addnorm1, ffn, addnorm2.
@@ -62,6 +66,7 @@ Tensor TransformerEncoderBlock::backward(Context& ctx, const Tensor& dout) {
   // forward: Y = addnorm1(X, attention(X, X, X)); X reaches Y four times.
   AddNormGrads g1 = addnorm1.backward(ctx, dY);
   AttentionInputGrads ga = attention.backward(ctx, g1.dY);
+  if (!ga.dkeys.defined()) return detail::add_all({g1.dX, ga.dqueries});  // dqueries = dQ + dK + dV
   return detail::add_all({g1.dX, ga.dqueries, ga.dkeys, ga.dvalues});
 }
 
