@@ -93,52 +93,83 @@ void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float
 
 // A (B, N, C) bf16 view as a contiguous fp32 copy (rows split over the threads: elementwise, so
 // the result does not depend on the split).
-std::vector<float> to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb,
-                            int64_t sn, int64_t sc, int threads) {
-  std::vector<float> dst(static_cast<size_t>(B * N * C));
+// fp32 buffers of the fallback forward and of the backward, reused across calls: fresh pages cost
+// a page fault each (about as much as the whole conversion on this VM), and a zero-filled
+// std::vector touched every page twice. One arena per calling thread (the OpenMP workers only
+// write into it), kept between calls up to kKeepFloats (64 MiB); a larger request gets a
+// buffer of its own, freed when the call returns. Every buffer is written before it is read
+// (conversions, or the fp32 kernels' outputs, which overwrite), so nothing is zeroed.
+class Fp32Arena {
+ public:
+  float* take(size_t floats) {
+    constexpr size_t kKeepFloats = size_t{16} << 20;
+    thread_local std::unique_ptr<float[]> kept;
+    thread_local size_t kept_floats = 0;
+    if (floats > kKeepFloats) {
+      own_.reset(new float[floats]);
+      return own_.get();
+    }
+    if (kept_floats < floats) {
+      kept.reset(new float[floats]);
+      kept_floats = floats;
+    }
+    return kept.get();
+  }
+
+ private:
+  std::unique_ptr<float[]> own_;
+};
+
+// Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst.
+void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb, int64_t sn,
+              int64_t sc, int threads, float* dst) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
     const uint16_t* x = src + bn / N * sb + bn % N * sn;
-    float* y = dst.data() + bn * C;
+    float* y = dst + bn * C;
     for (int64_t c = 0; c < C; ++c)
       y[c] = bf16_to_float(x[c * sc]);
   }
-  return dst;
 }
 
 // Rounds a contiguous (B, N, C) fp32 array into a strided bf16 view.
-void to_bf16(const std::vector<float>& src, uint16_t* dst, int64_t B, int64_t N, int64_t C,
-             int64_t sb, int64_t sn, int64_t sc, int threads) {
+void to_bf16(const float* src, uint16_t* dst, int64_t B, int64_t N, int64_t C, int64_t sb,
+             int64_t sn, int64_t sc, int threads) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
-    const float* x = src.data() + bn * C;
+    const float* x = src + bn * C;
     uint16_t* y = dst + bn / N * sb + bn % N * sn;
     for (int64_t c = 0; c < C; ++c)
       y[c * sc] = float_to_bf16(x[c]);
   }
 }
 
+// fp32 copies of q, k, v and out (converted from p.out with `with_out`, for the backward;
+// otherwise only room for the fp32 kernel's output), then `extra` more floats for the caller,
+// all in one arena, and the fp32 kernel's parameters on them.
 struct Fp32Copies {
-  std::vector<float> q, k, v, out;
+  Fp32Arena arena;
+  float *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *extra = nullptr;
   FlashParams f;
 };
 
-// fp32 copies of q, k, v (and out, for the backward) and the fp32 kernel's parameters on them.
-Fp32Copies fp32_params(const FlashBf16Params& p, bool with_out) {
-  Fp32Copies c;
+void fp32_params(const FlashBf16Params& p, bool with_out, size_t extra, Fp32Copies& c) {
   const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
   const int th = p.threads;
-  c.q = to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd, th);
-  c.k = to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd, th);
-  c.v = to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd, th);
-  c.out = with_out ? to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd, th)
-                   : std::vector<float>(static_cast<size_t>(B * T * Dv));
+  const auto n = [](int64_t a, int64_t b, int64_t e) { return static_cast<size_t>(a * b * e); };
+  const size_t nq = n(B, T, D), nk = n(B, S, D), nv = n(B, S, Dv), no = n(B, T, Dv);
+  c.q = c.arena.take(nq + nk + nv + no + extra);
+  c.k = c.q + nq, c.v = c.k + nk, c.out = c.v + nv, c.extra = c.out + no;
+  to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd, th, c.q);
+  to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd, th, c.k);
+  to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd, th, c.v);
+  if (with_out) to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd, th, c.out);
   FlashParams& f = c.f;
   f.B = B, f.T = T, f.S = S, f.D = D, f.Dv = Dv;
-  f.q = c.q.data(), f.q_sb = T * D, f.q_st = D, f.q_sd = 1;
-  f.k = c.k.data(), f.k_sb = S * D, f.k_ss = D, f.k_sd = 1;
-  f.v = c.v.data(), f.v_sb = S * Dv, f.v_ss = Dv, f.v_sd = 1;
-  f.out = c.out.data(), f.o_sb = T * Dv, f.o_st = Dv, f.o_sd = 1;
+  f.q = c.q, f.q_sb = T * D, f.q_st = D, f.q_sd = 1;
+  f.k = c.k, f.k_sb = S * D, f.k_ss = D, f.k_sd = 1;
+  f.v = c.v, f.v_sb = S * Dv, f.v_ss = Dv, f.v_sd = 1;
+  f.out = c.out, f.o_sb = T * Dv, f.o_st = Dv, f.o_sd = 1;
   f.lse = p.lse;
   f.weights = p.weights, f.w_sb = p.w_sb, f.w_st = p.w_st;
   f.key_limit = p.key_limit;
@@ -148,11 +179,11 @@ Fp32Copies fp32_params(const FlashBf16Params& p, bool with_out) {
   f.dropout = p.dropout;
   f.seed = p.seed, f.offset = p.offset;
   f.threads = p.threads;
-  return c;
 }
 
 void forward_fallback(const FlashBf16Params& p) {
-  Fp32Copies c = fp32_params(p, /*with_out=*/false);
+  Fp32Copies c;
+  fp32_params(p, /*with_out=*/false, /*extra=*/0, c);
   flash_attention_forward(c.f);
   to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.o_sb, p.o_st, p.o_sd, p.threads);
 }
@@ -764,17 +795,21 @@ void flash_attention_forward_bf16(const FlashBf16Params& p) {
 
 void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g) {
   if (p.B == 0) return;
-  Fp32Copies c = fp32_params(p, /*with_out=*/true);
-  c.f.weights = nullptr;
   const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
-  std::vector<float> dout = to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd, p.threads);
-  std::vector<float> dq(static_cast<size_t>(B * T * D)), dk(static_cast<size_t>(B * S * D)),
-      dv(static_cast<size_t>(B * S * Dv));
+  // The arena after q, k, v, out: dout (B, T, Dv), dq (B, T, D), dk (B, S, D), dv (B, S, Dv).
+  Fp32Copies c;
+  fp32_params(p, /*with_out=*/true, static_cast<size_t>(B * (T * Dv + T * D + S * D + S * Dv)), c);
+  c.f.weights = nullptr;
+  float* dout = c.extra;
+  float* dq = dout + B * T * Dv;
+  float* dk = dq + B * T * D;
+  float* dv = dk + B * S * D;
+  to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd, p.threads, dout);
   FlashGrads fg;
-  fg.dout = dout.data(), fg.do_sb = T * Dv, fg.do_st = Dv, fg.do_sd = 1;
-  fg.dq = dq.data(), fg.dq_sb = T * D, fg.dq_st = D, fg.dq_sd = 1;
-  fg.dk = dk.data(), fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
-  fg.dv = dv.data(), fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
+  fg.dout = dout, fg.do_sb = T * Dv, fg.do_st = Dv, fg.do_sd = 1;
+  fg.dq = dq, fg.dq_sb = T * D, fg.dq_st = D, fg.dq_sd = 1;
+  fg.dk = dk, fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
+  fg.dv = dv, fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
   flash_attention_backward(c.f, fg);
   to_bf16(dq, g.dq, B, T, D, g.dq_sb, g.dq_st, g.dq_sd, p.threads);
   to_bf16(dk, g.dk, B, S, D, g.dk_sb, g.dk_ss, g.dk_sd, p.threads);
