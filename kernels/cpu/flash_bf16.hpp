@@ -17,7 +17,9 @@
 //
 // Backward: converts q, k, v, out, dout to fp32, runs the fp32 FlashAttention-2 backward
 // (cpu::flash_attention_backward) and rounds dq, dk, dv to bf16. It is not a native bf16 kernel:
-// it costs O(B (T + S) D) extra fp32 memory and runs at the fp32 speed.
+// it costs O(B (T + S) D) extra fp32 memory and runs at the fp32 speed. The fp32 copies (also
+// those of the fallback forward) live in a per-thread arena kept between calls up to 64 MiB, so
+// repeated calls do not page-fault fresh memory; larger requests are freed on return.
 #pragma once
 
 #include <cstdint>
