@@ -16,9 +16,9 @@
 // float32 (exact enough to check that rows sum to 1, and what the backward needs). Backend::kCpu
 // and kAuto (without need_weights) run the fused bf16 kernel: bf16 dot products with float32
 // accumulation (AVX512-BF16 where the CPU has it; the weights P are rounded to bf16 once before
-// P V, so expect up to 2^-8 relative error per weight, see docs/kernels-cpu.md), its backward through
-// the float32 kernel. kReference (and kAuto with need_weights, or ALiBi) widens the inputs to
-// float64 exactly, runs the reference and rounds. Mixed dtypes are an Error.
+// P V, so expect up to 2^-8 relative error per weight, see docs/kernels-cpu.md), its backward
+// through the float32 kernel. kReference (and kAuto with need_weights, or ALiBi) widens the inputs
+// to float64 exactly, runs the reference and rounds. Mixed dtypes are an Error.
 //
 // d2l: DotProductAttention(dropout)(q, k, v, valid_lens).
 // PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p,
