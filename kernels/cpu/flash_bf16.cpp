@@ -91,8 +91,6 @@ void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float
 // ---------------------------------------------------------------------------------------------
 // Fallback: through the fp32 kernels
 
-// A (B, N, C) bf16 view as a contiguous fp32 copy (rows split over the threads: elementwise, so
-// the result does not depend on the split).
 // fp32 buffers of the fallback forward and of the backward, reused across calls: fresh pages cost
 // a page fault each (about as much as the whole conversion on this VM), and a zero-filled
 // std::vector touched every page twice. One arena per calling thread (the OpenMP workers only
@@ -120,7 +118,8 @@ class Fp32Arena {
   std::unique_ptr<float[]> own_;
 };
 
-// Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst.
+// Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst (rows split over the
+// threads: elementwise, so the result does not depend on the split).
 void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb, int64_t sn,
               int64_t sc, int threads, float* dst) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
