@@ -1,9 +1,34 @@
 // SIMD Philox for the dropout stream (internal; see dropout_simd.cpp and encoder_ops.hpp).
 #pragma once
 
+#include "attn/core/rng.hpp"
+
 #include <cstdint>
 
 namespace attn::cpu {
+
+// Dropout multipliers z[k] (0 or 1/(1-p)) of elements i0 + k, k < n, of the dropout stream of
+// (seed, offset) (attn/core/rng.hpp: the same draw as attn::dropout_keep), one Philox call per 4
+// consecutive elements. The scalar draw the fused attention kernels use where their vectorized
+// one does not apply.
+inline void dropout_multipliers(float p, uint64_t seed, uint64_t offset, uint64_t i0, int64_t n,
+                                float* z) {
+  const float keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;
+  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  uint32_t r[4] = {};
+  uint64_t block = ~uint64_t{0};
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t i = i0 + static_cast<uint64_t>(k);
+    if ((i >> 2) != block) {
+      block = i >> 2;
+      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                               static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)};
+      philox4x32_10(key, ctr, r);
+    }
+    const float u = static_cast<float>(r[i & 3] >> 8) * (1.0f / 16777216.0f);
+    z[k] = u >= p ? keep_scale : 0.0f;
+  }
+}
 
 // y[i] = float(double(x[i]) * f_i) for i in [begin, end), begin a multiple of 4, where
 // f_i = scale if (philox word of element i >> 8) >= threshold, else 0 (attn/core/rng.hpp's

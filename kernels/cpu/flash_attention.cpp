@@ -42,6 +42,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "hwy/highway.h"
+#include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/cpu/flash_kernels-inl.h"
 
@@ -85,25 +86,9 @@ inline int64_t RowLimit(const FlashParams& p, int64_t b, int64_t t) {
   return std::clamp<int64_t>(lim, 0, p.S);
 }
 
-// Dropout multipliers z[k] (0 or 1/(1-p)) for elements i0 + k, k < n, of the dropout stream;
-// the same draw as attn::dropout_keep, one Philox call per 4 consecutive elements.
+// Dropout multipliers of elements i0 + k, k < n (kernels/cpu/dropout_simd.hpp).
 inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
-  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
-  const uint32_t key[2] = {static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32)};
-  uint32_t r[4] = {};
-  uint64_t block = ~uint64_t{0};
-  for (int64_t k = 0; k < n; ++k) {
-    const uint64_t i = i0 + static_cast<uint64_t>(k);
-    if ((i >> 2) != block) {
-      block = i >> 2;
-      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                               static_cast<uint32_t>(p.offset),
-                               static_cast<uint32_t>(p.offset >> 32)};
-      philox4x32_10(key, ctr, r);
-    }
-    const float u = static_cast<float>(r[i & 3] >> 8) * (1.0f / 16777216.0f);
-    z[k] = u >= p.dropout ? keep_scale : 0.0f;
-  }
+  dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 // the time, ~70-80% is the micro-kernel, ~15-20% the softmax, ~4% the packs.
 #include "kernels/cpu/flash_bf16.hpp"
 
+#include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 
 #include "attn/core/dtype.hpp"
@@ -67,25 +68,9 @@ int64_t row_limit(const FlashBf16Params& p, int64_t b, int64_t t) {
   return std::clamp<int64_t>(lim, 0, p.S);
 }
 
-// Dropout multipliers z[k] (0 or 1/(1-p)) of elements i0 + k, k < n, of the dropout stream
-// (attn/core/rng.hpp), one Philox call per 4 consecutive elements.
+// Dropout multipliers of elements i0 + k, k < n (kernels/cpu/dropout_simd.hpp).
 void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
-  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
-  const uint32_t key[2] = {static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32)};
-  uint32_t r[4] = {};
-  uint64_t block = ~uint64_t{0};
-  for (int64_t k = 0; k < n; ++k) {
-    const uint64_t i = i0 + static_cast<uint64_t>(k);
-    if ((i >> 2) != block) {
-      block = i >> 2;
-      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                               static_cast<uint32_t>(p.offset),
-                               static_cast<uint32_t>(p.offset >> 32)};
-      philox4x32_10(key, ctr, r);
-    }
-    const float u = static_cast<float>(r[i & 3] >> 8) * (1.0f / 16777216.0f);
-    z[k] = u >= p.dropout ? keep_scale : 0.0f;
-  }
+  cpu::dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
 // ---------------------------------------------------------------------------------------------
