@@ -132,21 +132,5 @@ for b in long["benchmarks"]:
 PY
 # Replace only this script's block of docs/performance.md (bench/run_mha.sh owns another), via a
 # temporary file and a rename.
-/usr/bin/python3 - "$tmp/cpu.md" docs/performance.md <<'PY'
-import os, sys, tempfile
-section, out = sys.argv[1:3]
-body = open(section).read().rstrip("\n")
-begin, end = "<!-- cpu:begin -->", "<!-- cpu:end -->"
-block = f"{begin}\n{body}\n{end}"
-text = open(out).read() if os.path.exists(out) else "# Performance\n"
-if begin in text and end in text:
-    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-else:
-    text = text.rstrip("\n") + "\n\n" + block + "\n"
-fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)))
-with os.fdopen(fd, "w") as f:
-    f.write(text)
-os.chmod(tmp_path, 0o644)
-os.replace(tmp_path, out)
-PY
+/usr/bin/python3 bench/write_block.py cpu "$tmp/cpu.md" docs/performance.md
 echo "wrote the CPU attention block of docs/performance.md"

@@ -219,17 +219,10 @@ and gradient accumulation, the scheduler; the head split/merge copies are gone):
 {peak_line}
 <!-- mha:end -->"""
 
-text = open(out_md).read() if os.path.exists(out_md) else "# Performance\n"
-begin, end = "<!-- mha:begin -->", "<!-- mha:end -->"
-if begin in text and end in text:
-    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-else:
-    text = text.rstrip("\n") + "\n\n" + block + "\n"
-# Write to a temporary name, then rename: never a half-written file.
-fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out_md)))
-with os.fdopen(fd, "w") as f:
-    f.write(text)
-os.chmod(tmp_path, 0o644)
-os.replace(tmp_path, out_md)
+# bench/write_block.py: replace only this script's block, atomically.
+sys.path.insert(0, "bench")
+from write_block import write_block
+write_block("mha", block.removeprefix("<!-- mha:begin -->\n").removesuffix("\n<!-- mha:end -->"),
+            out_md)
 print(block)
 EOF

@@ -106,21 +106,5 @@ if parts:
           f"{p['clip_adamw_ms']:.1f} (total {total:.1f}).")
 PY
 cat "$tmp/train.md"
-/usr/bin/python3 - "$tmp/train.md" docs/performance.md <<'PY'
-import os, sys, tempfile
-section, out = sys.argv[1:3]
-body = open(section).read().rstrip("\n")
-begin, end = "<!-- train:begin -->", "<!-- train:end -->"
-block = f"{begin}\n{body}\n{end}"
-text = open(out).read() if os.path.exists(out) else "# Performance\n"
-if begin in text and end in text:
-    text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-else:
-    text = text.rstrip("\n") + "\n\n" + block + "\n"
-fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(out)))
-with os.fdopen(fd, "w") as f:
-    f.write(text)
-os.chmod(tmp_path, 0o644)
-os.replace(tmp_path, out)
-PY
+/usr/bin/python3 bench/write_block.py train "$tmp/train.md" docs/performance.md
 echo "wrote the training block of docs/performance.md"

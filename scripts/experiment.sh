@@ -29,19 +29,5 @@ cpu=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')
   # The table of positional.md, without its title line.
   tail -n +2 "$out/positional.md" | sed '/./,$!d'
 } >"$out/block.md"
-/usr/bin/python3 - "$out/block.md" docs/training.md <<'PY'
-import os, sys, tempfile
-section, path = sys.argv[1:3]
-body = open(section).read().rstrip("\n")
-begin, end = "<!-- positional:begin -->", "<!-- positional:end -->"
-text = open(path).read()
-if begin not in text or end not in text:
-    sys.exit(f"experiment.sh: {path} has no {begin} ... {end} block")
-text = text[:text.index(begin)] + f"{begin}\n{body}\n{end}" + text[text.index(end) + len(end):]
-fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
-with os.fdopen(fd, "w") as f:
-    f.write(text)
-os.chmod(tmp, 0o644)
-os.replace(tmp, path)
-PY
+/usr/bin/python3 bench/write_block.py positional "$out/block.md" docs/training.md
 echo "wrote the positional block of docs/training.md (${seconds} s)"
