@@ -749,6 +749,471 @@ void forward_native(const FlashBf16Params& p) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Native backward (AVX512-BF16): FlashAttention-2 Algorithm 2 as the fp32 kernel does it (work
+// items (b, key range), key blocks of 64, query tiles of 96), every product on bf16 pairs. The
+// score and dP tiles are laid out queries x keys (rows t, 64 keys along the lanes), so that:
+//
+//   X  = c Q K^T   (t x s)  A = Q^T pairs along d, queries adjacent: qt2[d/2][t]
+//                           B = K pairs along d, keys as lanes:      kt2[d/2][s]
+//   dP = dO V^T    (t x s)  A = dot2[e/2][t],  B = vt2[e/2][s]
+//   dV^T += dO^T (P Z)   (e x s)  A = dO pairs along t: dop2[t/2][e]
+//                                 B = P Z rounded to bf16, pairs along t: pz2[t/2][s]
+//                                 (two rows of the tile interleaved: pair_bf16)
+//   dK^T += Q^T dS       (d x s)  A = qp2[t/2][d],  B = dS pairs along t: ds2[t/2][s]
+//   dQ   += dS K         (t x d)  A = dS pairs along s: dsr[t][s/2] (a row of the tile rounded
+//                                 with vcvtne2ps2bf16, read with a row stride of 32 words)
+//                                 B = K pairs along s, features as lanes: kp2[s/2][d]
+//
+// P = 2^(X - lse log2 e) and dS = P (dP Z - D_t) stay fp32 (degree-3 exp2 as in the forward);
+// P Z and dS are rounded to bf16 once for the products that consume them; dK^T, dV^T (per key
+// block) and dQ (per item, (T, Dp)) accumulate in fp32 and are rounded to bf16 once at the end.
+
+constexpr int64_t kBwdK = 64;      // keys per block (32 pairs): lanes of the score tile
+constexpr int64_t kBwdK2 = 32;     // pairs per key block; the row stride of dsr
+constexpr int64_t kBwdQ = 96;      // queries per tile (48 pairs)
+constexpr int kBMR = 6, kBNV = 4;  // micro-tile 6 rows x 4 vectors (24 accumulators)
+
+// C (rows x NV*16, fp32) = [C +] A B on bf16 pairs: A(i, k) = a[k*lda + i*AS] (a word broadcast;
+// AS is the row stride, a constant so that one pointer and constant offsets address the MR
+// rows), row k of B is NV*16 words at b + k*ldb. Rows past `rows` read the words after them
+// (every buffer has slack) and are not stored. Without `accumulate`, C = out_mul * A B.
+template <int MR, int NV, int AS>
+__attribute__((noinline)) void bwd_tile(int64_t K2, const uint32_t* a, int64_t lda, int rows,
+                                        const uint32_t* b, int64_t ldb, float* c, int64_t ldc,
+                                        bool accumulate, float out_mul) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      acc[i][j] =
+          (accumulate && i < rows) ? _mm512_loadu_ps(c + i * ldc + j * kL) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh bv[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      bv[j] = (__m512bh)_mm512_loadu_si512(b + j * kL);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh ai = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * AS]));
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j)
+        acc[i][j] = _mm512_dpbf16_ps(acc[i][j], ai, bv[j]);
+    }
+    a += lda;
+    b += ldb;
+  }
+  const __m512 mul = _mm512_set1_ps(accumulate ? 1.0f : out_mul);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    if (i >= rows) break;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(c + i * ldc + j * kL, _mm512_mul_ps(acc[i][j], mul));
+  }
+}
+
+// C (M x N, N a multiple of 16) = [C +] A B over the micro-tiles, A addressed as in bwd_tile.
+template <int AS>
+void bwd_gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t lda, const uint32_t* b,
+              int64_t ldb, float* c, int64_t ldc, bool accumulate, float out_mul) {
+  int64_t j0 = 0;
+  for (; j0 + kBNV * kL <= N; j0 += kBNV * kL)
+    for (int64_t i0 = 0; i0 < M; i0 += kBMR)
+      bwd_tile<kBMR, kBNV, AS>(K2, a + i0 * AS, lda,
+                               static_cast<int>(std::min<int64_t>(kBMR, M - i0)), b + j0, ldb,
+                               c + i0 * ldc + j0, ldc, accumulate, out_mul);
+  for (; j0 < N; j0 += kL)
+    for (int64_t i0 = 0; i0 < M; i0 += kBMR)
+      bwd_tile<kBMR, 1, AS>(K2, a + i0 * AS, lda, static_cast<int>(std::min<int64_t>(kBMR, M - i0)),
+                            b + j0, ldb, c + i0 * ldc + j0, ldc, accumulate, out_mul);
+}
+
+// dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
+// (a zero high half past row n), zeros for c in [C, ld): rows laid out as pairs along the row
+// axis, features adjacent. bad[r] |= (row r's pair holds an Inf or NaN) (both rows of a pair are
+// marked: a conservative flag, it only sends a tile to the exact loops).
+void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int64_t cs,
+                     uint32_t* dst, int64_t ld, uint8_t* bad) {
+  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+    const uint16_t* r0 = src + 2 * i * rs;
+    const uint16_t* r1 = r0 + rs;
+    const bool has1 = 2 * i + 1 < n;
+    uint32_t* o = dst + i * ld;
+    bool finite = true;
+    int64_t c = 0;
+    if (cs == 1) {
+      for (; c < C; c += kL) {
+        const __mmask16 m = c + kL <= C ? __mmask16(0xffff) : __mmask16((1u << (C - c)) - 1);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c));
+        const __m512i hi = has1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c))
+                                : _mm512_setzero_si512();
+        const __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        finite &= pairs_finite(w);
+        _mm512_mask_storeu_epi32(o + c, m, w);
+      }
+      c = C;
+    } else {
+      for (; c < C; ++c) {
+        const uint32_t lo = r0[c * cs], hi = has1 ? r1[c * cs] : 0u;
+        finite &= (lo & 0x7f80u) != 0x7f80u && (hi & 0x7f80u) != 0x7f80u;
+        o[c] = lo | (hi << 16);
+      }
+    }
+    std::fill(o + C, o + ld, 0u);
+    if (!finite) {
+      bad[2 * i] = 1;
+      if (has1) bad[2 * i + 1] = 1;
+    }
+  }
+}
+
+// Whole-row packing (q and dO packed once per item) when it takes at most 8 MiB per thread;
+// longer rows are packed per query tile (O(tile) memory, 4 packs per tile and key block).
+bool bwd_whole_rows(const FlashBf16Params& p) {
+  return p.T * (p.D + p.Dv) <= (int64_t{1} << 21);
+}
+
+// Per-thread buffers of the native backward, zero-filled once (the micro-kernel reads, and
+// discards, up to kBMR - 1 rows past the valid ones: they are always initialized).
+struct BwdBuffers {
+  int64_t rows = 0, ldq = 0, Dp = 0;
+  std::unique_ptr<uint32_t[], FreeDeleter> qt2, dot2, qp2, dop2;   // packed q, dO (rows of them)
+  std::unique_ptr<uint32_t[], FreeDeleter> kt2, vt2, kp2;          // packed k, v of a key block
+  std::unique_ptr<uint32_t[], FreeDeleter> pz2, ds2, dsr;          // bf16 pairs of P Z and dS
+  std::unique_ptr<float[], FreeDeleter> x, dp, dk_acc, dv_acc, z;  // fp32 tiles
+  std::vector<float> lse2, drow;                                   // (T) lse log2 e, D_t
+  std::vector<int64_t> lim;                                        // (T) row limits
+  std::vector<uint8_t> bad;                                        // (rows) non-finite q or dO
+
+  template <typename T>
+  static std::unique_ptr<T[], FreeDeleter> zeros(int64_t n) {
+    auto x = alloc_aligned<T>(static_cast<size_t>(n));
+    std::memset(x.get(), 0, static_cast<size_t>(n) * sizeof(T));
+    return x;
+  }
+
+  explicit BwdBuffers(const FlashBf16Params& p) {
+    const int64_t D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
+    rows = bwd_whole_rows(p) ? p.T : std::min(p.T, kBwdQ);
+    ldq = (rows + kL - 1) / kL * kL + kL;
+    Dp = (p.D + kL - 1) / kL * kL;
+    const int64_t rows2 = (rows + 1) / 2;
+    qt2 = zeros<uint32_t>(D2 * ldq + kBMR);
+    dot2 = zeros<uint32_t>(Dv2 * ldq + kBMR);
+    qp2 = zeros<uint32_t>(rows2 * p.D + kBMR);
+    dop2 = zeros<uint32_t>(rows2 * p.Dv + kBMR);
+    kt2 = zeros<uint32_t>(D2 * kBwdK);
+    vt2 = zeros<uint32_t>(Dv2 * kBwdK);
+    kp2 = zeros<uint32_t>(kBwdK2 * Dp + kL);
+    pz2 = zeros<uint32_t>(kBwdQ / 2 * kBwdK);
+    ds2 = zeros<uint32_t>(kBwdQ / 2 * kBwdK);
+    dsr = zeros<uint32_t>((kBwdQ + kBMR) * kBwdK2);
+    x = zeros<float>(kBwdQ * kBwdK);
+    dp = zeros<float>(kBwdQ * kBwdK);
+    dk_acc = zeros<float>(p.D * kBwdK);
+    dv_acc = zeros<float>(p.Dv * kBwdK);
+    z = zeros<float>(kBwdK);
+    lse2.assign(static_cast<size_t>(p.T), 0.0f);
+    drow.assign(static_cast<size_t>(p.T), 0.0f);
+    lim.assign(static_cast<size_t>(p.T), 0);
+    bad.assign(static_cast<size_t>(rows), 0);
+  }
+};
+
+// Rows [ta, tb) of q and dO of batch row b into w's four layouts (row ta at index 0).
+void pack_query_rows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t ta,
+                     int64_t tb, BwdBuffers& w) {
+  const int64_t n = tb - ta, D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
+  const uint16_t* q = p.q + b * p.q_sb + ta * p.q_st;
+  const uint16_t* dout = g.dout + b * g.do_sb + ta * g.do_st;
+  pack_pairs_transposed(q, n, p.D, p.q_st, p.q_sd, w.qt2.get(), w.ldq);
+  pack_pairs_transposed(dout, n, p.Dv, g.do_st, g.do_sd, w.dot2.get(), w.ldq);
+  for (int64_t j = 0; j < D2; ++j)
+    std::fill(w.qt2.get() + j * w.ldq + n, w.qt2.get() + (j + 1) * w.ldq, 0u);
+  for (int64_t j = 0; j < Dv2; ++j)
+    std::fill(w.dot2.get() + j * w.ldq + n, w.dot2.get() + (j + 1) * w.ldq, 0u);
+  std::fill(w.bad.begin(), w.bad.begin() + n, uint8_t{0});
+  pack_pairs_rows(q, n, p.D, p.q_st, p.q_sd, w.qp2.get(), p.D, w.bad.data());
+  pack_pairs_rows(dout, n, p.Dv, g.do_st, g.do_sd, w.dop2.get(), p.Dv, w.bad.data());
+}
+
+// One work item: dK, dV of keys [sa, sb) of batch row b, and their share of dQ (unscaled,
+// added into dq_part (T, w.Dp)).
+void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t sa,
+                   int64_t sb, float* dq_part, BwdBuffers& w) {
+  const int64_t T = p.T, D = p.D, Dv = p.Dv, D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = w.Dp;
+  const bool whole = w.rows == T;
+  const bool dropout = p.dropout > 0.0f;
+  const float c = p.scale * kLog2e;
+  float *const x = w.x.get(), *const dpt = w.dp.get(), *const z = w.z.get();
+  float *const dk_acc = w.dk_acc.get(), *const dv_acc = w.dv_acc.get();
+  uint32_t *const pz2 = w.pz2.get(), *const ds2 = w.ds2.get(), *const dsr = w.dsr.get();
+
+  bool any_masked = false;
+  int64_t max_lim = 0;  // keys >= max_lim are kept by no query: never read (may be NaN padding)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t lim = row_limit(p, b, t);
+    w.lim[t] = lim;
+    any_masked |= lim == 0;
+    max_lim = std::max(max_lim, lim);
+    w.lse2[t] = p.lse[b * T + t] * kLog2e;
+    const uint16_t* o = p.out + b * p.o_sb + t * p.o_st;
+    const uint16_t* dout = g.dout + b * g.do_sb + t * g.do_st;
+    double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
+    for (int64_t e = 0; e < Dv; ++e)
+      acc += double(bf16_to_float(o[e * p.o_sd])) * double(bf16_to_float(dout[e * g.do_sd]));
+    w.drow[t] = static_cast<float>(acc);
+  }
+  if (whole) pack_query_rows(p, g, b, 0, T, w);
+
+  for (int64_t s0 = sa; s0 < sb; s0 += kBwdK) {
+    const int64_t nk = std::min(kBwdK, sb - s0);
+    // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
+    // masked-row term of dV below).
+    const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
+    const int64_t nkrp = (nkr + kL - 1) / kL * kL, nkr2 = (nkr + 1) / 2, nv = nkrp / kL;
+    std::fill(dk_acc, dk_acc + D * kBwdK, 0.0f);
+    std::fill(dv_acc, dv_acc + Dv * kBwdK, 0.0f);
+    bool k_finite = true;
+    if (nkr > 0) {
+      const uint16_t* kb = p.k + b * p.k_sb + s0 * p.k_ss;
+      std::fill(w.kt2.get(), w.kt2.get() + D2 * kBwdK, 0u);
+      std::fill(w.vt2.get(), w.vt2.get() + Dv2 * kBwdK, 0u);
+      pack_pairs_transposed(kb, nkr, D, p.k_ss, p.k_sd, w.kt2.get(), kBwdK);
+      pack_pairs_transposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, w.vt2.get(),
+                            kBwdK);
+      uint8_t kbad[kBwdK] = {};
+      pack_pairs_rows(kb, nkr, D, p.k_ss, p.k_sd, w.kp2.get(), Dp, kbad);
+      for (int64_t s = 0; s < nkr; ++s)
+        k_finite &= kbad[s] == 0;
+    }
+
+    // Query tiles start at the next row that keeps a key of this block (rounded down to even:
+    // pairs along t start at even rows), so rows that see none cost nothing.
+    for (int64_t t0 = 0, mq = 0; nkr > 0 && t0 < T; t0 += mq) {
+      int64_t t1 = t0;
+      while (t1 < T && w.lim[t1] <= s0)
+        ++t1;
+      if (t1 == T) break;
+      t0 = std::max(t0, t1 & ~int64_t{1});
+      mq = std::min(kBwdQ, T - t0);
+      const int64_t mq2 = (mq + 1) / 2;
+      int64_t ta = 0;
+      if (!whole) {
+        pack_query_rows(p, g, b, t0, t0 + mq, w);
+        ta = t0;
+      }
+      const uint32_t* qt2 = w.qt2.get() + (t0 - ta);
+      const uint32_t* dot2 = w.dot2.get() + (t0 - ta);
+      const uint32_t* qp2 = w.qp2.get() + (t0 - ta) / 2 * D;
+      const uint32_t* dop2 = w.dop2.get() + (t0 - ta) / 2 * Dv;
+      bool q_finite = true;
+      for (int64_t r = 0; r < mq; ++r)
+        q_finite &= w.bad[t0 - ta + r] == 0;
+
+      bwd_gemm<1>(mq, nkrp, D2, qt2, w.ldq, w.kt2.get(), kBwdK, x, kBwdK, false, c);  // c Q K^T
+      bwd_gemm<1>(mq, nkrp, Dv2, dot2, w.ldq, w.vt2.get(), kBwdK, dpt, kBwdK, false, 1.0f);
+
+      // P = 2^(X - lse2), P Z, dS = P (dP Z - D_t) for two rows at a time; masked keys get
+      // exact zeros (a select, so even a NaN score or dP of a masked key gives 0). x and dpt
+      // keep P Z and dS in fp32 for the exact loops; pz2, ds2 (pairs along t) and dsr (pairs
+      // along s) the bf16 roundings for the products.
+      for (int64_t r = 0; r < mq; r += 2) {
+        __m512 pz[2][4], ds[2][4];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t rr = r + h, t = t0 + rr;
+          const int64_t n = rr < mq ? std::clamp<int64_t>(w.lim[t] - s0, 0, nkr) : 0;
+          if (dropout && n > 0)
+            dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
+          const __m512 l2 = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
+          const __m512 dd = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
+          for (int64_t v = 0; v < 4; ++v) {
+            const int64_t m = std::clamp<int64_t>(n - v * kL, 0, kL);
+            const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
+            if (v >= nv || m == 0) {
+              pz[h][v] = ds[h][v] = _mm512_setzero_ps();
+            } else {
+              float* xr = x + rr * kBwdK + v * kL;
+              float* dr = dpt + rr * kBwdK + v * kL;
+              const __m512 pv = exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(xr), l2));
+              __m512 dpv = _mm512_loadu_ps(dr), pzv = pv;
+              if (dropout) {
+                const __m512 zv = _mm512_maskz_loadu_ps(keep, z + v * kL);
+                pzv = _mm512_mul_ps(pv, zv);
+                dpv = _mm512_mul_ps(dpv, zv);
+              }
+              pz[h][v] = _mm512_maskz_mov_ps(keep, pzv);
+              ds[h][v] = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(pv, _mm512_sub_ps(dpv, dd)));
+            }
+            if (rr < mq && v < nv) {
+              _mm512_storeu_ps(x + rr * kBwdK + v * kL, pz[h][v]);
+              _mm512_storeu_ps(dpt + rr * kBwdK + v * kL, ds[h][v]);
+            }
+          }
+          if (rr < mq) {
+            uint32_t* o = dsr + rr * kBwdK2;
+            _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(ds[h][1], ds[h][0]));
+            _mm512_storeu_si512(o + kL, (__m512i)_mm512_cvtne2ps_pbh(ds[h][3], ds[h][2]));
+          }
+        }
+        for (int64_t v = 0; v < nv; ++v) {
+          _mm512_storeu_si512(pz2 + r / 2 * kBwdK + v * kL, pair_bf16(pz[0][v], pz[1][v]));
+          _mm512_storeu_si512(ds2 + r / 2 * kBwdK + v * kL, pair_bf16(ds[0][v], ds[1][v]));
+        }
+      }
+
+      // dV^T += dO^T (P Z), dK^T += Q^T dS (unscaled), dQ += dS K (unscaled). Tiles with
+      // non-finite inputs add only the kept terms (as AllFinite in flash_attention.cpp: a masked
+      // weight is an exact 0, and 0 * NaN would not be).
+      if (q_finite) {
+        bwd_gemm<1>(Dv, nkrp, mq2, dop2, Dv, pz2, kBwdK, dv_acc, kBwdK, true, 1.0f);
+        bwd_gemm<1>(D, nkrp, mq2, qp2, D, ds2, kBwdK, dk_acc, kBwdK, true, 1.0f);
+      } else {
+        for (int64_t r = 0; r < mq; ++r) {
+          const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
+          const uint16_t* qr = p.q + b * p.q_sb + t * p.q_st;
+          const uint16_t* dor = g.dout + b * g.do_sb + t * g.do_st;
+          for (int64_t s = 0; s < n; ++s) {
+            for (int64_t e = 0; e < Dv; ++e)
+              dv_acc[e * kBwdK + s] += x[r * kBwdK + s] * bf16_to_float(dor[e * g.do_sd]);
+            for (int64_t d = 0; d < D; ++d)
+              dk_acc[d * kBwdK + s] += dpt[r * kBwdK + s] * bf16_to_float(qr[d * p.q_sd]);
+          }
+        }
+      }
+      if (k_finite) {
+        bwd_gemm<kBwdK2>(mq, Dp, nkr2, dsr, 1, w.kp2.get(), Dp, dq_part + t0 * Dp, Dp, true, 1.0f);
+      } else {
+        for (int64_t r = 0; r < mq; ++r) {
+          const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
+          for (int64_t s = 0; s < n; ++s) {
+            const uint16_t* kr = p.k + b * p.k_sb + (s0 + s) * p.k_ss;
+            for (int64_t d = 0; d < D; ++d)
+              dq_part[t * Dp + d] += dpt[r * kBwdK + s] * bf16_to_float(kr[d * p.k_sd]);
+          }
+        }
+      }
+    }
+
+    // Rows without a kept key: their weights are the constant 1/S (d2l), so only dV sees them.
+    if (any_masked && !p.zero_masked_rows) {
+      for (int64_t t = 0; t < T; ++t) {
+        if (w.lim[t] != 0) continue;
+        if (dropout) {
+          dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
+        } else {
+          std::fill(z, z + nk, 1.0f);
+        }
+        const uint16_t* dor = g.dout + b * g.do_sb + t * g.do_st;
+        for (int64_t e = 0; e < Dv; ++e) {
+          const float go = bf16_to_float(dor[e * g.do_sd]);
+          for (int64_t s = 0; s < nk; ++s)
+            dv_acc[e * kBwdK + s] += z[s] / static_cast<float>(p.S) * go;
+        }
+      }
+    }
+
+    // dK = scale sum dS Q, dV = sum P Z dO: transposed back and rounded once.
+    for (int64_t s = 0; s < nk; ++s) {
+      uint16_t* dk = g.dk + b * g.dk_sb + (s0 + s) * g.dk_ss;
+      uint16_t* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
+      for (int64_t d = 0; d < D; ++d)
+        dk[d * g.dk_sd] = float_to_bf16(p.scale * dk_acc[d * kBwdK + s]);
+      for (int64_t e = 0; e < Dv; ++e)
+        dv[e * g.dv_sd] = float_to_bf16(dv_acc[e * kBwdK + s]);
+    }
+  }
+}
+
+// Key ranges of the backward items of one batch row (flash_attention.cpp's KeySplits): enough
+// items to feed a few threads when B is small (a function of the shape only, never of the
+// thread count), each a multiple of 64 keys; causal ranges hold equal work, not equal keys.
+std::vector<int64_t> bwd_key_splits(const FlashBf16Params& p) {
+  const int64_t grains = (p.S + kBwdK - 1) / kBwdK;
+  int64_t splits = p.B >= 4 ? 1 : (4 + p.B - 1) / p.B;
+  splits = std::max<int64_t>(1, std::min(splits, grains / 4));
+  std::vector<double> work(static_cast<size_t>(grains));
+  double total = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    const double s_mid = (double(gi) + 0.5) * double(kBwdK);
+    work[gi] = p.causal ? std::max(1.0, double(p.T) - s_mid) : 1.0;
+    total += work[gi];
+  }
+  std::vector<int64_t> bounds{0};
+  double acc = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    acc += work[gi];
+    const int64_t j = static_cast<int64_t>(bounds.size());
+    if (j < splits && acc >= total * double(j) / double(splits))
+      bounds.push_back(std::min(p.S, (gi + 1) * kBwdK));
+  }
+  while (static_cast<int64_t>(bounds.size()) <= splits)
+    bounds.push_back(p.S);
+  bounds.back() = p.S;
+  return bounds;
+}
+
+void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
+  const int64_t Dp = (p.D + kL - 1) / kL * kL;
+  const std::vector<int64_t> bounds = bwd_key_splits(p);
+  const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
+  const int threads = std::max(1, p.threads);
+  const size_t part_floats = static_cast<size_t>(p.T * Dp);
+  // dQ row (b, t) from its shares: scale * (0 + part_0 + part_1 + ...), in item order, so the
+  // same sum whatever thread made each part; rounded to bf16 once.
+  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
+    uint16_t* dq = g.dq + b * g.dq_sb + t * g.dq_st;
+    for (int64_t d = 0; d < p.D; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < splits; ++j)
+        acc += part_rows[j][d];
+      dq[d * g.dq_sd] = float_to_bf16(p.scale * acc);
+    }
+  };
+  if (splits == 1) {
+    // One item per b: its dQ share is the whole dQ of b, written by the item's own thread.
+#pragma omp parallel num_threads(threads)
+    {
+      BwdBuffers w(p);
+      auto part = alloc_aligned<float>(std::max<size_t>(1, part_floats));
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t b = 0; b < p.B; ++b) {
+        std::fill(part.get(), part.get() + part_floats, 0.0f);
+        backward_item(p, g, b, bounds[0], bounds[1], part.get(), w);
+        for (int64_t t = 0; t < p.T; ++t) {
+          const float* row = part.get() + t * Dp;
+          write_dq(b, t, &row);
+        }
+      }
+    }
+    return;
+  }
+  auto parts = alloc_aligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
+#pragma omp parallel num_threads(threads)
+  {
+    {
+      BwdBuffers w(p);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < items; ++i) {
+        float* part = parts.get() + static_cast<size_t>(i) * part_floats;
+        std::fill(part, part + part_floats, 0.0f);
+        const int64_t b = i / splits, j = i % splits;
+        backward_item(p, g, b, bounds[j], bounds[j + 1], part, w);
+      }
+    }
+    std::vector<const float*> part_rows(static_cast<size_t>(splits));
+#pragma omp for schedule(static)
+    for (int64_t bt = 0; bt < p.B * p.T; ++bt) {
+      const int64_t b = bt / p.T, t = bt % p.T;
+      for (int64_t j = 0; j < splits; ++j)
+        part_rows[j] = parts.get() + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
+      write_dq(b, t, part_rows.data());
+    }
+  }
+}
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -779,6 +1244,10 @@ void flash_attention_forward_bf16(const FlashBf16Params& p) {
 
 void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g) {
   if (p.B == 0) return;
+  if (flash_bf16_native() && p.T > 0 && p.S > 0) {
+    backward_native(p, g);
+    return;
+  }
   const int64_t B = p.B, T = p.T, S = p.S, D = p.D, Dv = p.Dv;
   // The arena after q, k, v, out: dout (B, T, Dv), dq (B, T, D), dk (B, S, D), dv (B, S, Dv).
   Fp32Copies c;
