@@ -38,10 +38,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace attn::cpu {
@@ -830,6 +832,37 @@ void bwd_gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t lda, 
                             b + j0, ldb, c + i0 * ldc + j0, ldc, accumulate, out_mul);
 }
 
+// min(n, 16) bf16 x[c * stride] as fp32 lanes (zeros past n).
+inline __m512 load_bf16(const uint16_t* x, int64_t n, int64_t stride) {
+  if (stride == 1) {
+    const __mmask16 m = n >= kL ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
+  }
+  alignas(64) uint32_t w[kL] = {};
+  for (int64_t c = 0; c < std::min(n, kL); ++c)
+    w[c] = uint32_t{x[c * stride]} << 16;
+  return _mm512_castsi512_ps(_mm512_load_si512(w));
+}
+
+// dst[c * stride] = bf16(mul * x[c]) for c < n, rounded to nearest even (vcvtneps2bf16).
+inline void store_bf16_row(const float* x, int64_t n, float mul, uint16_t* dst, int64_t stride) {
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int64_t c = 0; c < n; c += kL) {
+    const __mmask16 m = n - c >= kL ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1);
+    const __m256i h =
+        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), vm));
+    if (stride == 1) {
+      _mm256_mask_storeu_epi16(dst + c, m, h);
+    } else {
+      alignas(32) uint16_t o[kL];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(o), h);
+      for (int64_t l = 0; l < std::min(kL, n - c); ++l)
+        dst[(c + l) * stride] = o[l];
+    }
+  }
+}
+
 // dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
 // (a zero high half past row n), zeros for c in [C, ld): rows laid out as pairs along the row
 // axis, features adjacent. bad[r] |= (row r's pair holds an Inf or NaN) (both rows of a pair are
@@ -875,50 +908,86 @@ bool bwd_whole_rows(const FlashBf16Params& p) {
   return p.T * (p.D + p.Dv) <= (int64_t{1} << 21);
 }
 
-// Per-thread buffers of the native backward, zero-filled once (the micro-kernel reads, and
-// discards, up to kBMR - 1 rows past the valid ones: they are always initialized).
+// Per-thread buffers of the native backward, carved from one allocation per thread that is
+// kept between calls (thread_local, up to 64 MiB; larger ones are freed when the call returns):
+// fresh pages cost a page fault each, which was ~19% of the backward at T = S = 1024 when the
+// buffers were allocated per call. Zero-filled when allocated and then only ever overwritten, so
+// every read is of initialized memory (the micro-kernel reads, and discards, up to kBMR - 1 rows
+// past the valid ones).
 struct BwdBuffers {
   int64_t rows = 0, ldq = 0, Dp = 0;
-  std::unique_ptr<uint32_t[], FreeDeleter> qt2, dot2, qp2, dop2;   // packed q, dO (rows of them)
-  std::unique_ptr<uint32_t[], FreeDeleter> kt2, vt2, kp2;          // packed k, v of a key block
-  std::unique_ptr<uint32_t[], FreeDeleter> pz2, ds2, dsr;          // bf16 pairs of P Z and dS
-  std::unique_ptr<float[], FreeDeleter> x, dp, dk_acc, dv_acc, z;  // fp32 tiles
-  std::vector<float> lse2, drow;                                   // (T) lse log2 e, D_t
-  std::vector<int64_t> lim;                                        // (T) row limits
-  std::vector<uint8_t> bad;                                        // (rows) non-finite q or dO
+  uint32_t *qt2, *dot2, *qp2, *dop2;  // packed q, dO (all rows, or one tile's)
+  uint32_t *kt2, *vt2, *kp2;          // packed k, v of a key block
+  uint32_t *pz2, *ds2, *dsr;          // bf16 pairs of P Z and dS
+  float *x, *dp;                      // fp32 tiles of the scores and of dP
+  float *dk_acc, *dv_acc, *z, *part;  // fp32 dK^T, dV^T, dropout, dQ share (T, Dp)
+  float *lse2, *drow;                 // (T) lse log2 e, D_t
+  int64_t* lim;                       // (T) row limits
+  uint16_t* out16;                    // dK or dV of a key block rounded to bf16
+  uint8_t* bad;                       // (rows) q or dO row not finite
 
-  template <typename T>
-  static std::unique_ptr<T[], FreeDeleter> zeros(int64_t n) {
-    auto x = alloc_aligned<T>(static_cast<size_t>(n));
-    std::memset(x.get(), 0, static_cast<size_t>(n) * sizeof(T));
-    return x;
-  }
-
-  explicit BwdBuffers(const FlashBf16Params& p) {
+  explicit BwdBuffers(const FlashBf16Params& p, bool with_part) {
     const int64_t D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
     rows = bwd_whole_rows(p) ? p.T : std::min(p.T, kBwdQ);
     ldq = (rows + kL - 1) / kL * kL + kL;
     Dp = (p.D + kL - 1) / kL * kL;
     const int64_t rows2 = (rows + 1) / 2;
-    qt2 = zeros<uint32_t>(D2 * ldq + kBMR);
-    dot2 = zeros<uint32_t>(Dv2 * ldq + kBMR);
-    qp2 = zeros<uint32_t>(rows2 * p.D + kBMR);
-    dop2 = zeros<uint32_t>(rows2 * p.Dv + kBMR);
-    kt2 = zeros<uint32_t>(D2 * kBwdK);
-    vt2 = zeros<uint32_t>(Dv2 * kBwdK);
-    kp2 = zeros<uint32_t>(kBwdK2 * Dp + kL);
-    pz2 = zeros<uint32_t>(kBwdQ / 2 * kBwdK);
-    ds2 = zeros<uint32_t>(kBwdQ / 2 * kBwdK);
-    dsr = zeros<uint32_t>((kBwdQ + kBMR) * kBwdK2);
-    x = zeros<float>(kBwdQ * kBwdK);
-    dp = zeros<float>(kBwdQ * kBwdK);
-    dk_acc = zeros<float>(p.D * kBwdK);
-    dv_acc = zeros<float>(p.Dv * kBwdK);
-    z = zeros<float>(kBwdK);
-    lse2.assign(static_cast<size_t>(p.T), 0.0f);
-    drow.assign(static_cast<size_t>(p.T), 0.0f);
-    lim.assign(static_cast<size_t>(p.T), 0);
-    bad.assign(static_cast<size_t>(rows), 0);
+    // Two passes over the same list: sizes first (base null), then the pointers.
+    std::byte* base = nullptr;
+    size_t used = 0;
+    auto carve = [&](auto*& ptr, int64_t n) {
+      using T = std::remove_reference_t<decltype(*ptr)>;
+      ptr = base ? reinterpret_cast<T*>(base + used) : nullptr;
+      used += (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      used = 0;
+      carve(qt2, D2 * ldq + kBMR);
+      carve(dot2, Dv2 * ldq + kBMR);
+      carve(qp2, rows2 * p.D + kBMR);
+      carve(dop2, rows2 * p.Dv + kBMR);
+      carve(kt2, D2 * kBwdK);
+      carve(vt2, Dv2 * kBwdK);
+      carve(kp2, kBwdK2 * Dp + kL);
+      carve(pz2, kBwdQ / 2 * kBwdK);
+      carve(ds2, kBwdQ / 2 * kBwdK);
+      carve(dsr, (kBwdQ + kBMR) * kBwdK2);
+      carve(x, kBwdQ * kBwdK);
+      carve(dp, kBwdQ * kBwdK);
+      carve(dk_acc, p.D * kBwdK);
+      carve(out16, std::max(p.D, p.Dv) * kBwdK);
+      carve(dv_acc, p.Dv * kBwdK);
+      carve(z, 2 * kBwdK);
+      carve(part, with_part ? p.T * Dp : 0);
+      carve(lse2, p.T);
+      carve(drow, p.T);
+      carve(lim, p.T);
+      carve(bad, rows);
+      if (pass == 0) base = take(used);
+    }
+  }
+
+ private:
+  std::unique_ptr<std::byte[], FreeDeleter> own_;
+
+  std::byte* take(size_t bytes) {
+    constexpr size_t kKeepBytes = size_t{64} << 20;
+    thread_local std::unique_ptr<std::byte[], FreeDeleter> kept;
+    thread_local size_t kept_bytes = 0;
+    auto fresh = [bytes] {
+      auto buf = alloc_aligned<std::byte>(bytes);
+      std::memset(buf.get(), 0, bytes);
+      return buf;
+    };
+    if (bytes > kKeepBytes) {
+      own_ = fresh();
+      return own_.get();
+    }
+    if (kept_bytes < bytes) {
+      kept = fresh();
+      kept_bytes = bytes;
+    }
+    return kept.get();
   }
 };
 
@@ -928,15 +997,15 @@ void pack_query_rows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t 
   const int64_t n = tb - ta, D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
   const uint16_t* q = p.q + b * p.q_sb + ta * p.q_st;
   const uint16_t* dout = g.dout + b * g.do_sb + ta * g.do_st;
-  pack_pairs_transposed(q, n, p.D, p.q_st, p.q_sd, w.qt2.get(), w.ldq);
-  pack_pairs_transposed(dout, n, p.Dv, g.do_st, g.do_sd, w.dot2.get(), w.ldq);
+  pack_pairs_transposed(q, n, p.D, p.q_st, p.q_sd, w.qt2, w.ldq);
+  pack_pairs_transposed(dout, n, p.Dv, g.do_st, g.do_sd, w.dot2, w.ldq);
   for (int64_t j = 0; j < D2; ++j)
-    std::fill(w.qt2.get() + j * w.ldq + n, w.qt2.get() + (j + 1) * w.ldq, 0u);
+    std::fill(w.qt2 + j * w.ldq + n, w.qt2 + (j + 1) * w.ldq, 0u);
   for (int64_t j = 0; j < Dv2; ++j)
-    std::fill(w.dot2.get() + j * w.ldq + n, w.dot2.get() + (j + 1) * w.ldq, 0u);
-  std::fill(w.bad.begin(), w.bad.begin() + n, uint8_t{0});
-  pack_pairs_rows(q, n, p.D, p.q_st, p.q_sd, w.qp2.get(), p.D, w.bad.data());
-  pack_pairs_rows(dout, n, p.Dv, g.do_st, g.do_sd, w.dop2.get(), p.Dv, w.bad.data());
+    std::fill(w.dot2 + j * w.ldq + n, w.dot2 + (j + 1) * w.ldq, 0u);
+  std::fill(w.bad, w.bad + n, uint8_t{0});
+  pack_pairs_rows(q, n, p.D, p.q_st, p.q_sd, w.qp2, p.D, w.bad);
+  pack_pairs_rows(dout, n, p.Dv, g.do_st, g.do_sd, w.dop2, p.Dv, w.bad);
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch row b, and their share of dQ (unscaled,
@@ -947,9 +1016,9 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
   const bool whole = w.rows == T;
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
-  float *const x = w.x.get(), *const dpt = w.dp.get(), *const z = w.z.get();
-  float *const dk_acc = w.dk_acc.get(), *const dv_acc = w.dv_acc.get();
-  uint32_t *const pz2 = w.pz2.get(), *const ds2 = w.ds2.get(), *const dsr = w.dsr.get();
+  float *const x = w.x, *const dpt = w.dp;
+  float *const dk_acc = w.dk_acc, *const dv_acc = w.dv_acc;
+  uint32_t *const pz2 = w.pz2, *const ds2 = w.ds2, *const dsr = w.dsr;
 
   bool any_masked = false;
   int64_t max_lim = 0;  // keys >= max_lim are kept by no query: never read (may be NaN padding)
@@ -961,10 +1030,13 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     w.lse2[t] = p.lse[b * T + t] * kLog2e;
     const uint16_t* o = p.out + b * p.o_sb + t * p.o_st;
     const uint16_t* dout = g.dout + b * g.do_sb + t * g.do_st;
-    double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
-    for (int64_t e = 0; e < Dv; ++e)
-      acc += double(bf16_to_float(o[e * p.o_sd])) * double(bf16_to_float(dout[e * g.do_sd]));
-    w.drow[t] = static_cast<float>(acc);
+    // D_t = dO_t . out_t in fp32, 16 lanes then a fixed reduction: error <= ~(Dv/16 + 4) 2^-24
+    // sum |dO| |out|, far below the error of out itself (its bf16 rounding, 2^-8 |out|).
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < Dv; e += kL)
+      acc = _mm512_fmadd_ps(load_bf16(o + e * p.o_sd, Dv - e, p.o_sd),
+                            load_bf16(dout + e * g.do_sd, Dv - e, g.do_sd), acc);
+    w.drow[t] = _mm512_reduce_add_ps(acc);
   }
   if (whole) pack_query_rows(p, g, b, 0, T, w);
 
@@ -979,13 +1051,12 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     bool k_finite = true;
     if (nkr > 0) {
       const uint16_t* kb = p.k + b * p.k_sb + s0 * p.k_ss;
-      std::fill(w.kt2.get(), w.kt2.get() + D2 * kBwdK, 0u);
-      std::fill(w.vt2.get(), w.vt2.get() + Dv2 * kBwdK, 0u);
-      pack_pairs_transposed(kb, nkr, D, p.k_ss, p.k_sd, w.kt2.get(), kBwdK);
-      pack_pairs_transposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, w.vt2.get(),
-                            kBwdK);
+      std::fill(w.kt2, w.kt2 + D2 * kBwdK, 0u);
+      std::fill(w.vt2, w.vt2 + Dv2 * kBwdK, 0u);
+      pack_pairs_transposed(kb, nkr, D, p.k_ss, p.k_sd, w.kt2, kBwdK);
+      pack_pairs_transposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, w.vt2, kBwdK);
       uint8_t kbad[kBwdK] = {};
-      pack_pairs_rows(kb, nkr, D, p.k_ss, p.k_sd, w.kp2.get(), Dp, kbad);
+      pack_pairs_rows(kb, nkr, D, p.k_ss, p.k_sd, w.kp2, Dp, kbad);
       for (int64_t s = 0; s < nkr; ++s)
         k_finite &= kbad[s] == 0;
     }
@@ -1005,64 +1076,71 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
         pack_query_rows(p, g, b, t0, t0 + mq, w);
         ta = t0;
       }
-      const uint32_t* qt2 = w.qt2.get() + (t0 - ta);
-      const uint32_t* dot2 = w.dot2.get() + (t0 - ta);
-      const uint32_t* qp2 = w.qp2.get() + (t0 - ta) / 2 * D;
-      const uint32_t* dop2 = w.dop2.get() + (t0 - ta) / 2 * Dv;
+      const uint32_t* qt2 = w.qt2 + (t0 - ta);
+      const uint32_t* dot2 = w.dot2 + (t0 - ta);
+      const uint32_t* qp2 = w.qp2 + (t0 - ta) / 2 * D;
+      const uint32_t* dop2 = w.dop2 + (t0 - ta) / 2 * Dv;
       bool q_finite = true;
       for (int64_t r = 0; r < mq; ++r)
         q_finite &= w.bad[t0 - ta + r] == 0;
 
-      bwd_gemm<1>(mq, nkrp, D2, qt2, w.ldq, w.kt2.get(), kBwdK, x, kBwdK, false, c);  // c Q K^T
-      bwd_gemm<1>(mq, nkrp, Dv2, dot2, w.ldq, w.vt2.get(), kBwdK, dpt, kBwdK, false, 1.0f);
+      bwd_gemm<1>(mq, nkrp, D2, qt2, w.ldq, w.kt2, kBwdK, x, kBwdK, false, c);  // c Q K^T
+      bwd_gemm<1>(mq, nkrp, Dv2, dot2, w.ldq, w.vt2, kBwdK, dpt, kBwdK, false, 1.0f);
 
-      // P = 2^(X - lse2), P Z, dS = P (dP Z - D_t) for two rows at a time; masked keys get
-      // exact zeros (a select, so even a NaN score or dP of a masked key gives 0). x and dpt
-      // keep P Z and dS in fp32 for the exact loops; pz2, ds2 (pairs along t) and dsr (pairs
-      // along s) the bf16 roundings for the products.
+      // P = 2^(X - lse2), P Z, dS = P (dP Z - D_t) for two rows and 32 keys at a time, in
+      // registers; masked keys get exact zeros (a select, so even a NaN score or dP of a masked
+      // key gives 0). Out go only the bf16 roundings: pz2, ds2 (pairs along t) and dsr (pairs
+      // along s).
       for (int64_t r = 0; r < mq; r += 2) {
-        __m512 pz[2][4], ds[2][4];
+        int64_t n[2];
+        __m512 l2[2], dd[2];
         for (int h = 0; h < 2; ++h) {
           const int64_t rr = r + h, t = t0 + rr;
-          const int64_t n = rr < mq ? std::clamp<int64_t>(w.lim[t] - s0, 0, nkr) : 0;
-          if (dropout && n > 0)
-            dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
-          const __m512 l2 = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
-          const __m512 dd = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
-          for (int64_t v = 0; v < 4; ++v) {
-            const int64_t m = std::clamp<int64_t>(n - v * kL, 0, kL);
-            const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
-            if (v >= nv || m == 0) {
-              pz[h][v] = ds[h][v] = _mm512_setzero_ps();
-            } else {
-              float* xr = x + rr * kBwdK + v * kL;
-              float* dr = dpt + rr * kBwdK + v * kL;
-              const __m512 pv = exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(xr), l2));
-              __m512 dpv = _mm512_loadu_ps(dr), pzv = pv;
+          n[h] = rr < mq ? std::clamp<int64_t>(w.lim[t] - s0, 0, nkr) : 0;
+          l2[h] = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
+          dd[h] = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
+          if (dropout && n[h] > 0)
+            dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n[h],
+                                w.z + h * kBwdK);
+        }
+        for (int64_t v2 = 0; v2 < nv; v2 += 2) {
+          __m512 ds[2][2];
+          for (int u = 0; u < 2; ++u) {
+            const int64_t v = v2 + u;
+            __m512 pz[2];
+            for (int h = 0; h < 2; ++h) {
+              const int64_t m = std::clamp<int64_t>(n[h] - v * kL, 0, kL);
+              if (v >= nv || m == 0) {
+                pz[h] = ds[h][u] = _mm512_setzero_ps();
+                continue;
+              }
+              const __mmask16 keep = static_cast<__mmask16>((1u << m) - 1);
+              const int64_t off = (r + h) * kBwdK + v * kL;
+              const __m512 pv = exp2_bf16(_mm512_sub_ps(_mm512_loadu_ps(x + off), l2[h]));
+              __m512 dpv = _mm512_loadu_ps(dpt + off), pzv = pv;
               if (dropout) {
-                const __m512 zv = _mm512_maskz_loadu_ps(keep, z + v * kL);
+                const __m512 zv = _mm512_maskz_loadu_ps(keep, w.z + h * kBwdK + v * kL);
                 pzv = _mm512_mul_ps(pv, zv);
                 dpv = _mm512_mul_ps(dpv, zv);
               }
-              pz[h][v] = _mm512_maskz_mov_ps(keep, pzv);
-              ds[h][v] = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(pv, _mm512_sub_ps(dpv, dd)));
+              pz[h] = _mm512_maskz_mov_ps(keep, pzv);
+              ds[h][u] = _mm512_maskz_mov_ps(keep, _mm512_mul_ps(pv, _mm512_sub_ps(dpv, dd[h])));
             }
-            if (rr < mq && v < nv) {
-              _mm512_storeu_ps(x + rr * kBwdK + v * kL, pz[h][v]);
-              _mm512_storeu_ps(dpt + rr * kBwdK + v * kL, ds[h][v]);
+            if (v < nv) {
+              _mm512_storeu_si512(pz2 + r / 2 * kBwdK + v * kL, pair_bf16(pz[0], pz[1]));
+              _mm512_storeu_si512(ds2 + r / 2 * kBwdK + v * kL, pair_bf16(ds[0][u], ds[1][u]));
             }
           }
-          if (rr < mq) {
-            uint32_t* o = dsr + rr * kBwdK2;
-            _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(ds[h][1], ds[h][0]));
-            _mm512_storeu_si512(o + kL, (__m512i)_mm512_cvtne2ps_pbh(ds[h][3], ds[h][2]));
-          }
-        }
-        for (int64_t v = 0; v < nv; ++v) {
-          _mm512_storeu_si512(pz2 + r / 2 * kBwdK + v * kL, pair_bf16(pz[0][v], pz[1][v]));
-          _mm512_storeu_si512(ds2 + r / 2 * kBwdK + v * kL, pair_bf16(ds[0][v], ds[1][v]));
+          for (int h = 0; h < 2 && r + h < mq; ++h)
+            _mm512_storeu_si512(dsr + (r + h) * kBwdK2 + v2 * kL / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(ds[h][1], ds[h][0]));
         }
       }
+      // Weight of (row r, key s) of the tile from the pairs along t (for the exact loops).
+      auto half = [](const uint32_t* pairs, int64_t r, int64_t s) {
+        const uint32_t word = pairs[r / 2 * kBwdK + s];
+        return bf16_to_float(static_cast<uint16_t>(r % 2 == 0 ? word : word >> 16));
+      };
 
       // dV^T += dO^T (P Z), dK^T += Q^T dS (unscaled), dQ += dS K (unscaled). Tiles with
       // non-finite inputs add only the kept terms (as AllFinite in flash_attention.cpp: a masked
@@ -1077,21 +1155,21 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
           const uint16_t* dor = g.dout + b * g.do_sb + t * g.do_st;
           for (int64_t s = 0; s < n; ++s) {
             for (int64_t e = 0; e < Dv; ++e)
-              dv_acc[e * kBwdK + s] += x[r * kBwdK + s] * bf16_to_float(dor[e * g.do_sd]);
+              dv_acc[e * kBwdK + s] += half(pz2, r, s) * bf16_to_float(dor[e * g.do_sd]);
             for (int64_t d = 0; d < D; ++d)
-              dk_acc[d * kBwdK + s] += dpt[r * kBwdK + s] * bf16_to_float(qr[d * p.q_sd]);
+              dk_acc[d * kBwdK + s] += half(ds2, r, s) * bf16_to_float(qr[d * p.q_sd]);
           }
         }
       }
       if (k_finite) {
-        bwd_gemm<kBwdK2>(mq, Dp, nkr2, dsr, 1, w.kp2.get(), Dp, dq_part + t0 * Dp, Dp, true, 1.0f);
+        bwd_gemm<kBwdK2>(mq, Dp, nkr2, dsr, 1, w.kp2, Dp, dq_part + t0 * Dp, Dp, true, 1.0f);
       } else {
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
           for (int64_t s = 0; s < n; ++s) {
             const uint16_t* kr = p.k + b * p.k_sb + (s0 + s) * p.k_ss;
             for (int64_t d = 0; d < D; ++d)
-              dq_part[t * Dp + d] += dpt[r * kBwdK + s] * bf16_to_float(kr[d * p.k_sd]);
+              dq_part[t * Dp + d] += half(ds2, r, s) * bf16_to_float(kr[d * p.k_sd]);
           }
         }
       }
@@ -1101,6 +1179,7 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     if (any_masked && !p.zero_masked_rows) {
       for (int64_t t = 0; t < T; ++t) {
         if (w.lim[t] != 0) continue;
+        float* z = w.z;
         if (dropout) {
           dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
         } else {
@@ -1115,14 +1194,20 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
       }
     }
 
-    // dK = scale sum dS Q, dV = sum P Z dO: transposed back and rounded once.
+    // dK = scale sum dS Q, dV = sum P Z dO: rounded once (vcvtneps2bf16), transposed back.
+    for (int64_t d = 0; d < D; ++d)
+      store_bf16_row(dk_acc + d * kBwdK, nk, p.scale, w.out16 + d * kBwdK, 1);
     for (int64_t s = 0; s < nk; ++s) {
       uint16_t* dk = g.dk + b * g.dk_sb + (s0 + s) * g.dk_ss;
-      uint16_t* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
       for (int64_t d = 0; d < D; ++d)
-        dk[d * g.dk_sd] = float_to_bf16(p.scale * dk_acc[d * kBwdK + s]);
+        dk[d * g.dk_sd] = w.out16[d * kBwdK + s];
+    }
+    for (int64_t e = 0; e < Dv; ++e)
+      store_bf16_row(dv_acc + e * kBwdK, nk, 1.0f, w.out16 + e * kBwdK, 1);
+    for (int64_t s = 0; s < nk; ++s) {
+      uint16_t* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
       for (int64_t e = 0; e < Dv; ++e)
-        dv[e * g.dv_sd] = float_to_bf16(dv_acc[e * kBwdK + s]);
+        dv[e * g.dv_sd] = w.out16[e * kBwdK + s];
     }
   }
 }
@@ -1163,53 +1248,59 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
   const size_t part_floats = static_cast<size_t>(p.T * Dp);
   // dQ row (b, t) from its shares: scale * (0 + part_0 + part_1 + ...), in item order, so the
   // same sum whatever thread made each part; rounded to bf16 once.
-  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
+  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows, float* sum) {
     uint16_t* dq = g.dq + b * g.dq_sb + t * g.dq_st;
-    for (int64_t d = 0; d < p.D; ++d) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < splits; ++j)
-        acc += part_rows[j][d];
-      dq[d * g.dq_sd] = float_to_bf16(p.scale * acc);
+    if (splits == 1) {
+      store_bf16_row(part_rows[0], p.D, p.scale, dq, g.dq_sd);
+      return;
     }
+    for (int64_t d = 0; d < p.D; d += kL) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < splits; ++j)
+        acc = _mm512_add_ps(acc, _mm512_loadu_ps(part_rows[j] + d));
+      _mm512_storeu_ps(sum + d, acc);
+    }
+    store_bf16_row(sum, p.D, p.scale, dq, g.dq_sd);
   };
   if (splits == 1) {
     // One item per b: its dQ share is the whole dQ of b, written by the item's own thread.
 #pragma omp parallel num_threads(threads)
     {
-      BwdBuffers w(p);
-      auto part = alloc_aligned<float>(std::max<size_t>(1, part_floats));
+      BwdBuffers w(p, /*with_part=*/true);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
-        std::fill(part.get(), part.get() + part_floats, 0.0f);
-        backward_item(p, g, b, bounds[0], bounds[1], part.get(), w);
+        std::fill(w.part, w.part + part_floats, 0.0f);
+        backward_item(p, g, b, bounds[0], bounds[1], w.part, w);
         for (int64_t t = 0; t < p.T; ++t) {
-          const float* row = part.get() + t * Dp;
-          write_dq(b, t, &row);
+          const float* row = w.part + t * Dp;
+          write_dq(b, t, &row, nullptr);
         }
       }
     }
     return;
   }
-  auto parts = alloc_aligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
+  Fp32Arena arena;  // the shares of all items, summed below
+  float* const parts = arena.take(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
 #pragma omp parallel num_threads(threads)
   {
     {
-      BwdBuffers w(p);
+      BwdBuffers w(p, /*with_part=*/false);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
-        float* part = parts.get() + static_cast<size_t>(i) * part_floats;
+        float* part = parts + static_cast<size_t>(i) * part_floats;
         std::fill(part, part + part_floats, 0.0f);
         const int64_t b = i / splits, j = i % splits;
         backward_item(p, g, b, bounds[j], bounds[j + 1], part, w);
       }
     }
     std::vector<const float*> part_rows(static_cast<size_t>(splits));
+    std::vector<float> sum(static_cast<size_t>(Dp));
 #pragma omp for schedule(static)
     for (int64_t bt = 0; bt < p.B * p.T; ++bt) {
       const int64_t b = bt / p.T, t = bt % p.T;
       for (int64_t j = 0; j < splits; ++j)
-        part_rows[j] = parts.get() + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
-      write_dq(b, t, part_rows.data());
+        part_rows[j] = parts + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
+      write_dq(b, t, part_rows.data(), sum.data());
     }
   }
 }
