@@ -278,6 +278,30 @@ BENCHMARK(BM_FlashLongForwardBackward)
     ->Unit(benchmark::kSecond)
     ->UseRealTime();
 
+// The same with bfloat16 inputs (the native kernels where the CPU has AVX512-BF16).
+void BM_FlashBf16LongForwardBackward(benchmark::State& state) {
+  const int64_t t = state.range(0);
+  Bf16Buffers buf(1, t, 64, false, true);
+  double extra_mib = 0;
+  for (auto _ : state) {
+    reset_peak();
+    const int64_t base_kb = read_status_kb("VmRSS:");
+    attn::cpu::flash_attention_forward_bf16(buf.p);
+    attn::cpu::flash_attention_backward_bf16(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+    extra_mib = double(read_status_kb("VmHWM:") - base_kb) / 1024.0;
+  }
+  set_counters(state, 3.5 * forward_flops(1, t, 64, false));
+  state.counters["extra_MiB"] = extra_mib;
+  state.counters["native_bf16"] = attn::cpu::flash_bf16_native() ? 1 : 0;
+}
+BENCHMARK(BM_FlashBf16LongForwardBackward)
+    ->Arg(65536)
+    ->ArgName("T")
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond)
+    ->UseRealTime();
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -832,6 +832,54 @@ void bwd_gemm(int64_t M, int64_t N, int64_t K2, const uint32_t* a, int64_t lda, 
                             b + j0, ldb, c + i0 * ldc + j0, ldc, accumulate, out_mul);
 }
 
+// Dropout multipliers z[0..n) of elements i0 + k of the stream, n <= 64 (one key block of a
+// query row). When i0 % 4 == 0 (S % 4 == 0), element i0 + 4l + w is word w of Philox block
+// i0/4 + l: one 16-lane Philox gives all 64, and its four output words are interleaved with
+// unpacks and a 4 x 4 transpose of 128-bit lanes. Otherwise the scalar draw. (The forward's
+// dropout_tile vectorizes across queries instead: its tile is transposed.)
+void dropout_row64(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
+  if ((i0 & 3) != 0) {
+    dropout_multipliers(p, i0, n, z);
+    return;
+  }
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint64_t blk = i0 >> 2;
+  const __m512i lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(blk)));
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(blk >> 32)));
+  __m512i c[4];
+  c[0] =
+      _mm512_add_epi32(lo, _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+  c[1] = _mm512_mask_add_epi32(hi, _mm512_cmplt_epu32_mask(c[0], lo), hi, _mm512_set1_epi32(1));
+  c[2] = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset)));
+  c[3] = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset >> 32)));
+  philox16(c, p.seed);
+  __m512 m[4];
+  for (int j = 0; j < 4; ++j) {  // kept iff (r >> 8) 2^-24 >= p, as attn::dropout_keep
+    const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[j], 8)),
+                                   _mm512_set1_ps(1.0f / 16777216.0f));
+    m[j] = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_set1_ps(p.dropout), _CMP_GE_OQ),
+                               _mm512_set1_ps(keep_scale));
+  }
+  // 128-bit lane k of v[i] holds the 4 words of Philox lane 4k + i (elements 16k + 4i ..).
+  const __m512 a0 = _mm512_unpacklo_ps(m[0], m[1]), a1 = _mm512_unpackhi_ps(m[0], m[1]);
+  const __m512 b0 = _mm512_unpacklo_ps(m[2], m[3]), b1 = _mm512_unpackhi_ps(m[2], m[3]);
+  const __m512 v0 =
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a0), _mm512_castps_pd(b0)));
+  const __m512 v1 =
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a0), _mm512_castps_pd(b0)));
+  const __m512 v2 =
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a1), _mm512_castps_pd(b1)));
+  const __m512 v3 =
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a1), _mm512_castps_pd(b1)));
+  // Elements 16k .. 16k + 15 = lane k of v0, v1, v2, v3.
+  const __m512 t0 = _mm512_shuffle_f32x4(v0, v1, 0x44), t1 = _mm512_shuffle_f32x4(v2, v3, 0x44);
+  const __m512 t2 = _mm512_shuffle_f32x4(v0, v1, 0xee), t3 = _mm512_shuffle_f32x4(v2, v3, 0xee);
+  _mm512_storeu_ps(z, _mm512_shuffle_f32x4(t0, t1, 0x88));
+  _mm512_storeu_ps(z + 16, _mm512_shuffle_f32x4(t0, t1, 0xdd));
+  _mm512_storeu_ps(z + 32, _mm512_shuffle_f32x4(t2, t3, 0x88));
+  _mm512_storeu_ps(z + 48, _mm512_shuffle_f32x4(t2, t3, 0xdd));
+}
+
 // min(n, 16) bf16 x[c * stride] as fp32 lanes (zeros past n).
 inline __m512 load_bf16(const uint16_t* x, int64_t n, int64_t stride) {
   if (stride == 1) {
@@ -1100,8 +1148,7 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
           l2[h] = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
           dd[h] = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
           if (dropout && n[h] > 0)
-            dropout_multipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n[h],
-                                w.z + h * kBwdK);
+            dropout_row64(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n[h], w.z + h * kBwdK);
         }
         for (int64_t v2 = 0; v2 < nv; v2 += 2) {
           __m512 ds[2][2];
