@@ -103,6 +103,7 @@ constexpr int64_t kL = HWY_LANES(float);
 constexpr int64_t kBlockK = kNV * kL;     // keys per tile: one micro-tile wide (AVX-512: 64)
 constexpr int64_t kBlockQ = 12 * kL;      // forward query rows per block (AVX-512: 192)
 constexpr int64_t kBwdBlockQ = 16 * kMR;  // backward query rows per tile (AVX-512: 96)
+constexpr int64_t kPanel = kFwdNV * kL;   // forward query columns per panel (AVX-512: 48)
 
 int64_t QueryBlockRows() {
   return kBlockQ;
@@ -170,13 +171,13 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
 #endif
 }
 
-// P^T *= Z^T on the score tile xt (nk keys x mqp queries), lanes [c0, mqp), keys from s0.
+// P^T *= Z^T on the score tile xt (nk keys x mqp queries), lanes [c0, c_end), keys from s0.
 // Vectorized across queries when S % 4 == 0: then query t's run of keys starts at element
 // (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of every
 // lane is word j of its Philox block ((bT + t)S + s0)/4 + g: one draw per 4 keys per query, and
 // each word is a whole row of the tile. Returns false (nothing done) otherwise.
 bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
-                       int64_t c0, int64_t mqp, float* xt) {
+                       int64_t c0, int64_t c_end, int64_t mqp, float* xt) {
 #if HWY_TARGET == HWY_SCALAR
   return false;
 #else
@@ -185,7 +186,7 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
   HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
-  for (int64_t c = c0; c < mqp; c += kL) {
+  for (int64_t c = c0; c < c_end; c += kL) {
     for (int64_t l = 0; l < kL; ++l) {
       const uint64_t blk = static_cast<uint64_t>((b * p.T + t0 + c + l) * p.S + s0) >> 2;
       lo_w[l] = static_cast<uint32_t>(blk);
@@ -209,7 +210,7 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
 }
 
 size_t ForwardScratchFloats(const FlashParams& p) {
-  return static_cast<size_t>((p.D + kBlockK + p.Dv + 4) * kBlockQ + kBlockK + RoundUpLanes(p.Dv));
+  return static_cast<size_t>((p.D + kBlockK + p.Dv + 5) * kBlockQ + kBlockK + RoundUpLanes(p.Dv));
 }
 
 // out row of a query with no kept key: mean of v over all S keys (d2l), dropout applied to the
@@ -268,6 +269,43 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
   }
 }
 
+// One step of the online softmax for NV vectors of query columns from c, over the nk rows of the
+// score tile xt (ld mqp): P^T = 2^(X^T - m_new) in place, l = 2^(m_old - m_new) l + sum_s P^T,
+// alpha = 2^(m_old - m_new), m = m_new (mn holds m_new, max(m_old, the tile's maxima)). NV
+// columns at once keep NV independent chains of sums and exponentials in flight.
+template <int NV>
+HWY_INLINE void SoftmaxColumns(int64_t nk, int64_t mqp, int64_t c, float* xt, float* mv,
+                               const float* mn, float* lv, float* alpha) {
+  const DF d;
+  const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+  VF m_use[NV], sum[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const VF m_new = hn::LoadU(d, mn + c + j * kL);
+    // A query with no kept key so far keeps m = -inf; subtract 0 instead so that its weights
+    // come out 0 (2^-inf) rather than NaN (-inf - -inf).
+    m_use[j] = hn::IfThenElse(hn::Eq(m_new, neg_inf), hn::Zero(d), m_new);
+    sum[j] = hn::Zero(d);
+  }
+  for (int64_t s = 0; s < nk; ++s) {
+    float* x = xt + s * mqp + c;
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const VF e = Exp2(d, hn::Sub(hn::LoadU(d, x + j * kL), m_use[j]));
+      hn::StoreU(e, d, x + j * kL);
+      sum[j] = hn::Add(sum[j], e);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j) {
+    const int64_t cj = c + j * kL;
+    const VF a = Exp2(d, hn::Sub(hn::LoadU(d, mv + cj), m_use[j]));  // 0 on a first kept tile
+    hn::StoreU(hn::MulAdd(hn::LoadU(d, lv + cj), a, sum[j]), d, lv + cj);
+    hn::StoreU(hn::LoadU(d, mn + cj), d, mv + cj);
+    hn::StoreU(a, d, alpha + cj);
+  }
+}
+
 // One work item: rows [t0, t0 + kBlockQ) of batch b.
 //
 // The block is computed transposed, queries along the vector lanes: X^T = K Q^T (keys x queries)
@@ -276,7 +314,6 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
 // both products read K and V as broadcast scalars straight from the caller's strided tensors:
 // only Q^T (once per block) is packed.
 void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
-  const DF d;
   const int64_t D = p.D, Dv = p.Dv;
   const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = RoundUpLanes(mq);
   float* qt = scratch;             // (D, mqp)       (scale log2 e) Q^T
@@ -286,7 +323,8 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
   float* lv = mv + mqp;            // (mqp) running denominator
   float* limv = lv + mqp;          // (mqp) key limit per query, as float
   float* alpha = limv + mqp;       // (mqp) rescale factor of this tile
-  float* z = alpha + mqp;          // (kBlockK) dropout multipliers
+  float* mn = alpha + mqp;         // (mqp) running max including this tile
+  float* z = mn + mqp;             // (kBlockK) dropout multipliers
   float* tmp = z + kBlockK;        // (Dvp) masked-row output
 
   int64_t lim[kBlockQ];
@@ -301,7 +339,6 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
   std::fill(ot, ot + Dv * mqp, 0.0f);
   std::fill(mv, mv + mqp, kNegInf);
   std::fill(lv, lv + mqp, 0.0f);
-  const VF neg_inf = hn::Set(d, kNegInf);
 
   // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
@@ -311,85 +348,75 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch) {
     int64_t r_first = 0;
     while (lim[r_first] <= s0)
       ++r_first;
-    const int64_t c0 = r_first / kL * kL, ncol = mqp - c0;
+    const int64_t c0 = r_first / kL * kL;
     int64_t min_lim = p.S;
     for (int64_t r = c0; r < mq; ++r)
       min_lim = std::min(min_lim, lim[r]);
 
-    // X^T = K (Q^T scaled): (nk, ncol)
-    GemmFwd(nk, ncol, D, p.k + KOff(p, b) + s0 * p.k_ss, p.k_ss, p.k_sd, qt + c0, mqp, xt + c0, mqp,
-            /*accumulate=*/false);
-    if (min_lim < s0 + nk) {  // some kept prefix ends inside this tile: mask key s0+s >= limit
-      for (int64_t s = 0; s < nk; ++s) {
-        const VF key = hn::Set(d, static_cast<float>(s0 + s));
-        float* row = xt + s * mqp;
-        for (int64_t c = c0; c < mqp; c += kL)
-          hn::StoreU(
-              hn::IfThenElse(hn::Lt(key, hn::LoadU(d, limv + c)), hn::LoadU(d, row + c), neg_inf),
-              d, row + c);
-      }
-    }
-
-    // Online softmax, 16 queries per vector (the recurrence at the top of the file).
-    for (int64_t c = c0; c < mqp; c += kL) {
-      const VF m_old = hn::LoadU(d, mv + c);
-      VF m_new = m_old;
-      for (int64_t s = 0; s < nk; ++s)
-        m_new = hn::Max(m_new, hn::LoadU(d, xt + s * mqp + c));
-      // A query with no kept key so far keeps m = -inf; subtract 0 instead so that its weights
-      // come out 0 (2^-inf) rather than NaN (-inf - -inf).
-      const VF m_use = hn::IfThenElse(hn::Eq(m_new, neg_inf), hn::Zero(d), m_new);
-      VF sum = hn::Zero(d);
-      for (int64_t s = 0; s < nk; ++s) {
-        float* x = xt + s * mqp + c;
-        const VF e = Exp2(d, hn::Sub(hn::LoadU(d, x), m_use));
-        hn::StoreU(e, d, x);
-        sum = hn::Add(sum, e);
-      }
-      const VF a = Exp2(d, hn::Sub(m_old, m_use));  // 0 on a query's first kept tile
-      hn::StoreU(hn::MulAdd(hn::LoadU(d, lv + c), a, sum), d, lv + c);
-      hn::StoreU(m_new, d, mv + c);
-      hn::StoreU(a, d, alpha + c);
-    }
-    for (int64_t e = 0; e < Dv; ++e)
-      MulRow(ot + e * mqp + c0, alpha + c0, ncol);
-    // Dropout acts after normalization: it scales the numerator's weights only.
-    if (p.dropout > 0.0f && !DropoutTransposed(p, b, t0, s0, nk, c0, mqp, xt)) {
-      for (int64_t r = r_first; r < mq; ++r) {
-        const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
-        DropoutRow(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
-        for (int64_t s = 0; s < n; ++s)
-          xt[s * mqp + r] *= z[s];
-      }
-    }
-    // O^T += V^T P^T: (Dv, ncol)
+    const float* kb = p.k + KOff(p, b) + s0 * p.k_ss;
     const float* vb = p.v + VOff(p, b) + s0 * p.v_ss;
-    if (min_lim >= s0 + nk || AllFinite(vb, nk, Dv, p.v_ss, p.v_sd)) {
-      GemmFwd(Dv, ncol, nk, vb, p.v_sd, p.v_ss, xt + c0, mqp, ot + c0, mqp, /*accumulate=*/true);
-    } else {  // non-finite v of a key some queries mask: add only the kept terms
-      for (int64_t r = r_first; r < mq; ++r)
-        for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s)
-          for (int64_t e = 0; e < Dv; ++e)
-            ot[e * mqp + r] += xt[s * mqp + r] * vb[s * p.v_ss + e * p.v_sd];
+    const bool full = min_lim >= s0 + nk;  // every query from c0 keeps every key of the tile
+    // A non-finite v of a key that some queries mask must reach only the queries that keep it.
+    const bool v_finite = full || AllFinite(vb, nk, Dv, p.v_ss, p.v_sd);
+
+    // One panel of kPanel query columns at a time through all the steps, so that its scores,
+    // weights and O^T columns stay in L1 between the two products.
+    for (int64_t c1 = c0; c1 < mqp; c1 += kPanel) {
+      const int64_t c2 = std::min(mqp, c1 + kPanel), w = c2 - c1;
+      // X^T = K (Q^T scaled): (nk, w), and mn = max(m, column maxima of X^T).
+      std::copy(mv + c1, mv + c2, mn + c1);
+      if (full) {  // the maximum comes out of the product
+        GemmFwdColMax(nk, w, D, kb, p.k_ss, p.k_sd, qt + c1, mqp, xt + c1, mqp, mn + c1);
+      } else {  // some kept prefix ends inside this tile: key s0+s >= limit masked in the product
+        GemmFwdMaskColMax(nk, w, D, kb, p.k_ss, p.k_sd, qt + c1, mqp, xt + c1, mqp, mn + c1,
+                          limv + c1, s0);
+      }
+
+      // Online softmax, 16 queries per vector (the recurrence at the top of the file).
+      int64_t c = c1;
+      for (; c + kFwdNV * kL <= c2; c += kFwdNV * kL)
+        SoftmaxColumns<kFwdNV>(nk, mqp, c, xt, mv, mn, lv, alpha);
+      for (; c < c2; c += kL)
+        SoftmaxColumns<1>(nk, mqp, c, xt, mv, mn, lv, alpha);
+      // Dropout acts after normalization: it scales the numerator's weights only.
+      if (p.dropout > 0.0f && !DropoutTransposed(p, b, t0, s0, nk, c1, c2, mqp, xt)) {
+        for (int64_t r = std::max(r_first, c1); r < std::min(mq, c2); ++r) {
+          const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
+          DropoutRow(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+          for (int64_t s = 0; s < n; ++s)
+            xt[s * mqp + r] *= z[s];
+        }
+      }
+      // O^T = O^T diag(alpha) + V^T P^T: (Dv, w)
+      if (v_finite) {
+        GemmFwdScaleC(Dv, w, nk, vb, p.v_sd, p.v_ss, xt + c1, mqp, ot + c1, mqp, alpha + c1);
+      } else {  // add only the kept terms
+        for (int64_t e = 0; e < Dv; ++e)
+          MulRow(ot + e * mqp + c1, alpha + c1, w);
+        for (int64_t r = std::max(r_first, c1); r < std::min(mq, c2); ++r)
+          for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s)
+            for (int64_t e = 0; e < Dv; ++e)
+              ot[e * mqp + r] += xt[s * mqp + r] * vb[s * p.v_ss + e * p.v_sd];
+      }
     }
   }
 
   if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);
 
+  // out = O^T transposed back, each row divided by its l (alpha is free again: its last use was
+  // WriteWeights); queries without a kept key then get the masked-row policy instead.
+  float* inv = alpha;
   for (int64_t r = 0; r < mq; ++r) {
-    const int64_t t = t0 + r;
-    float* orow = p.out + OOff(p, b) + t * p.o_st;
-    if (lim[r] == 0) {
-      MaskedRow(p, b, t, tmp, z);
-      p.lse[b * p.T + t] = kNegInf;
-      for (int64_t e = 0; e < Dv; ++e)
-        orow[e * p.o_sd] = tmp[e];
-    } else {
-      const float inv = 1.0f / lv[r];
-      p.lse[b * p.T + t] = (mv[r] + std::log2(lv[r])) * kLn2;
-      for (int64_t e = 0; e < Dv; ++e)
-        orow[e * p.o_sd] = ot[e * mqp + r] * inv;
-    }
+    inv[r] = lim[r] == 0 ? 0.0f : 1.0f / lv[r];
+    p.lse[b * p.T + t0 + r] = lim[r] == 0 ? kNegInf : (mv[r] + std::log2(lv[r])) * kLn2;
+  }
+  float* out = p.out + OOff(p, b) + t0 * p.o_st;
+  UnpackTransposed(ot, mqp, mq, Dv, inv, out, p.o_st, p.o_sd);
+  for (int64_t r = 0; r < mq; ++r) {
+    if (lim[r] != 0) continue;
+    MaskedRow(p, b, t0 + r, tmp, z);
+    for (int64_t e = 0; e < Dv; ++e)
+      out[r * p.o_st + e * p.o_sd] = tmp[e];
   }
 }
 

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::cpu::HWY_NAMESPACE {
@@ -51,25 +52,53 @@ HWY_INLINE int64_t RoundUpLanes(int64_t n) {
   return (n + L - 1) / L * L;
 }
 
+// What a micro-tile does beyond C = / += A B (the forward fuses two softmax steps into its
+// products, which saves a pass over the score tile or over O^T per key tile):
+//   kColMax: after storing C, colvec[j] = max(colvec[j], max over the tile's rows of C[., j])
+//            (the running maximum of a score tile's columns, queries along the lanes);
+//   kScaleC: C is multiplied by colvec[j] when it is loaded to accumulate (the online softmax's
+//            rescale of O^T by 2^(m_old - m_new), per query column);
+//   kMaskColMax: as kColMax, after C[i, j] = -inf wherever key0 + i >= lim[j] (row i is key
+//            key0 + i, column j keeps the keys below lim[j]: the length and causal masks).
+enum class Epi { kPlain, kColMax, kScaleC, kMaskColMax };
+
+// The epilogue's operands, at the micro-tile's first row and column.
+struct EpiArgs {
+  float* colvec = nullptr;
+  const float* lim = nullptr;
+  float key0 = 0.0f;
+};
+
 // One micro-tile of C (rows x NV*L) = / += A (rows x K) B (K x NV*L), rows <= MR.
 // A element (i, k) is a[i*a_rs + k*a_ks] (broadcast one element at a time, so A may be any
 // strided view, transposed or not, straight from the caller's tensor); B and C are row-major with
 // unit column stride. Rows past `rows` reuse the last valid row of A (a harmless duplicate
-// computation) and are not stored, so M needs no padding.
-template <int MR, int NV>
+// computation, also for kColMax's maximum) and are not stored, so M needs no padding.
+template <int MR, int NV, Epi kEpi>
 HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, int64_t a_ks,
                           int rows, const float* HWY_RESTRICT b, int64_t ldb, float* HWY_RESTRICT c,
-                          int64_t ldc, bool accumulate) {
+                          int64_t ldc, bool accumulate, const EpiArgs& epi) {
+  float* HWY_RESTRICT colvec = epi.colvec;
   const DF d;
   const size_t L = hn::Lanes(d);
   const float* ar[MR];
   VF acc[MR][NV];
+  VF cs[NV];
+#pragma GCC unroll 4
+  for (int j = 0; j < NV; ++j)
+    cs[j] = kEpi == Epi::kScaleC ? hn::LoadU(d, colvec + j * L) : hn::Zero(d);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     ar[i] = a + (i < rows ? i : rows - 1) * a_rs;
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j)
-      acc[i][j] = (accumulate && i < rows) ? hn::LoadU(d, c + i * ldc + j * L) : hn::Zero(d);
+    for (int j = 0; j < NV; ++j) {
+      if (accumulate && i < rows) {
+        acc[i][j] = hn::LoadU(d, c + i * ldc + j * L);
+        if (kEpi == Epi::kScaleC) acc[i][j] = hn::Mul(acc[i][j], cs[j]);
+      } else {
+        acc[i][j] = hn::Zero(d);
+      }
+    }
   }
   for (int64_t k = 0; k < K; ++k) {
     const float* bk = b + k * ldb;
@@ -86,6 +115,28 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
         acc[i][j] = hn::MulAdd(ai, bv[j], acc[i][j]);
     }
   }
+  if (kEpi == Epi::kMaskColMax) {
+    const VF neg_inf = hn::Set(d, -std::numeric_limits<float>::infinity());
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const VF lim = hn::LoadU(d, epi.lim + j * L);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const VF key = hn::Set(d, epi.key0 + static_cast<float>(i < rows ? i : rows - 1));
+        acc[i][j] = hn::IfThenElse(hn::Lt(key, lim), acc[i][j], neg_inf);
+      }
+    }
+  }
+  if (kEpi == Epi::kColMax || kEpi == Epi::kMaskColMax) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      VF m = hn::LoadU(d, colvec + j * L);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i)
+        m = hn::Max(m, acc[i][j]);
+      hn::StoreU(m, d, colvec + j * L);
+    }
+  }
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
     if (i >= rows) break;
@@ -95,26 +146,38 @@ HWY_INLINE void MicroTile(int64_t K, const float* HWY_RESTRICT a, int64_t a_rs, 
   }
 }
 
-// C (M x N) = / += A (M x K) B (K x N), N a multiple of L; A addressed as in MicroTile.
+// C (M x N) = / += A (M x K) B (K x N), N a multiple of L; A addressed as in MicroTile; colvec
+// (N floats) as kEpi says, unused for kPlain.
 // Columns outside, rows inside: one (K x NV*L) panel of B stays in L1 while every MR-row panel
 // of A streams past it.
-template <int MR, int NV>
+template <int MR, int NV, Epi kEpi = Epi::kPlain>
 HWY_NOINLINE void GemmT(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs, int64_t a_ks,
-                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+                        const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate,
+                        const EpiArgs& epi = EpiArgs()) {
   const int64_t L = static_cast<int64_t>(Lanes());
+  // The epilogue's operands at micro-tile (i0, j0).
+  const auto at = [&epi](int64_t i0, int64_t j0) {
+    EpiArgs e;
+    if (kEpi != Epi::kPlain) e.colvec = epi.colvec + j0;
+    if (kEpi == Epi::kMaskColMax) {
+      e.lim = epi.lim + j0;
+      e.key0 = epi.key0 + static_cast<float>(i0);
+    }
+    return e;
+  };
   int64_t j0 = 0;
   for (; j0 + NV * L <= N; j0 += NV * L) {
     for (int64_t i0 = 0; i0 < M; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, M - i0));
-      MicroTile<MR, NV>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
-                        accumulate);
+      MicroTile<MR, NV, kEpi>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0,
+                              ldc, accumulate, at(i0, j0));
     }
   }
   for (; j0 < N; j0 += L) {
     for (int64_t i0 = 0; i0 < M; i0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, M - i0));
-      MicroTile<MR, 1>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0, ldc,
-                       accumulate);
+      MicroTile<MR, 1, kEpi>(K, a + i0 * a_rs, a_rs, a_ks, rows, b + j0, ldb, c + i0 * ldc + j0,
+                             ldc, accumulate, at(i0, j0));
     }
   }
 }
@@ -131,12 +194,50 @@ HWY_INLINE void GemmFwd(int64_t M, int64_t N, int64_t K, const float* a, int64_t
                         const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   GemmT<kFwdMR, kFwdNV>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, accumulate);
 }
+// Scores C = A B with colmax[j] = max(colmax[j], max_i C[i, j]).
+HWY_INLINE void GemmFwdColMax(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                              int64_t a_ks, const float* b, int64_t ldb, float* c, int64_t ldc,
+                              float* colmax) {
+  GemmT<kFwdMR, kFwdNV, Epi::kColMax>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, false,
+                                      EpiArgs{colmax, nullptr, 0.0f});
+}
+// As GemmFwdColMax with row i (key key0 + i) of column j set to -inf where key0 + i >= lim[j]
+// first. Keys are exact in float up to 2^24.
+HWY_INLINE void GemmFwdMaskColMax(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                                  int64_t a_ks, const float* b, int64_t ldb, float* c, int64_t ldc,
+                                  float* colmax, const float* lim, int64_t key0) {
+  GemmT<kFwdMR, kFwdNV, Epi::kMaskColMax>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, false,
+                                          EpiArgs{colmax, lim, static_cast<float>(key0)});
+}
+// O^T: C = C diag(scale) + A B.
+HWY_INLINE void GemmFwdScaleC(int64_t M, int64_t N, int64_t K, const float* a, int64_t a_rs,
+                              int64_t a_ks, const float* b, int64_t ldb, float* c, int64_t ldc,
+                              float* scale) {
+  GemmT<kFwdMR, kFwdNV, Epi::kScaleC>(M, N, K, a, a_rs, a_ks, b, ldb, c, ldc, true,
+                                      EpiArgs{scale, nullptr, 0.0f});
+}
 
-// 2^x for x <= 0 (scores minus their running max), exactly 0 for x <= -127 (so masked scores
-// set to -inf give weight 0). x = n + f with n = round(x), |f| <= 1/2; 2^f = e^(f ln 2) by its
-// Taylor series to degree 7 (truncation error (ln2/2)^8/8! = 5e-9, below float rounding);
-// 2^n is built in the exponent field, and n = -127 makes it 0.
+// 2^x for x <= 0 (scores minus their running max), exactly 0 for x <= -200 (so masked scores set
+// to -inf give weight 0).
+// AVX-512: x = n + f with n = floor(x), f = x - n in [0, 1) from one vreduceps; 2^f by a degree-6
+// minimax polynomial (relative error 1.9e-9, 6.2e-8 after float rounding); 2^n applied by
+// vscalefps, which also gives the exact 0 below -149 (10 instructions with the clamp).
+// Elsewhere: n = round(x), |f| <= 1/2; 2^f = e^(f ln 2) by its Taylor series to degree 7
+// (truncation error (ln2/2)^8/8! = 5e-9); 2^n built in the exponent field (0 for n <= -127).
 HWY_INLINE VF Exp2(DF d, VF x) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  (void)d;
+  const __m512 v = _mm512_max_ps(x.raw, _mm512_set1_ps(-200.0f));
+  const __m512 f = _mm512_reduce_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 poly = _mm512_set1_ps(2.170438820e-04f);
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.243936364e-03f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(9.678835049e-03f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(5.548337102e-02f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(2.402298152e-01f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(6.931470037e-01f));
+  poly = _mm512_fmadd_ps(poly, f, _mm512_set1_ps(1.0f));
+  return VF{_mm512_scalef_ps(poly, v)};
+#else
   const hn::RebindToSigned<DF> di;
   x = hn::Max(x, hn::Set(d, -127.0f));
   const VF n = hn::Round(x);
@@ -151,6 +252,7 @@ HWY_INLINE VF Exp2(DF d, VF x) {
   poly = hn::MulAdd(poly, f, hn::Set(d, 1.0f));
   const auto bits = hn::ShiftLeft<23>(hn::Add(hn::ConvertTo(di, n), hn::Set(di, 127)));
   return hn::Mul(poly, hn::BitCast(d, bits));
+#endif
 }
 
 // dst[r*ld + c] = mul * src[r*s_r + c*s_c] for r < rows, c < cols; columns [cols, ld) are zeroed
@@ -175,18 +277,109 @@ HWY_INLINE void PackRows(const float* src, int64_t rows, int64_t cols, int64_t s
   }
 }
 
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+// In-register transpose of a 16 x 16 tile of floats: r[i] holds row i on entry, column i on exit.
+// Three stages: interleave 32-bit elements of row pairs, then 64-bit pairs of those (each 128-bit
+// block now holds a 4 x 4 sub-tile), then move 128-bit blocks across vectors (vshuff32x4).
+HWY_INLINE void Transpose16(__m512 r[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4g + k], block j: elements 4j + k of rows 4g .. 4g + 3.
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), e = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
+  }
+  // Column 4j + k = block j of u[k], u[4 + k], u[8 + k], u[12 + k].
+  for (int k = 0; k < 4; ++k) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);  // blocks 0, 2 | 0, 2
+    const __m512 w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);  // blocks 1, 3 | 1, 3
+    const __m512 v1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+    r[4 + k] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+  }
+}
+#endif
+
 // dst[c*ld + r] = mul * src[r*s_r + c*s_c]: the transpose of a (rows x cols) tile, with rows
 // [rows, ld) zeroed. Used for Q^T (D x queries), K^T (D x keys) and V^T (Dv x keys), so that a
-// micro-kernel reads a vector of consecutive queries or keys per feature.
+// micro-kernel reads a vector of consecutive queries or keys per feature. On AVX-512 with unit
+// column stride, whole 16 x 16 tiles go through registers (a strided scalar loop over a block of
+// 192 rows misses L1 on every element: it was ~7% of the forward at T = 1024, D = 128); the
+// rest runs 16 rows at a time so that each row of dst is written one cache line at a time.
 HWY_INLINE void PackTransposed(const float* src, int64_t rows, int64_t cols, int64_t s_r,
                                int64_t s_c, float mul, float* dst, int64_t ld) {
-  for (int64_t c = 0; c < cols; ++c) {
-    float* o = dst + c * ld;
-    const float* s = src + c * s_c;
-    for (int64_t r = 0; r < rows; ++r)
-      o[r] = mul * s[r * s_r];
+  constexpr int64_t kR = 16;
+  int64_t r0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (s_c == 1) {
+    const __m512 vm = _mm512_set1_ps(mul);
+    for (; r0 + kR <= rows; r0 += kR) {
+      int64_t c0 = 0;
+      for (; c0 + kR <= cols; c0 += kR) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i)
+          x[i] = _mm512_loadu_ps(src + (r0 + i) * s_r + c0);
+        Transpose16(x);
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_ps(dst + (c0 + i) * ld + r0, _mm512_mul_ps(x[i], vm));
+      }
+      for (int64_t c = c0; c < cols; ++c)
+        for (int64_t r = r0; r < r0 + kR; ++r)
+          dst[c * ld + r] = mul * src[r * s_r + c];
+    }
+  }
+#endif
+  for (; r0 < rows; r0 += kR) {
+    const int64_t r1 = std::min(rows, r0 + kR);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = r0; r < r1; ++r)
+        dst[c * ld + r] = mul * src[r * s_r + c * s_c];
+  }
+  for (int64_t c = 0; c < cols; ++c)
     for (int64_t r = rows; r < ld; ++r)
-      o[r] = 0.0f;
+      dst[c * ld + r] = 0.0f;
+}
+
+// dst[r*d_r + c*d_c] = src[c*ld + r] * mul[r] for r < rows, c < cols: the inverse of
+// PackTransposed with a per-row factor (the forward's O^T, normalized, into the output rows).
+HWY_INLINE void UnpackTransposed(const float* src, int64_t ld, int64_t rows, int64_t cols,
+                                 const float* mul, float* dst, int64_t d_r, int64_t d_c) {
+  constexpr int64_t kR = 16;
+  int64_t r0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (d_c == 1) {
+    for (; r0 + kR <= rows; r0 += kR) {
+      const __m512 vm = _mm512_loadu_ps(mul + r0);
+      int64_t c0 = 0;
+      for (; c0 + kR <= cols; c0 += kR) {
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i)
+          x[i] = _mm512_mul_ps(_mm512_loadu_ps(src + (c0 + i) * ld + r0), vm);
+        Transpose16(x);
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_ps(dst + (r0 + i) * d_r + c0, x[i]);
+      }
+      for (int64_t r = r0; r < r0 + kR; ++r)
+        for (int64_t c = c0; c < cols; ++c)
+          dst[r * d_r + c] = src[c * ld + r] * mul[r];
+    }
+  }
+#endif
+  for (; r0 < rows; r0 += kR) {
+    const int64_t r1 = std::min(rows, r0 + kR);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t r = r0; r < r1; ++r)
+        dst[r * d_r + c * d_c] = src[c * ld + r] * mul[r];
   }
 }
 
