@@ -343,9 +343,28 @@ Tensor Tensor::select(int d, int64_t index) const {
 void Tensor::copy_from(const Tensor& src) {
   check(src.shape_ == shape_, "Tensor::copy_from", "source shape {} differs from destination {}",
         shape_str(src.shape_), shape_str(shape_));
-  if (src.dtype_ == dtype_ && is_contiguous() && src.is_contiguous()) {
-    if (nbytes()) std::memmove(data_, src.data_, nbytes());
-    return;
+  if (is_contiguous() && src.is_contiguous()) {
+    if (src.dtype_ == dtype_) {
+      if (nbytes()) std::memmove(data_, src.data_, nbytes());
+      return;
+    }
+    // float32 <-> bfloat16 in bulk (the Python binding's dtype="bfloat16" and its float32
+    // results): the same conversions as set_flat/flat below, without the per-element index
+    // arithmetic and double round trip.
+    if (src.dtype_ == DType::F32 && dtype_ == DType::BF16) {
+      const auto* x = static_cast<const float*>(src.data_);
+      auto* y = static_cast<uint16_t*>(data_);
+      for (int64_t i = 0; i < numel_; ++i)
+        y[i] = float_to_bf16(x[i]);
+      return;
+    }
+    if (src.dtype_ == DType::BF16 && dtype_ == DType::F32) {
+      const auto* x = static_cast<const uint16_t*>(src.data_);
+      auto* y = static_cast<float*>(data_);
+      for (int64_t i = 0; i < numel_; ++i)
+        y[i] = bf16_to_float(x[i]);
+      return;
+    }
   }
   for (int64_t i = 0; i < numel_; ++i)
     set_flat(i, src.flat(i));

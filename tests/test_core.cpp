@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <iterator>
 #include <limits>
 
 namespace attn {
@@ -87,6 +88,38 @@ TEST(BFloat16, RoundsToNearestEven) {
   EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
   EXPECT_EQ(bf16_to_float(float_to_bf16(3.0f)), 3.0f);
   EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+}
+
+// Tensor::to between F32 and BF16: the contiguous bulk path equals the per-element path taken
+// by strided tensors (ties, NaN, infinities, subnormals included).
+TEST(BFloat16, ContiguousConversionEqualsStrided) {
+  const float values[] = {1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f,
+                          -2.5f,          0x1p-130f,
+                          3.0e38f,        INFINITY,
+                          -INFINITY,      NAN,
+                          0.0f,           -0.0f,
+                          1e-3f,          65504.0f};
+  const int64_t n = static_cast<int64_t>(std::size(values));
+  Tensor wide = Tensor::empty({n, 2}, DType::F32);  // column 0 contiguous copy, column 1 strided
+  for (int64_t i = 0; i < n; ++i) {
+    wide.set_flat(2 * i, values[i]);
+    wide.set_flat(2 * i + 1, values[i]);
+  }
+  Tensor contiguous = wide.select(1, 0).contiguous();
+  Tensor strided = wide.select(1, 1);  // stride 2
+  ASSERT_TRUE(contiguous.is_contiguous());
+  ASSERT_FALSE(strided.is_contiguous());
+  Tensor a = contiguous.to(DType::BF16), b = strided.to(DType::BF16);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t ha = static_cast<const uint16_t*>(a.raw_data())[i];
+    EXPECT_EQ(ha, static_cast<const uint16_t*>(b.raw_data())[i]) << i;
+    EXPECT_EQ(ha, float_to_bf16(values[i])) << i;
+  }
+  Tensor back = a.to(DType::F32), back_strided = b.to(DType::F64).to(DType::F32);
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = back.data<float>()[i], y = back_strided.data<float>()[i];
+    EXPECT_TRUE(std::isnan(x) ? std::isnan(y) : x == y) << i;
+  }
 }
 
 // Known-answer vectors from the Random123 distribution (kat_vectors, philox4x32 10 rounds).
