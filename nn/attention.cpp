@@ -39,7 +39,10 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
 DotProductAttention::DotProductAttention(double dropout_p, DType dtype)
     : Module(dtype), dropout(dropout_p) {
   check_dropout("DotProductAttention", dropout_p);
-  check_float_dtype("DotProductAttention", dtype);
+  // No parameters, and scaled_dot_product_attention takes bfloat16 q, k, v (outputs and
+  // gradients bfloat16, weights float32), so this layer can run in BF16 too.
+  check(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16, "DotProductAttention",
+        "dtype {} unsupported, expected F32, F64 or BF16", dtype_name(dtype));
 }
 
 AttentionOptions DotProductAttention::options() const {

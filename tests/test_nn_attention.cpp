@@ -170,6 +170,49 @@ TEST(DotProductAttention, MatchesTheOp) {
   EXPECT_THROW(dpa.forward(ctx, q, k, v, lens1({1, 2, 3})), Error);       // lens (3) vs B = 2
 }
 
+// A BF16 layer is the op in BF16 (forward and backward, bit for bit), for the fused kernel
+// (need_weights false) and the reference (need_weights true), with and without a causal mask.
+TEST(DotProductAttention, Bfloat16IsTheOp) {
+  struct Case {
+    bool need_weights, causal;
+  };
+  for (const Case& c :
+       {Case{false, false}, Case{false, true}, Case{true, false}, Case{true, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "need_weights " << c.need_weights << " causal " << c.causal);
+    Context ctx;
+    Tensor q = random_tensor({2, 6, 8}, DType::BF16, 1),
+           k = random_tensor({2, 6, 8}, DType::BF16, 2),
+           v = random_tensor({2, 6, 4}, DType::BF16, 3),
+           dout = random_tensor({2, 6, 4}, DType::BF16, 4);
+    Tensor valid = lens1({6, 3});
+    DotProductAttention dpa(0.0, DType::BF16);
+    dpa.need_weights = c.need_weights;
+    dpa.causal = c.causal;
+    Tensor out = dpa.forward(ctx, q, k, v, valid);
+    AttentionInputGrads g = dpa.backward(ctx, dout);
+    AttentionOptions o;
+    o.mask.valid_lens = valid;
+    o.mask.causal = c.causal;
+    o.need_weights = c.need_weights;
+    AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, o);
+    AttentionGrads want = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, o);
+    EXPECT_EQ(out.dtype(), DType::BF16);
+    EXPECT_EQ(g.dqueries.dtype(), DType::BF16);
+    EXPECT_TRUE(close(out, r.output, 0, 0));
+    EXPECT_TRUE(close(g.dqueries, want.dq, 0, 0));
+    EXPECT_TRUE(close(g.dkeys, want.dk, 0, 0));
+    EXPECT_TRUE(close(g.dvalues, want.dv, 0, 0));
+    EXPECT_EQ(dpa.attention_weights().defined(), c.need_weights);
+    if (c.need_weights) {
+      EXPECT_EQ(dpa.attention_weights().dtype(), DType::F32);
+    }
+    // The layer's dtype is the inputs' dtype: float32 inputs are an error, as for F32/F64 layers.
+    EXPECT_THROW(dpa.forward(ctx, q.to(DType::F32), k, v), Error);
+  }
+  EXPECT_THROW(DotProductAttention(0.0, DType::F16), Error);
+}
+
 TEST(DotProductAttention, Gradcheck) {
   for (double p : {0.0, 0.4}) {
     Context ctx;

@@ -16,6 +16,8 @@ struct AttentionInputGrads {
 };
 
 // d2l DotProductAttention(dropout): no parameters; attention_weights() (B, T, S) pre-dropout.
+// dtype F32, F64 or BF16 (then output and input gradients BF16, attention_weights F32; the
+// fused bf16 kernel runs when need_weights is false).
 class DotProductAttention : public Module {
  public:
   explicit DotProductAttention(double dropout, DType dtype = DType::F32);
