@@ -20,11 +20,16 @@ namespace attn::python {
 
 // An input converted to the module's dtype (a copy only when the dtype differs: NumPy's default
 // float64 feeding a float32 module, say). Errors name the module.
+// torch.bfloat16 inputs are accepted by every layer: viewed as is by a bfloat16 layer, widened
+// (exactly) for a float32/float64 one; float inputs to a bfloat16 layer are rounded to nearest
+// even.
 Input module_input(py::handle obj, const char* op, const char* name, DType dtype, bool allow_none) {
-  Input in = to_tensor(obj, op, name, InputKind::kFloat, allow_none);
+  Input in = to_tensor(obj, op, name, InputKind::kFloatBF16, allow_none);
   if (!in.tensor.defined() || in.tensor.dtype() == dtype) return in;
   Tensor converted = in.tensor.to(dtype);  // owning, contiguous
-  in.array = to_numpy(converted);          // so the returned Input still owns what it views
+  // So the returned Input still owns what it views. A BF16 copy owns itself (and the layer's
+  // saved Tensors share its storage); to_numpy would widen it into an unrelated array.
+  in.array = dtype == DType::BF16 ? py::none() : to_numpy(converted);
   in.tensor = converted;
   in.copied = true;
   return in;
@@ -52,8 +57,8 @@ std::string fmt_double(double x) {
 
 namespace {
 
-py::tuple input_grads(const nn::AttentionInputGrads& g) {
-  return py::make_tuple(to_numpy(g.dqueries), to_numpy(g.dkeys), to_numpy(g.dvalues));
+py::tuple input_grads(const nn::AttentionInputGrads& g, const OutputMode& out) {
+  return py::make_tuple(out(g.dqueries), out(g.dkeys), out(g.dvalues));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -170,7 +175,9 @@ that have seen no input yet are absent.)doc")
             std::vector<Input> keep;  // the views below point into these until loaded (copied)
             for (auto [key, value] : state) {
               std::string name = py::str(key).cast<std::string>();
-              keep.push_back(to_tensor(value, op.c_str(), name.c_str(), InputKind::kFloat));
+              // bf16 checkpoints (torch.bfloat16 tensors) load too: the library converts each
+              // entry to its parameter's dtype.
+              keep.push_back(to_tensor(value, op.c_str(), name.c_str(), InputKind::kFloatBF16));
               dict.emplace(std::move(name), keep.back().tensor);
             }
             std::lock_guard lock(self.mutex);
@@ -220,8 +227,12 @@ PyTorch accumulates .grad) until zero_grad(). Copy an entry to keep a snapshot.)
       .def_property_readonly(
           "dtype",
           [](PyModule& self) {
-            return py::dtype(self.module().dtype() == DType::F64 ? "float64" : "float32");
-          })
+            const DType t = self.module().dtype();
+            // NumPy has no bfloat16: the name, as dtype= takes it.
+            if (t == DType::BF16) return py::object(py::str("bfloat16"));
+            return py::object(py::dtype(t == DType::F64 ? "float64" : "float32"));
+          },
+          "np.float32/np.float64 dtype, or the string 'bfloat16' (DotProductAttention only).")
       .def_property(
           "context", [](PyModule& self) { return self.ctx; },
           [](PyModule& self, ContextPtr ctx) {
@@ -253,7 +264,7 @@ void bind_attention_calls(Class& cls, const char* op) {
     Tensor out = run_locked(self, {q.array, k.array, v.array, lens.array}, [&](Context& c) {
       return self.m.forward(c, q.tensor, k.tensor, v.tensor, lens.tensor);
     });
-    return to_numpy(out);
+    return OutputMode(dt, {&q, &k, &v})(out);
   };
   const char* forward_doc = R"doc(
 Runs forward: queries (B, T, Dq), keys (B, S, Dk), values (B, S, Dv); valid_lens None, (B,) or
@@ -270,7 +281,7 @@ returned output) in place before calling backward.)doc";
             Input dout = module_input(grad_output, op, "grad_output", self.m.dtype());
             nn::AttentionInputGrads g =
                 run_locked(self, {}, [&](Context& c) { return self.m.backward(c, dout.tensor); });
-            return input_grads(g);
+            return input_grads(g, OutputMode(self.m.dtype(), {&dout}));
           },
           py::arg("grad_output"), R"doc(
 Backward of the last forward: returns (d_queries, d_keys, d_values) and adds the parameter
@@ -295,12 +306,18 @@ void bind_nn(py::module_& m) {
 
   py::class_<PyDotProductAttention, PyModule> dot(m, "DotProductAttention", R"doc(
 d2l's DotProductAttention(dropout): softmax(q k^T / sqrt(D)) v with valid_lens masking and
-dropout on the weights; no parameters.)doc");
+dropout on the weights; no parameters.
+
+dtype='bfloat16' (or torch.bfloat16) computes in bfloat16: torch.bfloat16 inputs are used as they
+are (no copy), float inputs are rounded to bfloat16 (nearest even). Output and backward's
+gradients are torch.bfloat16 tensors when the call's arrays were torch tensors, else float32
+NumPy arrays holding the bfloat16 values; attention_weights are float32. need_weights=False runs
+the fused bfloat16 kernel (with weights kept, the exact reference runs and rounds).)doc");
   dot.def(py::init([](double dropout, bool causal, const std::string& masked_rows, py::handle dtype,
                       uint64_t seed, int threads, const std::string& backend, ContextPtr ctx) {
             const char* op = "DotProductAttention";
-            auto self =
-                std::make_unique<PyDotProductAttention>(dropout, parse_float_dtype(dtype, op));
+            auto self = std::make_unique<PyDotProductAttention>(
+                dropout, parse_float_dtype(dtype, op, /*allow_bf16=*/true));
             self->m.causal = causal;
             self->m.masked_rows = parse_masked_rows(masked_rows, op);
             self->ctx = make_context(ctx, seed, threads, backend);

@@ -144,12 +144,14 @@ Masked positions and rows with no kept key get zero gradient.)doc");
       "scaled_dot_product_attention",
       [](py::handle queries, py::handle keys, py::handle values, py::handle valid_lens, bool causal,
          double dropout, std::optional<double> scale, bool need_weights,
-         const std::string& masked_rows, ContextPtr ctx) -> py::object {
+         const std::string& masked_rows, py::handle dtype, ContextPtr ctx) -> py::object {
         const char* op = "scaled_dot_product_attention";
-        Input q = to_tensor(queries, op, "queries", InputKind::kFloat);
-        Input k = to_tensor(keys, op, "keys", InputKind::kFloat);
-        Input v = to_tensor(values, op, "values", InputKind::kFloat);
+        const std::optional<DType> compute = parse_compute_dtype(dtype, op);
+        Input q = to_tensor(queries, op, "queries", InputKind::kFloatBF16);
+        Input k = to_tensor(keys, op, "keys", InputKind::kFloatBF16);
+        Input v = to_tensor(values, op, "values", InputKind::kFloatBF16);
         Input lens = to_tensor(valid_lens, op, "valid_lens", InputKind::kLens, true);
+        if (!compute) check_same_dtype(op, {{"queries", &q}, {"keys", &k}, {"values", &v}});
         AttentionOptions opts;
         opts.mask = mask_options(lens, causal, masked_rows, op);
         opts.dropout = dropout;
@@ -157,22 +159,34 @@ Masked positions and rows with no kept key get zero gradient.)doc");
         opts.need_weights = need_weights;
         opts.scale = scale;
         AttentionResult r = run_with(context_or_default(ctx), [&](Context& c) {
-          return scaled_dot_product_attention(c, q.tensor, k.tensor, v.tensor, opts);
+          if (!compute) return scaled_dot_product_attention(c, q.tensor, k.tensor, v.tensor, opts);
+          // dtype=: a converted copy of each input whose dtype differs (to BF16: round to
+          // nearest even, attn/core/dtype.hpp; a float64 input through float32).
+          return scaled_dot_product_attention(c, q.tensor.to(*compute), k.tensor.to(*compute),
+                                              v.tensor.to(*compute), opts);
         });
-        if (need_weights) return py::make_tuple(to_numpy(r.output), to_numpy(r.weights));
-        return to_numpy(r.output);
+        const OutputMode out(r.output.dtype(), {&q, &k, &v});
+        if (need_weights) return py::make_tuple(out(r.output), out(r.weights));
+        return out(r.output);
       },
       py::arg("queries"), py::arg("keys"), py::arg("values"), py::arg("valid_lens") = py::none(),
       py::arg("causal") = false, py::arg("dropout") = 0.0, py::kw_only(),
       py::arg("scale") = py::none(), py::arg("need_weights") = false,
-      py::arg("masked_rows") = "uniform", py::arg("ctx") = py::none(), R"doc(
+      py::arg("masked_rows") = "uniform", py::arg("dtype") = py::none(),
+      py::arg("ctx") = py::none(), R"doc(
 out = dropout(masked_softmax(queries keys^T * scale, valid_lens)) values   (d2l DotProductAttention)
 
-queries (B, T, D), keys (B, S, D), values (B, S, Dv), float32 or float64, any strides.
-valid_lens None, (B,) or (B, T); causal: query t sees keys 0..t; scale defaults to 1/sqrt(D).
-dropout acts whenever > 0 (like PyTorch's functional SDPA), drawn from ctx's dropout stream.
-Returns out (B, T, Dv), or (out, weights) with need_weights=True; weights (B, T, S) are the
-pre-dropout softmax, as d2l stores them.)doc");
+queries (B, T, D), keys (B, S, D), values (B, S, Dv), float32 or float64, any strides, or
+torch.bfloat16 tensors (viewed without a copy). valid_lens None, (B,) or (B, T); causal: query t
+sees keys 0..t; scale defaults to 1/sqrt(D). dropout acts whenever > 0 (like PyTorch's
+functional SDPA), drawn from ctx's dropout stream. Returns out (B, T, Dv), or (out, weights) with
+need_weights=True; weights (B, T, S) are the pre-dropout softmax, as d2l stores them.
+
+dtype: None computes in the inputs' dtype (all three alike, else attn.Error). 'bfloat16' (or
+torch.bfloat16) rounds float inputs to bfloat16 (nearest even) and runs the bfloat16 kernels;
+'float32'/'float64' convert to that. bfloat16 results: torch.bfloat16 tensors when an input was a
+torch tensor (weights then a float32 torch tensor), else float32 NumPy arrays holding the
+bfloat16 values exactly (out); the weights are float32 either way.)doc");
 
   m.def(
       "sinusoidal_encoding",
@@ -210,19 +224,20 @@ float64 (and exact=True) computes angles in double.)doc");
   m.def(
       "_input_view",
       [](py::handle array, bool lens) {
-        Input in =
-            to_tensor(array, "_input_view", "array", lens ? InputKind::kLens : InputKind::kFloat);
+        Input in = to_tensor(array, "_input_view", "array",
+                             lens ? InputKind::kLens : InputKind::kFloatBF16);
         py::dict info;
         info["data"] = reinterpret_cast<uintptr_t>(in.tensor.raw_data());
         info["strides"] = py::cast(in.tensor.strides());
         info["dtype"] = std::string(dtype_name(in.tensor.dtype()));
         info["copied"] = in.copied;
+        info["from_torch"] = in.from_torch;
         return info;
       },
       py::arg("array"), py::arg("lens") = false,
       "Testing aid: how an argument reaches C++ (data address, element strides, dtype, and "
       "copied:\n"
-      "whether it was not a NumPy array usable as is).");
+      "whether it was not a NumPy array usable as is, nor a torch.bfloat16 tensor).");
 
   m.def(
       "dropout",

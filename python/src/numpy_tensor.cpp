@@ -33,6 +33,7 @@ std::string dtype_str(const py::dtype& dt) {
 }
 
 // The attn dtype an array of `dt` is used as without conversion, if any.
+// (BF16 arrives only as a torch.bfloat16 tensor: to_tensor handles it before this.)
 std::optional<DType> usable_dtype(const py::dtype& dt, InputKind kind) {
   const char k = dt.kind();
   const auto size = dt.itemsize();
@@ -52,6 +53,7 @@ const char* conversion_target(const py::dtype& dt, InputKind kind) {
   const bool integer = k == 'b' || k == 'i' || k == 'u';
   switch (kind) {
     case InputKind::kFloat:
+    case InputKind::kFloatBF16:
       if (k == 'f') return dt.itemsize() > 8 ? "float64" : "float32";
       return integer ? "float32" : nullptr;
     case InputKind::kLens:
@@ -74,17 +76,33 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
   }
   py::object src = py::reinterpret_borrow<py::object>(obj);
   // torch tensors: np.asarray refuses ones that require grad, so detach (a view, no copy).
-  if (!py::isinstance<py::array>(src) && py::hasattr(src, "detach") && py::hasattr(src, "cpu"))
+  in.from_torch =
+      !py::isinstance<py::array>(src) && py::hasattr(src, "detach") && py::hasattr(src, "cpu");
+  bool bf16 = false;
+  if (in.from_torch) {
     src = src.attr("detach")().attr("cpu")();
+    bf16 = py::hasattr(src, "dtype") &&
+           py::str(src.attr("dtype")).cast<std::string>() == "torch.bfloat16";
+  }
+  if (bf16) {
+    check(kind == InputKind::kFloatBF16, op,
+          "{} is a torch.bfloat16 tensor, expected float32 or float64: {} has no bfloat16 kernel "
+          "(bfloat16 runs in scaled_dot_product_attention and DotProductAttention)",
+          name, op);
+    // Same item size, so the int16 view keeps every stride; .numpy() shares the memory and its
+    // array keeps the tensor alive.
+    src = src.attr("view")(py::module_::import("torch").attr("int16")).attr("numpy")();
+  }
   py::array arr = py::array::ensure(src);
   // Lists, scalars and other array-likes became a new array (torch tensors are shared, but
-  // count as converted too: attn views NumPy's array, not the tensor object).
-  in.copied = !py::isinstance<py::array>(obj);
+  // count as converted too: attn views NumPy's array, not the tensor object), except bf16
+  // tensors, whose memory attn views as is.
+  in.copied = !py::isinstance<py::array>(obj) && !bf16;
   check(static_cast<bool>(arr), op, "{} of type {} cannot be converted to an array", name,
         py::str(py::type::handle_of(obj).attr("__name__")).cast<std::string>());
 
   py::dtype dt = arr.dtype();
-  std::optional<DType> dtype = usable_dtype(dt, kind);
+  std::optional<DType> dtype = bf16 ? std::optional<DType>(DType::BF16) : usable_dtype(dt, kind);
   bool view_ok = dtype.has_value() && dt.attr("isnative").cast<bool>() &&
                  (arr.flags() & py::detail::npy_api::NPY_ARRAY_ALIGNED_) != 0;
   const auto itemsize = static_cast<int64_t>(dt.itemsize());
@@ -92,12 +110,15 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
     // Strides of dimensions of size 0 or 1 never move the pointer, so they do not matter.
     if (arr.shape(i) > 1) view_ok = arr.strides(i) >= 0 && arr.strides(i) % itemsize == 0;
   }
+  // torch's int16 view of a CPU tensor is always native, aligned and non-negatively strided.
+  check(view_ok || !bf16, op, "{}: this torch.bfloat16 tensor's memory cannot be viewed", name);
   if (!view_ok) {
     const char* target = dtype ? numpy_name(*dtype) : conversion_target(dt, kind);
     check(target != nullptr, op, "{} has dtype {}, expected {}", name, dtype_str(dt),
-          kind == InputKind::kLens  ? "integer or floating lengths"
-          : kind == InputKind::kIds ? "integer token ids"
-                                    : "float32 or float64");
+          kind == InputKind::kLens        ? "integer or floating lengths"
+          : kind == InputKind::kIds       ? "integer token ids"
+          : kind == InputKind::kFloatBF16 ? "float32 or float64 (or a torch.bfloat16 tensor)"
+                                          : "float32 or float64");
     arr = py::module_::import("numpy").attr("ascontiguousarray")(arr, py::dtype(target));
     dt = arr.dtype();
     dtype = usable_dtype(dt, kind);
@@ -120,17 +141,16 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
 }
 
 Tensor to_owned_tensor(py::handle obj, DType dtype, const char* op, const std::string& name) {
-  Input in = to_tensor(obj, op, name.c_str(), InputKind::kFloat);
+  Input in = to_tensor(obj, op, name.c_str(), InputKind::kFloatBF16);
   Tensor out = Tensor::empty(in.tensor.shape(), dtype);
   out.copy_from(in.tensor);
   return out;
 }
 
-py::object to_numpy(const Tensor& tensor, bool writeable) {
-  if (!tensor.defined()) return py::none();
-  Tensor t = tensor;
-  if (!t.owns_memory()) t = t.clone();  // a view of memory nobody here keeps alive
-  if (t.dtype() == DType::BF16) t = t.to(DType::F32);
+namespace {
+
+// An array over t's own memory (t owns it), of NumPy dtype `np_dtype` (same item size).
+py::array array_over(const Tensor& t, const char* np_dtype) {
   const auto itemsize = static_cast<py::ssize_t>(dtype_size(t.dtype()));
   std::vector<py::ssize_t> shape(t.shape().begin(), t.shape().end());
   std::vector<py::ssize_t> strides(shape.size());
@@ -139,26 +159,83 @@ py::object to_numpy(const Tensor& tensor, bool writeable) {
   // The capsule owns a Tensor sharing the storage; NumPy drops it with the last view.
   auto* keep = new Tensor(t);
   py::capsule owner(keep, [](void* p) { delete static_cast<Tensor*>(p); });
-  py::array array(py::dtype(numpy_name(t.dtype())), std::move(shape), std::move(strides),
-                  t.raw_data(), owner);
+  return py::array(py::dtype(np_dtype), std::move(shape), std::move(strides), t.raw_data(), owner);
+}
+
+}  // namespace
+
+py::object to_numpy(const Tensor& tensor, bool writeable) {
+  if (!tensor.defined()) return py::none();
+  Tensor t = tensor;
+  if (!t.owns_memory()) t = t.clone();  // a view of memory nobody here keeps alive
+  if (t.dtype() == DType::BF16) t = t.to(DType::F32);
+  py::array array = array_over(t, numpy_name(t.dtype()));
   if (!writeable) array.attr("setflags")(py::arg("write") = false);
   return array;
 }
 
-DType parse_float_dtype(py::handle obj, const char* op) {
+py::object to_torch(const Tensor& tensor) {
+  if (!tensor.defined()) return py::none();
+  py::module_ torch = py::module_::import("torch");
+  Tensor t = tensor;
+  if (!t.owns_memory()) t = t.clone();
+  if (t.dtype() != DType::BF16)
+    return torch.attr("from_numpy")(array_over(t, numpy_name(t.dtype())));
+  // The bits as int16, reinterpreted by torch (same item size: strides unchanged).
+  return torch.attr("from_numpy")(array_over(t, "int16")).attr("view")(torch.attr("bfloat16"));
+}
+
+OutputMode::OutputMode(DType compute, std::initializer_list<const Input*> inputs) {
+  if (compute != DType::BF16) return;
+  for (const Input* in : inputs)
+    torch = torch || in->from_torch;
+}
+
+const char* python_dtype_name(DType t) {
+  return t == DType::BF16 ? "bfloat16" : numpy_name(t);
+}
+
+void check_same_dtype(const char* op,
+                      std::initializer_list<std::pair<const char*, const Input*>> inputs) {
+  const auto* first = inputs.begin();
+  for (const auto& [name, in] : inputs) {
+    const DType a = first->second->tensor.dtype(), b = in->tensor.dtype();
+    const bool bf16 = a == DType::BF16 || b == DType::BF16;
+    check(a == b, op,
+          "{} has dtype {} but {} has dtype {}, expected one dtype for all of them (dtype='{}' "
+          "converts them{})",
+          name, python_dtype_name(b), first->first, python_dtype_name(a),
+          bf16 ? "bfloat16" : "float64", bf16 ? ", rounding floats to nearest even" : "");
+  }
+}
+
+DType parse_float_dtype(py::handle obj, const char* op, bool allow_bf16) {
   if (obj.is_none()) return DType::F32;
   const std::string text = py::str(obj).cast<std::string>();
   if (text == "torch.float32") return DType::F32;  // accept PyTorch's dtype objects too
   if (text == "torch.float64") return DType::F64;
+  if (text == "bfloat16" || text == "torch.bfloat16") {
+    check(allow_bf16, op,
+          "dtype bfloat16 is not supported by {}, expected float32 or float64 (bfloat16 runs in "
+          "scaled_dot_product_attention and DotProductAttention)",
+          op);
+    return DType::BF16;
+  }
+  const char* expected = allow_bf16 ? "float32, float64 or bfloat16" : "float32 or float64";
   py::dtype dt;
   try {
     dt = py::dtype::from_args(py::reinterpret_borrow<py::object>(obj));
   } catch (const py::error_already_set&) {
-    throw Error(op, "dtype " + text + " is not a NumPy dtype, expected float32 or float64");
+    throw Error(op, "dtype " + text + " is not a NumPy dtype, expected " + expected);
   }
   std::optional<DType> t = usable_dtype(dt, InputKind::kFloat);
-  check(t.has_value(), op, "dtype {} is not supported, expected float32 or float64", dtype_str(dt));
+  check(t.has_value(), op, "dtype {} is not supported, expected {}", dtype_str(dt), expected);
   return *t;
+}
+
+std::optional<DType> parse_compute_dtype(py::handle obj, const char* op) {
+  if (obj.is_none()) return std::nullopt;
+  return parse_float_dtype(obj, op, /*allow_bf16=*/true);
 }
 
 MaskedRowPolicy parse_masked_rows(const std::string& name, const char* op) {
