@@ -23,9 +23,16 @@
 // (dropped-out) weights. Everything else (masks, masked rows, NaN rules, threads) follows the
 // fp32 kernel. Measured against it and the history of each choice: docs/notes/bf16-kernel.md.
 //
-// Performance notes (2 cores, AMD EPYC with avx512_bf16, 2 threads, measured under load ~8):
-// forward 1.8x the fp32 forward at T = S = 1024 (D = 64 and 128), 1.6-1.9x at T = S = 4096. Of
-// the time, ~70-80% is the micro-kernel, ~15-20% the softmax, ~4% the packs.
+// Native backward (AVX512-BF16): FlashAttention-2 Algorithm 2 with the same pairs (layout in the
+// section "Native backward" below): all five products on vdpbf16ps, P Z and dS
+// rounded to bf16 once for the products that consume them, dQ, dK, dV accumulated in fp32 and
+// rounded once.
+//
+// Performance notes (2 cores, AMD EPYC with avx512_bf16, 2 threads): forward 1.8x the fp32
+// forward at T = S = 1024 (D = 64 and 128), 1.6-1.9x at T = S = 4096 (load ~8). Of the time,
+// ~70-80% is the micro-kernel, ~15-20% the softmax, ~4% the packs. Backward 1.6-1.9x the fp32
+// backward at the same shapes (load 2-3); ~70% micro-kernels, ~20% the softmax backward, ~4%
+// the packs.
 #include "kernels/cpu/flash_bf16.hpp"
 
 #include "kernels/cpu/dropout_simd.hpp"
@@ -770,6 +777,14 @@ void forward_native(const FlashBf16Params& p) {
 // P = 2^(X - lse log2 e) and dS = P (dP Z - D_t) stay fp32 (degree-3 exp2 as in the forward);
 // P Z and dS are rounded to bf16 once for the products that consume them; dK^T, dV^T (per key
 // block) and dQ (per item, (T, Dp)) accumulate in fp32 and are rounded to bf16 once at the end.
+// Each orientation is chosen so that only one operand needs a transposition that the pairs do
+// not give for free: two rows of the tile interleaved are pairs along t (dV, dK), one row
+// rounded is pairs along s (dQ), so no tile is ever transposed. q and dO are packed once per
+// item (both layouts) when 4 T (D + Dv) bytes fit in 8 MiB, else per query tile; k and v per key
+// block. Masks, masked rows, NaN rules (tiles whose q, dO or k hold an Inf or NaN add only their
+// kept terms, as AllFinite in flash_attention.cpp), dropout (the same stream; one 16-lane Philox
+// per query row of a block when S % 4 == 0) and the thread-independent work items and dQ sums
+// follow the fp32 backward. Measured: docs/notes/bf16-kernel.md (backward versions).
 
 constexpr int64_t kBwdK = 64;      // keys per block (32 pairs): lanes of the score tile
 constexpr int64_t kBwdK2 = 32;     // pairs per key block; the row stride of dsr

@@ -15,11 +15,18 @@
 // Without AVX512-BF16, when weights are requested, or when forced (tests), the forward converts
 // q, k, v to fp32 and runs cpu::flash_attention_forward, then rounds out to bf16.
 //
-// Backward: converts q, k, v, out, dout to fp32, runs the fp32 FlashAttention-2 backward
-// (cpu::flash_attention_backward) and rounds dq, dk, dv to bf16. It is not a native bf16 kernel:
-// it costs O(B (T + S) D) extra fp32 memory and runs at the fp32 speed. The fp32 copies (also
-// those of the fallback forward) live in a per-thread arena kept between calls up to 64 MiB, so
-// repeated calls do not page-fault fresh memory; larger requests are freed on return.
+// Backward. With AVX512-BF16 (and T, S > 0) the native kernel: FlashAttention-2's backward as
+// the fp32 kernel does it (work items (b, key range), P recomputed from lse), its five products
+// (Q K^T, dO V^T, dV += (P Z)^T dO, dK += dS^T Q, dQ += dS K) as bf16 dot products of pairs with
+// fp32 accumulation. P Z and dS are rounded to bf16 once for the products that consume them;
+// dq, dk, dv accumulate in fp32 and are rounded to bf16 once. Extra memory per thread: q and dO
+// packed as pairs (4 T (D + Dv) bytes when that is <= 8 MiB, else per 96-query tile), kept
+// between calls (up to 64 MiB), plus the fp32 dQ shares (T D floats per thread, or per item when
+// B < 4 splits the keys); never a T x S matrix.
+// Without AVX512-BF16 or when forced: converts q, k, v, out, dout to fp32, runs the fp32
+// backward (cpu::flash_attention_backward) and rounds dq, dk, dv to bf16 (O(B (T + S) D) extra
+// fp32 memory, from a per-thread arena kept between calls up to 64 MiB, as the fallback
+// forward's copies).
 #pragma once
 
 #include <cstdint>
@@ -69,9 +76,10 @@ void flash_attention_forward_bf16(const FlashBf16Params& p);
 // Reads p.q, p.k, p.v, p.out, p.lse and g.dout; overwrites g.dq, g.dk, g.dv.
 void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g);
 
-// True when the forward runs the native AVX512-BF16 kernel on this CPU (and it is not forced
-// off). For tests and benchmarks: force_fallback(true) makes every forward take the fp32
-// conversion path, so both paths can be tested on one machine; not thread-safe.
+// True when the forward and backward run the native AVX512-BF16 kernels on this CPU (and they
+// are not forced off). For tests and benchmarks: force_fallback(true) makes every forward and
+// backward take the fp32 conversion path, so both paths can be tested on one machine; not
+// thread-safe.
 bool flash_bf16_native();
 void flash_bf16_force_fallback(bool on);
 
