@@ -464,10 +464,14 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   float* do_all = whole ? q_all + T * Dp : nullptr;  // (T, Dvp) all of dO
   const bool dropout = p.dropout > 0.0f;
   const float c = p.scale * kLog2e;
+  // Whether all of q and dO are finite, checked once per item when they are packed whole (the
+  // common case: then no query tile needs its own check below).
+  bool q_do_finite = false;
   if (whole) {
     PackRows(p.q + QOff(p, b), T, D, p.q_st, p.q_sd, c, q_all, Dp);
     PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh), T, Dv, g.do_st, g.do_sd, 1.0f, do_all,
              Dvp);
+    q_do_finite = AllFinite(q_all, T, D, Dp, 1) && AllFinite(do_all, T, Dv, Dvp, 1);
   }
 
   bool any_masked = false;
@@ -553,7 +557,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
       const float* pzb = dropout ? pz : pb;
       // dV += (P Z)^T dO, dK += dS^T (c Q), dQ += dS K (A read transposed by its strides).
       // Tiles with non-finite inputs add only the kept terms (see AllFinite).
-      if (AllFinite(qp, mq, D, Dp, 1) && AllFinite(dop, mq, Dv, Dvp, 1)) {
+      if (q_do_finite || (AllFinite(qp, mq, D, Dp, 1) && AllFinite(dop, mq, Dv, Dvp, 1))) {
         Gemm(nkr, Dvp, mq, pzb, 1, nkp, dop, Dvp, dv_acc, Dvp, true);
         Gemm(nkr, Dp, mq, ds, 1, nkp, qp, Dp, dk_acc, Dp, true);
       } else {
