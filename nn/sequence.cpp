@@ -1,4 +1,4 @@
-// Conv1d and RNN modules (see attn/nn/sequence.hpp): parameters with PyTorch's names and
+// Conv1d, RNN and GRU modules (see attn/nn/sequence.hpp): parameters with PyTorch's names and
 // initialisation around the ops in ops/conv1d.cpp and ops/rnn.cpp.
 //
 // Vocabulary: B batch, n sequence length, k kernel size, I input size, H hidden size.
@@ -132,6 +132,70 @@ RNN::InputGrads RNN::backward(Context& ctx, const Tensor& dout, const Tensor& dh
   if (dh_n.defined()) check_dout(op, dh_n, h_n_.shape(), dtype_);
   RnnGrads g = rnn_tanh_backward(ctx, dout, dh_n, x_, h0_, weight_ih_l0.value, weight_hh_l0.value,
                                  output_, has_bias_);
+  detail::accumulate(weight_ih_l0.grad, g.dW_ih);
+  detail::accumulate(weight_hh_l0.grad, g.dW_hh);
+  if (has_bias_) {
+    detail::accumulate(bias_ih_l0.grad, g.db_ih);
+    detail::accumulate(bias_hh_l0.grad, g.db_hh);
+  }
+  return {g.dx, g.dh0};
+}
+
+// ----------------------------------------------------------------------------------------------
+// GRU
+
+GRU::GRU(int64_t input_size, int64_t hidden_size, bool with_bias, DType dtype, uint64_t seed)
+    : Module(dtype), has_bias_(with_bias) {
+  const char* op = "GRU";
+  check(input_size > 0 && hidden_size > 0, op,
+        "input_size ({}) and hidden_size ({}) must be positive", input_size, hidden_size);
+  check_float_dtype(op, dtype);
+  // RNNBase.reset_parameters, as for the RNN: every weight ~ U(-1/sqrt(H), 1/sqrt(H)); the
+  // three gates' rows (r, z, n) are stacked in each tensor.
+  const double bound = 1.0 / std::sqrt(static_cast<double>(hidden_size));
+  const int64_t rows = 3 * hidden_size;
+  init_uniform(weight_ih_l0, {rows, input_size}, dtype, bound, seed, "weight_ih_l0");
+  init_uniform(weight_hh_l0, {rows, hidden_size}, dtype, bound, seed, "weight_hh_l0");
+  if (with_bias) {
+    init_uniform(bias_ih_l0, {rows}, dtype, bound, seed, "bias_ih_l0");
+    init_uniform(bias_hh_l0, {rows}, dtype, bound, seed, "bias_hh_l0");
+  }
+}
+
+std::vector<std::pair<std::string, Parameter*>> GRU::named_parameters() {
+  std::vector<std::pair<std::string, Parameter*>> out = {{"weight_ih_l0", &weight_ih_l0},
+                                                         {"weight_hh_l0", &weight_hh_l0}};
+  if (has_bias_) {
+    out.emplace_back("bias_ih_l0", &bias_ih_l0);
+    out.emplace_back("bias_hh_l0", &bias_hh_l0);
+  }
+  return out;
+}
+
+Tensor GRU::forward(Context& ctx, const Tensor& x, const Tensor& h0) {
+  detail::check_input("GRU", "x", x, 3, dtype_);
+  if (h0.defined()) detail::check_input("GRU", "h0", h0, 2, dtype_);
+  GruResult r =
+      gru(ctx, x, h0, weight_ih_l0.value, weight_hh_l0.value,
+          has_bias_ ? bias_ih_l0.value : Tensor(), has_bias_ ? bias_hh_l0.value : Tensor());
+  x_ = x;
+  h0_ = h0;
+  output_ = r.output;
+  h_n_ = r.h_n;
+  flops_ += r.flops;
+  return r.output;
+}
+
+GRU::InputGrads GRU::backward(Context& ctx, const Tensor& dout, const Tensor& dh_n) {
+  const char* op = "GRU::backward";
+  check(output_.defined(), op, "called before forward");
+  check_dout(op, dout, output_.shape(), dtype_);
+  if (dh_n.defined()) check_dout(op, dh_n, h_n_.shape(), dtype_);
+  // The op recomputes the gates from the saved x, h0 and output with the parameters as they are
+  // now: backward belongs before the optimizer step (as for every module here).
+  GruGrads g = gru_backward(ctx, dout, dh_n, x_, h0_, weight_ih_l0.value, weight_hh_l0.value,
+                            has_bias_ ? bias_ih_l0.value : Tensor(),
+                            has_bias_ ? bias_hh_l0.value : Tensor(), output_);
   detail::accumulate(weight_ih_l0.grad, g.dW_ih);
   detail::accumulate(weight_hh_l0.grad, g.dW_hh);
   if (has_bias_) {

@@ -1,6 +1,6 @@
 // Sequence layers of the chapter's CNN / RNN / self-attention comparison, forward and backward:
-// Conv1d (kernel k, 'same' padding) and RNN (Elman, tanh). Both map (B, n, d_in) to (B, n, d_out)
-// like self-attention does, and count the FLOPs their forward performs.
+// Conv1d (kernel k, 'same' padding), RNN (Elman, tanh) and GRU. All map (B, n, d_in) to
+// (B, n, d_out) like self-attention does, and count the FLOPs their forward performs.
 //
 // Vocabulary: B batch, n sequence length, d_in / d_out widths, k kernel size, H hidden size.
 #pragma once
@@ -64,6 +64,39 @@ class RNN : public Module {
 
   int64_t input_size() const { return weight_ih_l0.value.dim(1); }
   int64_t hidden_size() const { return weight_ih_l0.value.dim(0); }
+  bool has_bias() const { return has_bias_; }
+  int64_t flops() const { return flops_; }  // as Conv1d::flops
+  void reset_flops() { flops_ = 0; }
+
+  Parameter weight_ih_l0, weight_hh_l0, bias_ih_l0, bias_hh_l0;
+
+ private:
+  bool has_bias_;
+  int64_t flops_ = 0;
+  Tensor x_, h0_, output_, h_n_;  // saved by the forward
+};
+
+// torch.nn.GRU(input_size, hidden_size, num_layers=1, bias, batch_first=True), gates in PyTorch's
+// order (r, z, n); equations in attn/ops/rnn.hpp.
+// State dict: weight_ih_l0 (3H, I), weight_hh_l0 (3H, H), bias_ih_l0 (3H), bias_hh_l0 (3H), rows
+// r | z | n as PyTorch stacks them. Initialisation as PyTorch: every parameter
+// ~ U(-1/sqrt(H), 1/sqrt(H)).
+class GRU : public Module {
+ public:
+  GRU(int64_t input_size, int64_t hidden_size, bool with_bias = true, DType dtype = DType::F32,
+      uint64_t seed = 0);
+  std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
+
+  // x (B, n, I), h0 (B, H) or undefined (zeros) -> output (B, n, H); h_n() is the final state.
+  Tensor forward(Context& ctx, const Tensor& x, const Tensor& h0 = {});
+  const Tensor& h_n() const { return h_n_; }
+
+  using InputGrads = RNN::InputGrads;  // dx (B, n, I), dh0 (B, H)
+  // dout (B, n, H); dh_n (B, H) or undefined. Accumulates the parameter gradients.
+  InputGrads backward(Context& ctx, const Tensor& dout, const Tensor& dh_n = {});
+
+  int64_t input_size() const { return weight_ih_l0.value.dim(1); }
+  int64_t hidden_size() const { return weight_hh_l0.value.dim(1); }
   bool has_bias() const { return has_bias_; }
   int64_t flops() const { return flops_; }  // as Conv1d::flops
   void reset_flops() { flops_ = 0; }
