@@ -47,5 +47,7 @@ void check_input(const char* op, const char* what, const Tensor& x, int ndim, DT
 Tensor split_heads(const Tensor& X, int64_t num_heads);
 // d2l's transpose_output, the inverse: Y (B*H, L, D) -> (B, L, H*D) contiguous.
 Tensor merge_heads(const Tensor& Y, int64_t num_heads);
+// The same into out (B, L, H*D) of Y's dtype, any strides (e.g. a slice of a (B, L, 3E) buffer).
+void merge_heads_into(const Tensor& Y, int64_t num_heads, Tensor& out);
 
 }  // namespace attn::nn::detail

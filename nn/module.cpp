@@ -71,6 +71,13 @@ void accumulate(Tensor& grad, const Tensor& g) {
     accumulate_typed(grad.data<float>(), g);
   } else if (grad.dtype() == DType::F64 && grad.is_contiguous()) {
     accumulate_typed(grad.data<double>(), g);
+  } else if (grad.dtype() == DType::BF16 && g.dtype() == DType::BF16 && grad.is_contiguous() &&
+             g.is_contiguous()) {
+    // As PyTorch's bf16 grad += g: the sum in float, rounded to bf16 (0 + g is exactly g).
+    auto* dst = static_cast<uint16_t*>(grad.raw_data());
+    const auto* src = static_cast<const uint16_t*>(g.raw_data());
+    for (int64_t i = 0; i < g.numel(); ++i)
+      dst[i] = float_to_bf16(bf16_to_float(dst[i]) + bf16_to_float(src[i]));
   } else {
     for (int64_t i = 0; i < g.numel(); ++i)
       grad.set_flat(i, grad.flat(i) + g.flat(i));
@@ -90,20 +97,22 @@ namespace {
 
 // Copies between the (B, L, H, D) view of an activation and the head-major (B*H, L, D) layout
 // d2l's transpose_qkv produces. kSplit: dst is head-major; otherwise src is.
+// T is only moved, never computed with: uint16_t carries bfloat16 bits.
 template <typename T, bool kSplit>
 void permute_heads(const Tensor& src, Tensor& dst, int64_t B, int64_t L, int64_t H, int64_t D) {
-  const T* s = src.data<T>();
-  T* d = dst.data<T>();
+  const T* s = static_cast<const T*>(src.raw_data());
+  T* d = static_cast<T*>(dst.raw_data());
   const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
+  const int64_t d0 = dst.stride(0), d1 = dst.stride(1), d2 = dst.stride(2);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t l = 0; l < L; ++l)
         for (int64_t j = 0; j < D; ++j) {
           if constexpr (kSplit) {
             // head-major row (b*H + h, l) <- features [h*D, (h+1)*D) of X[b, l]
-            d[((b * H + h) * L + l) * D + j] = s[b * s0 + l * s1 + (h * D + j) * s2];
+            d[(b * H + h) * d0 + l * d1 + j * d2] = s[b * s0 + l * s1 + (h * D + j) * s2];
           } else {
-            d[(b * L + l) * H * D + h * D + j] = s[(b * H + h) * s0 + l * s1 + j * s2];
+            d[b * d0 + l * d1 + (h * D + j) * d2] = s[(b * H + h) * s0 + l * s1 + j * s2];
           }
         }
 }
@@ -115,19 +124,30 @@ Tensor split_heads(const Tensor& X, int64_t num_heads) {
   Tensor out = Tensor::empty({B * num_heads, L, D}, X.dtype());
   if (X.dtype() == DType::F32)
     permute_heads<float, true>(X, out, B, L, num_heads, D);
+  else if (X.dtype() == DType::BF16)
+    permute_heads<uint16_t, true>(X, out, B, L, num_heads, D);
   else
     permute_heads<double, true>(X, out, B, L, num_heads, D);
   return out;
 }
 
 Tensor merge_heads(const Tensor& Y, int64_t num_heads) {
+  Tensor out = Tensor::empty({Y.dim(0) / num_heads, Y.dim(1), num_heads * Y.dim(2)}, Y.dtype());
+  merge_heads_into(Y, num_heads, out);
+  return out;
+}
+
+void merge_heads_into(const Tensor& Y, int64_t num_heads, Tensor& out) {
   const int64_t B = Y.dim(0) / num_heads, L = Y.dim(1), D = Y.dim(2);
-  Tensor out = Tensor::empty({B, L, num_heads * D}, Y.dtype());
+  check(out.shape() == Shape({B, L, num_heads * D}) && out.dtype() == Y.dtype(), "merge_heads",
+        "destination {} {} does not fit heads {} {} (H = {})", shape_str(out.shape()),
+        dtype_name(out.dtype()), shape_str(Y.shape()), dtype_name(Y.dtype()), num_heads);
   if (Y.dtype() == DType::F32)
     permute_heads<float, false>(Y, out, B, L, num_heads, D);
+  else if (Y.dtype() == DType::BF16)
+    permute_heads<uint16_t, false>(Y, out, B, L, num_heads, D);
   else
     permute_heads<double, false>(Y, out, B, L, num_heads, D);
-  return out;
 }
 
 }  // namespace detail
@@ -253,9 +273,11 @@ namespace {
 Parameter make_uniform(const Shape& shape, double bound, DType dtype, uint64_t seed,
                        std::string_view name) {
   Parameter p;
-  p.value = Tensor::empty(shape, dtype);
+  // bf16: the float32 draw rounded once, as PyTorch's module.to(torch.bfloat16) after init.
+  p.value = Tensor::empty(shape, dtype == DType::BF16 ? DType::F32 : dtype);
   Rng rng(seed, detail::name_stream(name));
   detail::fill_with(p.value, [&] { return rng.uniform(-bound, bound); });
+  if (dtype == DType::BF16) p.value = p.value.to(DType::BF16);
   p.grad = Tensor::zeros(shape, dtype);
   return p;
 }
@@ -271,8 +293,8 @@ Linear::Linear(int64_t out_features, int64_t in_features, bool with_bias, DType 
       seed_(seed) {
   check(out_features > 0, "Linear", "out_features must be positive, got {}", out_features);
   check(in_features >= 0, "Linear", "in_features must be >= 0 (0 = lazy), got {}", in_features);
-  check(dtype == DType::F32 || dtype == DType::F64, "Linear",
-        "dtype {} unsupported, expected F32 or F64", dtype_name(dtype));
+  check(dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16, "Linear",
+        "dtype {} unsupported, expected F32, F64 or BF16", dtype_name(dtype));
   weight.lazy_shape = {out_features, -1};
   if (with_bias) bias.lazy_shape = {out_features};
   if (in_features > 0) materialize(in_features, "Linear");

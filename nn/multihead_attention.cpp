@@ -15,6 +15,12 @@
 // Q_h, K_h, V_h straight from the (B, T, E) projections and writes O (and in the backward dQ, dK,
 // dV) in that layout (ops/attention_heads.hpp), so transpose_qkv / transpose_output copy nothing.
 // Same numbers as the copying path, bit for bit: the kernel reads the same values.
+//
+// bfloat16 (dtype BF16): the bf16 linear (f32 accumulation, one rounding) and the bf16 attention
+// op (kernels/cpu/flash_bf16 when need_weights = false) on d2l's head copies: that kernel takes
+// one batch stride, and head b*H + h of a (B, T, E) tensor sits at b*T*E + h*D, which no single
+// stride reaches. The copies cost O(B T E) next to attention's O(B T^2 E). Self-attention packs
+// the Q/K/V projection as the fp32 fast path does.
 #include "attn/nn/attention.hpp"
 
 #include "attn/ops/linear.hpp"
@@ -158,31 +164,38 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
            attn::detail::multi_head_fused_supported(ctx, dtype_, o);
   // Self-attention (one tensor for queries, keys and values, no padding copy): one projection
   // with the stacked weights [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM.
-  packed_ = fused_ && same_tensor(queries, keys) && same_tensor(queries, values) &&
-            same_tensor(keys, keys_read) && same_tensor(values, values_read);
+  // On the fused float32 path, and for bfloat16 (whose attention then runs on head copies).
+  packed_ = (fused_ || dtype_ == DType::BF16) && same_tensor(queries, keys) &&
+            same_tensor(queries, values) && same_tensor(keys, keys_read) &&
+            same_tensor(values, values_read);
+  core_ = {};
+  Q_ = K_ = V_ = X_ = Tensor();
+  if (packed_) {
+    const int64_t E = num_hiddens_;
+    for (Linear* l : {&W_q, &W_k, &W_v})
+      l->materialize(queries.dim(2), op);
+    // Repacked every forward: the optimizer updates the three weights in place.
+    if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, queries.dim(2)}) ||
+        W_qkv_.dtype() != dtype_)
+      W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, dtype_);
+    const bool bias = W_q.has_bias();
+    if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != dtype_))
+      b_qkv_ = Tensor::empty({3 * E}, dtype_);
+    int64_t i = 0;
+    for (Linear* l : {&W_q, &W_k, &W_v}) {
+      W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
+      if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
+      ++i;
+    }
+    X_ = queries;
+    const Tensor QKV = linear(ctx, queries, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
+    Q_ = QKV.slice(2, 0, E);  // views, row stride 3E
+    K_ = QKV.slice(2, E, 2 * E);
+    V_ = QKV.slice(2, 2 * E, 3 * E);
+  }
   if (fused_) {
     core_options_ = o;
-    if (packed_) {
-      const int64_t E = num_hiddens_;
-      for (Linear* l : {&W_q, &W_k, &W_v})
-        l->materialize(queries.dim(2), op);
-      // Repacked every forward: the optimizer updates the three weights in place.
-      if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, queries.dim(2)}))
-        W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, dtype_);
-      const bool bias = W_q.has_bias();
-      if (bias && !b_qkv_.defined()) b_qkv_ = Tensor::empty({3 * E}, dtype_);
-      int64_t i = 0;
-      for (Linear* l : {&W_q, &W_k, &W_v}) {
-        W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
-        if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
-        ++i;
-      }
-      X_ = queries;
-      const Tensor QKV = linear(ctx, queries, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
-      Q_ = QKV.slice(2, 0, E);  // views, row stride 3E
-      K_ = QKV.slice(2, E, 2 * E);
-      V_ = QKV.slice(2, 2 * E, 3 * E);
-    } else {
+    if (!packed_) {
       Q_ = W_q.forward(ctx, queries);  // (B, T, E): head h in features [h*D, (h+1)*D)
       K_ = W_k.forward(ctx, keys_read);
       V_ = W_v.forward(ctx, values_read);
@@ -190,13 +203,12 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
     core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
     return W_o.forward(ctx, core_.output);
   }
-  core_ = {};
-  Q_ = K_ = V_ = X_ = Tensor();
 
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
-  Tensor Qh = detail::split_heads(W_q.forward(ctx, queries), H);
-  Tensor Kh = detail::split_heads(W_k.forward(ctx, keys_read), H);
-  Tensor Vh = detail::split_heads(W_v.forward(ctx, values_read), H);
+  Tensor Qh = detail::split_heads(packed_ ? Q_ : W_q.forward(ctx, queries), H);
+  Tensor Kh = detail::split_heads(packed_ ? K_ : W_k.forward(ctx, keys_read), H);
+  Tensor Vh = detail::split_heads(packed_ ? V_ : W_v.forward(ctx, values_read), H);
+  Q_ = K_ = V_ = Tensor();  // the head copies live on in `attention`
 
   // Per-(b, h) scaled dot-product attention with D = E / H; the mask of batch b serves its H
   // rows (lens_repeat = H, set at construction).
@@ -215,14 +227,23 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
   Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E)
-  if (fused_ && packed_) {
+  if (packed_) {
     // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
     // attention gradients land in the slices of one (B, T, 3E) buffer, every element written.
     const int64_t E = num_hiddens_;
     const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, dtype_);
     Tensor dQ = dQKV.slice(2, 0, E), dK = dQKV.slice(2, E, 2 * E), dV = dQKV.slice(2, 2 * E, 3 * E);
-    attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
-                                                dQ, dK, dV);
+    if (fused_) {
+      attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
+                                                  dQ, dK, dV);
+    } else {
+      // bf16: the attention ran on head copies (B*H, T, D); its gradients are merged back into
+      // the slices (transpose_output into a strided destination).
+      AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
+      detail::merge_heads_into(gh.dqueries, H, dQ);
+      detail::merge_heads_into(gh.dkeys, H, dK);
+      detail::merge_heads_into(gh.dvalues, H, dV);
+    }
     // dX = dQKV [W_q; W_k; W_v] (one GEMM over 3E), dW_qkv = dQKV^T X, db_qkv = column sums.
     const bool bias = W_q.has_bias();
     LinearGrads lg = linear_backward(ctx, dQKV, X_, W_qkv_, bias);

@@ -1,7 +1,11 @@
 // linear / linear_backward: validation, then dispatch.
 //   backend kAuto or kCpu, float32  -> oneDNN matmul (kernels/cpu/matmul), strided views read in
 //                                      place (a copy only when rows do not share one stride)
-//   backend kReference, or float64  -> the reference loops (kernels/ref/linear.cpp)
+//   backend kAuto or kCpu, bfloat16 -> the same with GemmType::kBF16: products accumulated in f32
+//                                      into an f32 buffer (bias added there, in f32), then one
+//                                      rounding to bf16; dW likewise, db summed in double
+//   backend kReference, or float64  -> the reference loops (kernels/ref/linear.cpp); bf16 widened,
+//                                      double accumulation, one rounding
 #include "attn/ops/linear.hpp"
 
 #include "kernels/cpu/matmul.hpp"
@@ -15,14 +19,27 @@ namespace attn {
 namespace {
 
 bool use_fast_path(const Context& ctx, DType dtype) {
-  return ctx.backend != Backend::kReference && dtype == DType::F32;
+  return ctx.backend != Backend::kReference && (dtype == DType::F32 || dtype == DType::BF16);
+}
+
+// x, W, b, dy: float32, float64 or bfloat16 (all the same dtype, checked separately).
+void check_linear_dtype(const char* op, const char* name, const Tensor& t) {
+  check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
+  check(t.dtype() == DType::F32 || t.dtype() == DType::F64 || t.dtype() == DType::BF16, op,
+        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_str(t.shape()),
+        dtype_name(t.dtype()));
+}
+
+// An f32 GEMM result (contiguous) rounded once to bf16, in the shape `shape`.
+Tensor round_to_bf16(const Tensor& acc, const Shape& shape) {
+  return acc.to(DType::BF16).reshape(shape);
 }
 
 // t (..., n) seen as a (rows, n) matrix with unit column stride and one row stride `ld`, as the
 // GEMM takes it. Possible when the last dim is unit-stride and the leading dims collapse into one
 // (contiguous tensors, slices of the last dim, row slices); dims of size 1 impose nothing.
 struct RowMatrix {
-  const float* data;
+  const void* data;
   int64_t rows, cols, ld;
 };
 std::optional<RowMatrix> as_row_matrix(const Tensor& t) {
@@ -43,7 +60,7 @@ std::optional<RowMatrix> as_row_matrix(const Tensor& t) {
     next = t.stride(i) * t.dim(i);
   }
   if (ld == 0) ld = std::max<int64_t>(cols, 1);
-  return RowMatrix{static_cast<const float*>(t.raw_data()), rows, cols, ld};
+  return RowMatrix{t.raw_data(), rows, cols, ld};
 }
 
 // The row matrix of t, copying t to a contiguous tensor (kept alive in `storage`) when its
@@ -56,8 +73,8 @@ RowMatrix row_matrix(const Tensor& t, Tensor& storage) {
 
 // x (..., in) and W (out, in); returns y's shape (..., out).
 Shape check_linear(const char* op, const Tensor& x, const Tensor& W) {
-  detail::check_float_tensor(op, "x", x);
-  detail::check_float_tensor(op, "W", W);
+  check_linear_dtype(op, "x", x);
+  check_linear_dtype(op, "W", W);
   check(x.ndim() >= 1, op, "x has shape {}, expected (..., in)", shape_str(x.shape()));
   detail::check_ndim(op, "W", W, 2, "(out, in)");
   detail::check_same_dtype(op, "W", W, "x", x);
@@ -74,7 +91,7 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
   constexpr const char* op = "linear";
   const Shape y_shape = check_linear(op, x, W);
   if (b.defined()) {
-    detail::check_float_tensor(op, "b", b);
+    check_linear_dtype(op, "b", b);
     detail::check_same_dtype(op, "b", b, "x", x);
     check(b.ndim() == 1 && b.dim(0) == W.dim(0), op, "b has shape {}, expected (out) = ({})",
           shape_str(b.shape()), W.dim(0));
@@ -84,23 +101,34 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
   int64_t rows = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i)
     rows *= x.dim(i);
-  Tensor y = Tensor::empty(y_shape, x.dtype());
+  const bool bf16 = x.dtype() == DType::BF16;
   if (use_fast_path(ctx, x.dtype())) {
     // y (rows, O) = x (rows, I) * W^T + b: W (O, I) is read in place as transposed weights.
+    // bf16: the GEMM writes f32 (the bias, widened exactly, is added in f32 by oneDNN), and the
+    // result is rounded to bf16 once.
     Tensor x_store, w_store;
     const RowMatrix xm = row_matrix(x, x_store), wm = row_matrix(W, w_store);
-    const Tensor bc = b.defined() ? b.contiguous() : Tensor();
+    const Tensor bc = b.defined() ? (bf16 ? b.to(DType::F32) : b.contiguous()) : Tensor();
+    Tensor out = Tensor::empty(bf16 ? Shape{rows, O} : y_shape, DType::F32);
     cpu::GemmArgs g;
     g.M = rows, g.N = O, g.K = I;
     g.A = xm.data, g.lda = xm.ld;
     g.B = wm.data, g.ldb = wm.ld, g.trans_b = true;
-    g.C = y.data<float>(), g.ldc = O;
+    g.C = out.data<float>(), g.ldc = O;
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
+    g.type = bf16 ? cpu::GemmType::kBF16 : cpu::GemmType::kF32;
     cpu::gemm(g, ctx.resolved_threads());
-    return y;
+    return bf16 ? round_to_bf16(out, y_shape) : out;
   }
+  Tensor y = Tensor::empty(y_shape, x.dtype());
   const Tensor xc = x.contiguous(), wc = W.contiguous();
   const Tensor bc = b.defined() ? b.contiguous() : Tensor();
+  if (bf16) {
+    auto bits = [](const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); };
+    ref::linear_forward_bf16(bits(xc), bits(wc), bc.defined() ? bits(bc) : nullptr,
+                             static_cast<uint16_t*>(y.raw_data()), rows, I, O);
+    return y;
+  }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_forward<F>(xc.data<F>(), wc.data<F>(), bc.defined() ? bc.data<F>() : nullptr,
@@ -113,7 +141,7 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
                             bool has_bias) {
   constexpr const char* op = "linear_backward";
   const Shape y_shape = check_linear(op, x, W);
-  detail::check_float_tensor(op, "dy", dy);
+  check_linear_dtype(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == y_shape, op, "dy has shape {}, expected (..., out) = {}",
         shape_str(dy.shape()), shape_str(y_shape));
@@ -122,11 +150,15 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   int64_t rows = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i)
     rows *= x.dim(i);
+  const bool bf16 = x.dtype() == DType::BF16;
   LinearGrads grads;
-  grads.dx = Tensor::empty(x.shape(), x.dtype());
-  grads.dW = Tensor::empty(W.shape(), W.dtype());
-  if (has_bias) grads.db = Tensor::empty({O}, x.dtype());
   if (use_fast_path(ctx, x.dtype())) {
+    // bf16: each product accumulates in an f32 buffer and is rounded to bf16 once at the end.
+    const DType acc_dtype = DType::F32;
+    const cpu::GemmType type = bf16 ? cpu::GemmType::kBF16 : cpu::GemmType::kF32;
+    grads.dx = Tensor::empty(x.shape(), acc_dtype);
+    grads.dW = Tensor::empty(W.shape(), acc_dtype);
+    if (has_bias) grads.db = Tensor::empty({O}, acc_dtype);
     Tensor dy_store, x_store, w_store;
     const RowMatrix dym = row_matrix(dy, dy_store), xm = row_matrix(x, x_store),
                     wm = row_matrix(W, w_store);
@@ -138,6 +170,7 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
     gx.A = dym.data, gx.lda = dym.ld;
     gx.B = wm.data, gx.ldb = wm.ld;
     gx.C = grads.dx.data<float>(), gx.ldc = I;
+    gx.type = type;
     cpu::gemm(gx, threads);
     //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
     cpu::GemmArgs gw;
@@ -145,12 +178,36 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
     gw.A = dym.data, gw.lda = dym.ld, gw.trans_a = true;
     gw.B = xm.data, gw.ldb = xm.ld;
     gw.C = grads.dW.data<float>(), gw.ldc = I;
+    gw.type = type;
     cpu::gemm(gw, threads);
     //          db (O) = sum over rows of dy
-    if (has_bias) cpu::column_sum(dym.data, rows, O, dym.ld, grads.db.data<float>(), false);
+    if (has_bias) {
+      if (bf16) {
+        cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld,
+                        grads.db.data<float>(), false);
+      } else {
+        cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
+                        grads.db.data<float>(), false);
+      }
+    }
+    if (bf16) {
+      grads.dx = round_to_bf16(grads.dx, x.shape());
+      grads.dW = round_to_bf16(grads.dW, W.shape());
+      if (has_bias) grads.db = round_to_bf16(grads.db, {O});
+    }
     return grads;
   }
+  grads.dx = Tensor::empty(x.shape(), x.dtype());
+  grads.dW = Tensor::empty(W.shape(), W.dtype());
+  if (has_bias) grads.db = Tensor::empty({O}, x.dtype());
   const Tensor dyc = dy.contiguous(), xc = x.contiguous(), wc = W.contiguous();
+  if (bf16) {
+    auto in = [](const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); };
+    auto out = [](const Tensor& t) { return static_cast<uint16_t*>(t.raw_data()); };
+    ref::linear_backward_bf16(in(dyc), in(xc), in(wc), out(grads.dx), out(grads.dW),
+                              has_bias ? out(grads.db) : nullptr, rows, I, O);
+    return grads;
+  }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_backward<F>(dyc.data<F>(), xc.data<F>(), wc.data<F>(), grads.dx.data<F>(),

@@ -3,12 +3,14 @@
 
 #include <omp.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -106,14 +108,18 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
 
 // The same product in plain loops (f32 accumulation, k innermost): used only when oneDNN
 // rejects a configuration, so that callers never see an exception from a kernel.
+float bf16_bits_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+std::atomic<bool> force_fallback{false};
+
 void gemm_fallback(const GemmArgs& g) {
   auto load = [&g](const void* p, int64_t i) -> float {
-    if (g.type == GemmType::kBF16) {
-      uint32_t u = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[i]) << 16;
-      float f;
-      std::memcpy(&f, &u, 4);
-      return f;
-    }
+    if (g.type == GemmType::kBF16) return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
     return static_cast<const float*>(p)[i];
   };
   for (int64_t m = 0; m < g.M; ++m) {
@@ -160,6 +166,7 @@ void gemm(const GemmArgs& g, int threads) {
       }
     return;
   }
+  if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
   if (threads < 1) threads = 1;
   const GemmKey key{g.M,
                     g.N,
@@ -210,19 +217,42 @@ void gemm(const GemmArgs& g, int threads) {
   }
 }
 
-void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
+namespace {
+
+template <typename T>
+void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
   // Row by row so the inner loop is unit-stride over n (vectorizes), into double accumulators:
   // the bias gradient is often a sum of many terms that cancel (exactly 0 for the key bias of
   // attention), where an f32 running sum would keep only its rounding noise. The order over rows
   // is fixed, hence independent of any thread count. Costs M*N adds, small next to the GEMMs.
   std::vector<double> acc(static_cast<size_t>(N), 0.0);
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = dy + m * lddy;
-    for (int64_t n = 0; n < N; ++n)
-      acc[n] += row[n];
+    const T* row = dy + m * lddy;
+    for (int64_t n = 0; n < N; ++n) {
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        acc[n] += bf16_bits_to_float(row[n]);
+      } else {
+        acc[n] += row[n];
+      }
+    }
   }
   for (int64_t n = 0; n < N; ++n)
     db[n] = static_cast<float>((accumulate ? static_cast<double>(db[n]) : 0.0) + acc[n]);
+}
+
+}  // namespace
+
+void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
+  column_sum_impl(dy, M, N, lddy, db, accumulate);
+}
+
+void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                bool accumulate) {
+  column_sum_impl(dy, M, N, lddy, db, accumulate);
+}
+
+void gemm_force_fallback(bool on) {
+  force_fallback.store(on, std::memory_order_relaxed);
 }
 
 size_t gemm_cache_size() {

@@ -15,8 +15,12 @@
 //   input grad dx (M, in)    = dy (M, out) * W (out, in)         plain
 //   weight grad dW (out, in) += dy^T (out, M) * x (M, in)         trans_a, accumulate
 //
-// Element types: f32 in, f32 out; or bf16 in (A and B), f32 out and f32 bias (AVX512-BF16 on
-// Zen 4 and Cooper Lake+; oneDNN emulates it more slowly elsewhere). Accumulation is always f32.
+// Element types: f32 in, f32 out; or bf16 in (A and B), f32 out and f32 bias. Accumulation is
+// always f32 (a product of two bf16 values is exact in f32). Which code runs bf16 (oneDNN 2.6,
+// checked with ONEDNN_VERBOSE and ONEDNN_MAX_CPU_ISA): AVX512-BF16 (Zen 4+, Cooper Lake+) the
+// native brgemm kernels (vdpbf16ps, which flushes subnormals to zero); AVX512 without BF16 an
+// emulated jit GEMM; below AVX512 oneDNN has no bf16 matmul and rejects the configuration, so
+// the plain loop below computes it (correct but slow: single-threaded, no blocking).
 //
 // Threads: oneDNN runs on OpenMP. `threads` (resolve Context::threads first, >= 1) is applied
 // with omp_set_num_threads around primitive creation and execution and restored afterwards, and
@@ -67,6 +71,13 @@ void gemm(const GemmArgs& args, int threads);
 // db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
 // double in a fixed order (row by row), so it is the same for any thread count.
 void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
+// The same for bfloat16 dy (uint16_t bits): each value widened exactly, summed in double, and
+// db stays float (the caller rounds it to bf16 once).
+void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
+
+// Tests only: while on, every gemm() runs the plain-loop fallback that otherwise serves the
+// configurations oneDNN rejects (so that path stays tested on CPUs where oneDNN takes all).
+void gemm_force_fallback(bool on);
 
 // Number of primitives in the cache (tests and benchmarks), and a way to empty it.
 size_t gemm_cache_size();

@@ -85,6 +85,10 @@ class AdditiveAttention : public Module {
 // Equivalent PyTorch: nn.MultiheadAttention(E, H, dropout, bias, batch_first=True) with
 // key_padding_mask = arange(S) >= valid_lens[:, None] (d2l and torch differ on fully masked rows:
 // d2l uniform, torch NaN).
+// dtype F32, F64 or BF16. BF16 is the PyTorch module after .to(torch.bfloat16): inputs, output,
+// input gradients, parameters and their gradients BF16 (attention_weights() F32); the
+// projections run the bf16 linear (f32 accumulation, one rounding per output) and the core the
+// bf16 attention op (its fused kernel when need_weights is false), on head copies.
 class MultiHeadAttention : public Module {
  public:
   MultiHeadAttention(int64_t num_hiddens, int64_t num_heads, double dropout, bool bias = false,

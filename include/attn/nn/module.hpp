@@ -63,6 +63,8 @@ void append_parameters(std::vector<std::pair<std::string, Parameter*>>& out,
 // torch.nn.Linear / LazyLinear: y = x W^T + b, W (out, in), b (out).
 // in_features == 0 makes it lazy: W is created at the first forward (or load_state_dict).
 // Initialisation as PyTorch: W and b ~ U(-1/sqrt(in), 1/sqrt(in)).
+// dtype F32, F64 or BF16. BF16 is a PyTorch Linear after .to(torch.bfloat16): the float32 draw
+// rounded to bf16, inputs, outputs and gradients (weight.grad, bias.grad) all BF16.
 class Linear : public Module {
  public:
   Linear(int64_t out_features, int64_t in_features, bool bias, DType dtype = DType::F32,
