@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <set>
 #include <typeinfo>
@@ -104,6 +105,20 @@ void permute_heads(const Tensor& src, Tensor& dst, int64_t B, int64_t L, int64_t
   T* d = static_cast<T*>(dst.raw_data());
   const int64_t s0 = src.stride(0), s1 = src.stride(1), s2 = src.stride(2);
   const int64_t d0 = dst.stride(0), d1 = dst.stride(1), d2 = dst.stride(2);
+  if (s2 == 1 && d2 == 1) {
+    // Unit feature strides (every activation and gradient MultiHeadAttention passes): one row
+    // of D contiguous elements per (b, h, l), a memcpy instead of D strided moves.
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t l = 0; l < L; ++l) {
+          if constexpr (kSplit) {
+            std::memcpy(d + (b * H + h) * d0 + l * d1, s + b * s0 + l * s1 + h * D, D * sizeof(T));
+          } else {
+            std::memcpy(d + b * d0 + l * d1 + h * D, s + (b * H + h) * s0 + l * s1, D * sizeof(T));
+          }
+        }
+    return;
+  }
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t l = 0; l < L; ++l)
