@@ -971,12 +971,12 @@ bool bwd_whole_rows(const FlashBf16Params& p) {
   return p.T * (p.D + p.Dv) <= (int64_t{1} << 21);
 }
 
-// Per-thread buffers of the native backward, carved from one allocation per thread that is
-// kept between calls (thread_local, up to 64 MiB; larger ones are freed when the call returns):
-// fresh pages cost a page fault each, which was ~19% of the backward at T = S = 1024 when the
-// buffers were allocated per call. Zero-filled when allocated and then only ever overwritten, so
-// every read is of initialized memory (the micro-kernel reads, and discards, up to kBMR - 1 rows
-// past the valid ones).
+// Per-thread buffers of the native backward, carved from one allocation per thread that is kept
+// between calls (thread_local, up to 16 MiB per thread, which holds the whole-row packing's 8 MiB
+// and a dQ share of T = 8192 rows at D = 128; larger ones are freed when the call returns): fresh
+// pages cost a page fault each, as for the fallback's Fp32Arena. Zero-filled when allocated and
+// then only ever overwritten, so every read is of initialized memory (the micro-kernel reads, and
+// discards, up to kBMR - 1 rows past the valid ones).
 struct BwdBuffers {
   int64_t rows = 0, ldq = 0, Dp = 0;
   uint32_t *qt2, *dot2, *qp2, *dop2;  // packed q, dO (all rows, or one tile's)
@@ -1034,7 +1034,7 @@ struct BwdBuffers {
   std::unique_ptr<std::byte[], FreeDeleter> own_;
 
   std::byte* take(size_t bytes) {
-    constexpr size_t kKeepBytes = size_t{64} << 20;
+    constexpr size_t kKeepBytes = size_t{16} << 20;
     thread_local std::unique_ptr<std::byte[], FreeDeleter> kept;
     thread_local size_t kept_bytes = 0;
     auto fresh = [bytes] {
