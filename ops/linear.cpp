@@ -1,9 +1,10 @@
 // linear / linear_backward: validation, then dispatch.
 //   backend kAuto or kCpu, float32  -> oneDNN matmul (kernels/cpu/matmul), strided views read in
 //                                      place (a copy only when rows do not share one stride)
-//   backend kAuto or kCpu, bfloat16 -> the same with GemmType::kBF16: products accumulated in f32
-//                                      into an f32 buffer (bias added there, in f32), then one
-//                                      rounding to bf16; dW likewise, db summed in double
+//   backend kAuto or kCpu, bfloat16 -> the same with GemmType::kBF16 and bf16 outputs: products
+//                                      accumulated in f32 (bias added in f32), each result
+//                                      rounded once to bf16 as oneDNN stores it; dx and dW
+//                                      likewise, db summed in double, then to f32 and bf16
 //   backend kReference, or float64  -> the reference loops (kernels/ref/linear.cpp); bf16 widened,
 //                                      double accumulation, one rounding
 #include "attn/ops/linear.hpp"
@@ -30,9 +31,16 @@ void check_linear_dtype(const char* op, const char* name, const Tensor& t) {
         dtype_name(t.dtype()));
 }
 
-// An f32 GEMM result (contiguous) rounded once to bf16, in the shape `shape`.
-Tensor round_to_bf16(const Tensor& acc, const Shape& shape) {
-  return acc.to(DType::BF16).reshape(shape);
+// The GEMM's element types for a contiguous output `out` of `ld` columns: f32 in and out, or bf16
+// in and bf16 out (oneDNN accumulates in f32 and rounds once when it stores).
+void set_output(cpu::GemmArgs& g, Tensor& out, int64_t ld) {
+  g.ldc = ld;
+  if (out.dtype() == DType::BF16) {
+    g.type = cpu::GemmType::kBF16;
+    g.C_bf16 = static_cast<uint16_t*>(out.raw_data());
+  } else {
+    g.C = out.data<float>();
+  }
 }
 
 // t (..., n) seen as a (rows, n) matrix with unit column stride and one row stride `ld`, as the
@@ -104,21 +112,20 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
   const bool bf16 = x.dtype() == DType::BF16;
   if (use_fast_path(ctx, x.dtype())) {
     // y (rows, O) = x (rows, I) * W^T + b: W (O, I) is read in place as transposed weights.
-    // bf16: the GEMM writes f32 (the bias, widened exactly, is added in f32 by oneDNN), and the
-    // result is rounded to bf16 once.
+    // bf16: the GEMM accumulates in f32, adds the bias (widened exactly) in f32 and rounds each
+    // result once to bf16 as it stores it.
     Tensor x_store, w_store;
     const RowMatrix xm = row_matrix(x, x_store), wm = row_matrix(W, w_store);
     const Tensor bc = b.defined() ? (bf16 ? b.to(DType::F32) : b.contiguous()) : Tensor();
-    Tensor out = Tensor::empty(bf16 ? Shape{rows, O} : y_shape, DType::F32);
+    Tensor y = Tensor::empty(y_shape, x.dtype());
     cpu::GemmArgs g;
     g.M = rows, g.N = O, g.K = I;
     g.A = xm.data, g.lda = xm.ld;
     g.B = wm.data, g.ldb = wm.ld, g.trans_b = true;
-    g.C = out.data<float>(), g.ldc = O;
+    set_output(g, y, O);
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
-    g.type = bf16 ? cpu::GemmType::kBF16 : cpu::GemmType::kF32;
     cpu::gemm(g, ctx.resolved_threads());
-    return bf16 ? round_to_bf16(out, y_shape) : out;
+    return y;
   }
   Tensor y = Tensor::empty(y_shape, x.dtype());
   const Tensor xc = x.contiguous(), wc = W.contiguous();
@@ -153,12 +160,9 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   const bool bf16 = x.dtype() == DType::BF16;
   LinearGrads grads;
   if (use_fast_path(ctx, x.dtype())) {
-    // bf16: each product accumulates in an f32 buffer and is rounded to bf16 once at the end.
-    const DType acc_dtype = DType::F32;
-    const cpu::GemmType type = bf16 ? cpu::GemmType::kBF16 : cpu::GemmType::kF32;
-    grads.dx = Tensor::empty(x.shape(), acc_dtype);
-    grads.dW = Tensor::empty(W.shape(), acc_dtype);
-    if (has_bias) grads.db = Tensor::empty({O}, acc_dtype);
+    // bf16: each product accumulates in f32 and is rounded to bf16 once as it is stored.
+    grads.dx = Tensor::empty(x.shape(), x.dtype());
+    grads.dW = Tensor::empty(W.shape(), W.dtype());
     Tensor dy_store, x_store, w_store;
     const RowMatrix dym = row_matrix(dy, dy_store), xm = row_matrix(x, x_store),
                     wm = row_matrix(W, w_store);
@@ -169,31 +173,26 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
     gx.M = rows, gx.N = I, gx.K = O;
     gx.A = dym.data, gx.lda = dym.ld;
     gx.B = wm.data, gx.ldb = wm.ld;
-    gx.C = grads.dx.data<float>(), gx.ldc = I;
-    gx.type = type;
+    set_output(gx, grads.dx, I);
     cpu::gemm(gx, threads);
     //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
     cpu::GemmArgs gw;
     gw.M = O, gw.N = I, gw.K = rows;
     gw.A = dym.data, gw.lda = dym.ld, gw.trans_a = true;
     gw.B = xm.data, gw.ldb = xm.ld;
-    gw.C = grads.dW.data<float>(), gw.ldc = I;
-    gw.type = type;
+    set_output(gw, grads.dW, I);
     cpu::gemm(gw, threads);
-    //          db (O) = sum over rows of dy
+    //          db (O) = sum over rows of dy (bf16: the float sum rounded once to bf16)
     if (has_bias) {
+      grads.db = Tensor::empty({O}, DType::F32);
       if (bf16) {
         cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld,
                         grads.db.data<float>(), false);
+        grads.db = grads.db.to(DType::BF16);
       } else {
         cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
                         grads.db.data<float>(), false);
       }
-    }
-    if (bf16) {
-      grads.dx = round_to_bf16(grads.dx, x.shape());
-      grads.dW = round_to_bf16(grads.dW, W.shape());
-      if (has_bias) grads.db = round_to_bf16(grads.db, {O});
     }
     return grads;
   }

@@ -136,6 +136,9 @@ const LinearCase kLinearCases[] = {
     {"mha_like", {2, 64}, 64, 192, true, 0, 0},
     {"long_contraction", {700}, 31, 33, true, 1, 0},  // dW contracts over 700 rows
     {"wide_in", {5}, 1000, 24, false, 0, 0},
+    // dW (512, 64) contracts over 4096 rows: oneDNN splits that contraction between 2 threads
+    // (kernels/cpu/matmul.hpp); the partial sums must meet in f32 and be rounded once.
+    {"split_contraction", {4096}, 64, 512, true, 0, 0},
 };
 
 class Bf16Linear : public ::testing::TestWithParam<LinearCase> {};
@@ -219,6 +222,46 @@ TEST_P(Bf16Linear, FastMatchesReferenceAndFp32OnRoundedValues) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, Bf16Linear, ::testing::ValuesIn(kLinearCases),
                          [](const auto& param_info) { return std::string(param_info.param.name); });
+
+// cpu::gemm with a bf16 output (what the linear op uses), also with the accumulate flag the op
+// does not use: C = RN(A B + bias + C_old), computed in f32, on oneDNN and on the fallback loop.
+TEST(Bf16Gemm, Bf16OutputWithBiasAndAccumulate) {
+  for (bool fallback : {false, true}) {
+    for (bool accumulate : {false, true}) {
+      const int64_t M = 37, N = 21, K = 70, ldc = N + 3;
+      Tensor A = bf16_random({M, K}, 1), Bt = bf16_random({N, K}, 2);
+      Tensor bias = random_tensor({N}, DType::F32, 3);
+      Tensor C = bf16_random({M, ldc}, 4);
+      const Tensor C_old = C.clone();
+      cpu::GemmArgs g;
+      g.M = M, g.N = N, g.K = K;
+      g.A = A.raw_data(), g.lda = K;
+      g.B = Bt.raw_data(), g.ldb = K, g.trans_b = true;
+      g.C_bf16 = static_cast<uint16_t*>(C.raw_data()), g.ldc = ldc;
+      g.bias = bias.data<float>();
+      g.accumulate = accumulate;
+      g.type = cpu::GemmType::kBF16;
+      cpu::gemm_force_fallback(fallback);
+      cpu::gemm(g, 2);
+      cpu::gemm_force_fallback(false);
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t n = 0; n < N; ++n) {
+          double exact = bias.at({n}) + (accumulate ? C_old.at({m, n}) : 0.0),
+                 mag = std::abs(exact);
+          for (int64_t k = 0; k < K; ++k) {
+            exact += A.at({m, k}) * Bt.at({n, k});
+            mag += std::abs(A.at({m, k}) * Bt.at({n, k}));
+          }
+          const double e = gamma_n(K + 3) * mag;
+          ASSERT_LE(std::abs(C.at({m, n}) - exact), kU * (std::abs(exact) + e) + e)
+              << "fallback " << fallback << " accumulate " << accumulate << " at " << m << "," << n;
+        }
+        for (int64_t n = N; n < ldc; ++n)  // the row padding is not written
+          ASSERT_EQ(C.at({m, n}), C_old.at({m, n}));
+      }
+    }
+  }
+}
 
 TEST(Bf16Linear, ReferenceRoundsOnceNotTwice) {
   // y = 1 + 2^-8 + 2^-30 exactly (three bf16 products). Through float it would land on the bf16

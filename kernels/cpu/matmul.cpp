@@ -1,6 +1,8 @@
 // oneDNN matmul wrapper; see matmul.hpp for the math, layouts and threading contract.
 #include "kernels/cpu/matmul.hpp"
 
+#include "attn/core/dtype.hpp"
+
 #include <omp.h>
 
 #include <atomic>
@@ -23,7 +25,7 @@ struct GemmKey {
   int64_t M, N, K, lda, ldb, ldc;
   int threads;
   uint8_t type;
-  bool trans_a, trans_b, has_bias, accumulate;
+  bool trans_a, trans_b, has_bias, accumulate, c_bf16;
   bool operator==(const GemmKey&) const = default;
 };
 
@@ -39,7 +41,8 @@ struct GemmKeyHash {
     mix(static_cast<uint64_t>(k.ldb));
     mix(static_cast<uint64_t>(k.ldc));
     mix(static_cast<uint64_t>(k.threads));
-    mix(k.type | (k.trans_a << 8) | (k.trans_b << 9) | (k.has_bias << 10) | (k.accumulate << 11));
+    mix(k.type | (k.trans_a << 8) | (k.trans_b << 9) | (k.has_bias << 10) | (k.accumulate << 11) |
+        (k.c_bf16 << 12));
     return static_cast<size_t>(h);
   }
 };
@@ -83,7 +86,7 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   // each transposition is just a swapped stride pair.
   plan->a_md = dnnl::memory::desc(dims{k.M, k.K}, in, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
   plan->b_md = dnnl::memory::desc(dims{k.K, k.N}, in, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
-  plan->c_md = dnnl::memory::desc(dims{k.M, k.N}, dt::f32, dims{k.ldc, 1});
+  plan->c_md = dnnl::memory::desc(dims{k.M, k.N}, k.c_bf16 ? dt::bf16 : dt::f32, dims{k.ldc, 1});
   if (k.has_bias) plan->bias_md = dnnl::memory::desc(dims{1, k.N}, dt::f32, dims{k.N, 1});
   dnnl::primitive_attr attr;
   // The plans are shared by every calling thread. oneDNN's default, library-managed scratchpad
@@ -108,18 +111,20 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
 
 // The same product in plain loops (f32 accumulation, k innermost): used only when oneDNN
 // rejects a configuration, so that callers never see an exception from a kernel.
-float bf16_bits_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 std::atomic<bool> force_fallback{false};
+
+// C[i] = value (+ old C[i]), in f32, rounded once to nearest even when C is bf16.
+void store(const GemmArgs& g, int64_t i, float value) {
+  if (g.C_bf16 != nullptr) {
+    g.C_bf16[i] = float_to_bf16(g.accumulate ? bf16_to_float(g.C_bf16[i]) + value : value);
+    return;
+  }
+  g.C[i] = g.accumulate ? g.C[i] + value : value;
+}
 
 void gemm_fallback(const GemmArgs& g) {
   auto load = [&g](const void* p, int64_t i) -> float {
-    if (g.type == GemmType::kBF16) return bf16_bits_to_float(static_cast<const uint16_t*>(p)[i]);
+    if (g.type == GemmType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
     return static_cast<const float*>(p)[i];
   };
   for (int64_t m = 0; m < g.M; ++m) {
@@ -131,8 +136,7 @@ void gemm_fallback(const GemmArgs& g) {
         acc += a * b;
       }
       if (g.bias) acc += g.bias[n];
-      float& c = g.C[m * g.ldc + n];
-      c = g.accumulate ? c + acc : acc;
+      store(g, m * g.ldc + n, acc);
     }
   }
 }
@@ -160,10 +164,8 @@ void gemm(const GemmArgs& g, int threads) {
   if (g.K <= 0) {
     // Empty contraction: the product is zero, only bias and the old C remain.
     for (int64_t m = 0; m < g.M; ++m)
-      for (int64_t n = 0; n < g.N; ++n) {
-        float& c = g.C[m * g.ldc + n];
-        c = (g.accumulate ? c : 0.f) + (g.bias ? g.bias[n] : 0.f);
-      }
+      for (int64_t n = 0; n < g.N; ++n)
+        store(g, m * g.ldc + n, g.bias ? g.bias[n] : 0.f);
     return;
   }
   if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
@@ -179,7 +181,8 @@ void gemm(const GemmArgs& g, int threads) {
                     g.trans_a,
                     g.trans_b,
                     g.bias != nullptr,
-                    g.accumulate};
+                    g.accumulate,
+                    g.C_bf16 != nullptr};
   ScopedOmpThreads omp_threads(threads);
   std::shared_ptr<GemmPlan> plan;
   {
@@ -198,7 +201,7 @@ void gemm(const GemmArgs& g, int threads) {
     // oneDNN's memory objects take non-const handles; it only reads src and weights.
     dnnl::memory a(plan->a_md, eng, const_cast<void*>(g.A));
     dnnl::memory b(plan->b_md, eng, const_cast<void*>(g.B));
-    dnnl::memory c(plan->c_md, eng, g.C);
+    dnnl::memory c(plan->c_md, eng, g.C_bf16 != nullptr ? static_cast<void*>(g.C_bf16) : g.C);
     std::unordered_map<int, dnnl::memory> exec_args{
         {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
     if (const size_t bytes = plan->scratch_md.get_size(); bytes > 0) {
@@ -230,7 +233,7 @@ void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db,
     const T* row = dy + m * lddy;
     for (int64_t n = 0; n < N; ++n) {
       if constexpr (std::is_same_v<T, uint16_t>) {
-        acc[n] += bf16_bits_to_float(row[n]);
+        acc[n] += bf16_to_float(row[n]);
       } else {
         acc[n] += row[n];
       }

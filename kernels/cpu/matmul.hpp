@@ -15,12 +15,14 @@
 //   input grad dx (M, in)    = dy (M, out) * W (out, in)         plain
 //   weight grad dW (out, in) += dy^T (out, M) * x (M, in)         trans_a, accumulate
 //
-// Element types: f32 in, f32 out; or bf16 in (A and B), f32 out and f32 bias. Accumulation is
-// always f32 (a product of two bf16 values is exact in f32). Which code runs bf16 (oneDNN 2.6,
-// checked with ONEDNN_VERBOSE and ONEDNN_MAX_CPU_ISA): AVX512-BF16 (Zen 4+, Cooper Lake+) the
-// native brgemm kernels (vdpbf16ps, which flushes subnormals to zero); AVX512 without BF16 an
-// emulated jit GEMM; below AVX512 oneDNN has no bf16 matmul and rejects the configuration, so
-// the plain loop below computes it (correct but slow: single-threaded, no blocking).
+// Element types: f32 in, f32 out; or bf16 in (A and B), f32 bias, and f32 out (C) or bf16 out
+// (C_bf16: the f32 result rounded once to nearest even as it is stored, as PyTorch's bf16
+// linear). Accumulation is always f32 (a product of two bf16 values is exact in f32). Which code
+// runs bf16 (oneDNN 2.6, checked with ONEDNN_VERBOSE and ONEDNN_MAX_CPU_ISA): AVX512-BF16 (Zen 4+,
+// Cooper Lake+) the native brgemm kernels (vdpbf16ps, which flushes subnormals to zero); AVX512
+// without BF16 an emulated jit GEMM; below AVX512 oneDNN has no bf16 matmul and rejects the
+// configuration, so the plain loop below computes it (correct but slow: single-threaded, no
+// blocking).
 //
 // Threads: oneDNN runs on OpenMP. `threads` (resolve Context::threads first, >= 1) is applied
 // with omp_set_num_threads around primitive creation and execution and restored afterwards, and
@@ -60,6 +62,10 @@ struct GemmArgs {
   bool trans_b = false;
   float* C = nullptr;
   int64_t ldc = 0;
+  // When set (GemmType::kBF16 only), the result goes here as bf16 instead of to C: the f32
+  // accumulator (bias and, with accumulate, the old value added in f32) rounded once to nearest
+  // even when stored, with no f32 buffer and no separate rounding pass.
+  uint16_t* C_bf16 = nullptr;
   const float* bias = nullptr;  // (N) or null
   bool accumulate = false;      // C += product (beta = 1) instead of C = product
   GemmType type = GemmType::kF32;
