@@ -3,7 +3,7 @@
 // Shapes of the issue: B = 4, E = 512, H = 8 (D = 64), self-attention X (B, T, E) with
 // T = S in {512, 2048}, projections with bias (as PyTorch's nn.MultiheadAttention default, the
 // baseline in bench/torch_mha.py), no dropout, no attention weights kept (need_weights = false,
-// as the baseline's), fp32, ATTN_THREADS threads (default 2).
+// as the baseline's), fp32 (and bf16: the *Bf16 benchmarks), ATTN_THREADS threads (default 2).
 //
 // FLOPs (FlashAttention convention, DESIGN.md; softmax and bias adds not counted):
 //   projections  2 * rows * E * E each; W_q, W_k, W_v on B*T rows, W_o on B*T rows
@@ -105,6 +105,40 @@ void BM_MhaTraining(benchmark::State& state) {
   set_counters(state, 3.0 * projection_flops(T) + 3.5 * attention_flops(T));
 }
 
+// The same two in bfloat16 (the module, its weights, X and dout all BF16; as PyTorch's
+// nn.MultiheadAttention(...).to(torch.bfloat16)): bf16 GEMMs with f32 accumulation and the bf16
+// attention kernels on head copies (nn/multihead_attention.cpp).
+void BM_MhaInferenceBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::BF16, /*seed=*/1);
+  mha.eval();
+  mha.attention.need_weights = false;
+  attn::Tensor X = random({kB, T, kE}, 2).to(attn::DType::BF16);
+  for (auto _ : state) {
+    attn::Tensor out = mha.forward(ctx, X, X, X);
+    benchmark::DoNotOptimize(out.raw_data());
+  }
+  set_counters(state, projection_flops(T) + attention_flops(T));
+}
+
+void BM_MhaTrainingBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, attn::DType::BF16, /*seed=*/1);
+  mha.train();
+  mha.attention.need_weights = false;
+  mha.self_attention_input_grad = true;
+  attn::Tensor X = random({kB, T, kE}, 2).to(attn::DType::BF16);
+  attn::Tensor dout = random({kB, T, kE}, 3).to(attn::DType::BF16);
+  for (auto _ : state) {
+    attn::Tensor out = mha.forward(ctx, X, X, X);
+    attn::nn::AttentionInputGrads g = mha.backward(ctx, dout);
+    benchmark::DoNotOptimize(g.dqueries.raw_data());
+  }
+  set_counters(state, 3.0 * projection_flops(T) + 3.5 * attention_flops(T));
+}
+
 // One projection (B*T, E) x (E, E)^T + b, forward.
 void BM_ProjectionForward(benchmark::State& state) {
   const int64_t T = state.range(0);
@@ -139,6 +173,67 @@ void BM_ProjectionBackward(benchmark::State& state) {
     benchmark::DoNotOptimize(g.dW.raw_data());
   }
   set_counters(state, 2 * projection_flops(T) / 4);
+}
+
+// bf16 parts: the packed projection forward (f32 accumulation + one rounding), one projection's
+// backward, and the bf16 attention core on head copies (B*H, T, D).
+void BM_ProjectionQkvForwardBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  const attn::DType bf16 = attn::DType::BF16;
+  attn::Tensor x = random({kB, T, kE}, 4).to(bf16), W = random({3 * kE, kE}, 5).to(bf16),
+               b = random({3 * kE}, 6).to(bf16);
+  for (auto _ : state) {
+    attn::Tensor y = attn::linear(ctx, x, W, b);
+    benchmark::DoNotOptimize(y.raw_data());
+  }
+  set_counters(state, 3 * projection_flops(T) / 4);
+}
+
+void BM_ProjectionBackwardBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  const attn::DType bf16 = attn::DType::BF16;
+  attn::Tensor x = random({kB, T, kE}, 4).to(bf16), W = random({kE, kE}, 5).to(bf16),
+               dy = random({kB, T, kE}, 7).to(bf16);
+  for (auto _ : state) {
+    attn::LinearGrads g = attn::linear_backward(ctx, dy, x, W, true);
+    benchmark::DoNotOptimize(g.dW.raw_data());
+  }
+  set_counters(state, 2 * projection_flops(T) / 4);
+}
+
+void BM_AttentionCoreForwardBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  const attn::DType bf16 = attn::DType::BF16;
+  attn::Tensor q = random({kB * kH, T, kD}, 8).to(bf16), k = random({kB * kH, T, kD}, 9).to(bf16),
+               v = random({kB * kH, T, kD}, 10).to(bf16);
+  attn::AttentionOptions o;
+  o.need_weights = false;
+  for (auto _ : state) {
+    attn::AttentionResult r = attn::scaled_dot_product_attention(ctx, q, k, v, o);
+    benchmark::DoNotOptimize(r.output.raw_data());
+  }
+  set_counters(state, attention_flops(T));
+}
+
+void BM_AttentionCoreBackwardBf16(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  attn::Context ctx = make_context();
+  const attn::DType bf16 = attn::DType::BF16;
+  attn::Tensor q = random({kB * kH, T, kD}, 8).to(bf16), k = random({kB * kH, T, kD}, 9).to(bf16),
+               v = random({kB * kH, T, kD}, 10).to(bf16),
+               dout = random({kB * kH, T, kD}, 11).to(bf16);
+  attn::AttentionOptions o;
+  o.need_weights = false;
+  attn::AttentionResult fwd = attn::scaled_dot_product_attention(ctx, q, k, v, o);
+  for (auto _ : state) {
+    attn::AttentionGrads g =
+        attn::scaled_dot_product_attention_backward(ctx, dout, q, k, v, fwd, o);
+    benchmark::DoNotOptimize(g.dq.raw_data());
+  }
+  set_counters(state, 2.5 * attention_flops(T));
 }
 
 // The attention core alone: softmax(Q K^T / sqrt(D)) V per (b, h), (B*H, T, D).
@@ -227,6 +322,8 @@ void BM_GemmPeak(benchmark::State& state) {
 
 ATTN_MHA_BENCH(BM_MhaInference);
 ATTN_MHA_BENCH(BM_MhaTraining);
+ATTN_MHA_BENCH(BM_MhaInferenceBf16);
+ATTN_MHA_BENCH(BM_MhaTrainingBf16);
 ATTN_MHA_BENCH(BM_ProjectionForward);
 ATTN_MHA_BENCH(BM_ProjectionBackward);
 ATTN_MHA_BENCH(BM_ProjectionQkvForward);
@@ -234,6 +331,10 @@ ATTN_MHA_BENCH(BM_AttentionCoreForward);
 ATTN_MHA_BENCH(BM_AttentionCoreBackward);
 ATTN_MHA_BENCH(BM_AttentionHeadsForward);
 ATTN_MHA_BENCH(BM_AttentionHeadsBackward);
+ATTN_MHA_BENCH(BM_ProjectionQkvForwardBf16);
+ATTN_MHA_BENCH(BM_ProjectionBackwardBf16);
+ATTN_MHA_BENCH(BM_AttentionCoreForwardBf16);
+ATTN_MHA_BENCH(BM_AttentionCoreBackwardBf16);
 BENCHMARK(BM_GemmPeak)
     ->Arg(2048)
     ->Unit(benchmark::kMillisecond)

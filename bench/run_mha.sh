@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# MultiHeadAttention on the CPU, attn vs PyTorch's nn.MultiheadAttention, side by side.
+# MultiHeadAttention on the CPU, attn vs PyTorch's nn.MultiheadAttention, side by side, in fp32
+# and in bf16 (torch_mha.py --dtype bfloat16 against bench_mha's BM_Mha*Bf16).
 #
 # Runs bench_mha (Google Benchmark) and bench/torch_mha.py on the same thread count, in
 # alternating rounds so that background load hits both alike, and writes the table into
@@ -70,6 +71,8 @@ for r in $(seq 1 "$rounds"); do
     > "$tmp/ours.$r.json"
   env "${torch_env[@]}" "$python" bench/torch_mha.py --threads "$threads" \
     --min-time "$min_time" --lengths $lengths > "$tmp/torch.$r.jsonl"
+  env "${torch_env[@]}" "$python" bench/torch_mha.py --threads "$threads" --dtype bfloat16 \
+    --min-time "$min_time" --lengths $lengths > "$tmp/torch_bf16.$r.jsonl"
 done
 loads+=("$(cut -d' ' -f1 /proc/loadavg)")
 
@@ -88,15 +91,17 @@ for r in range(1, rounds + 1):
         name = b["name"].replace("/process_time", "").replace("/real_time", "")
         ours.setdefault(name, []).append((b["real_time"], b["GFLOP"], b["cpu_time"]))
 torch = {}  # (mode, T) -> [(wall ms, GFLOP/s, process CPU ms)] (best of each round)
+torch_bf16 = {}  # the same for nn.MultiheadAttention(...).to(torch.bfloat16)
 torch_version = "?"
 torch_blas = set()  # the libblas / OpenBLAS file the torch process really mapped
 for r in range(1, rounds + 1):
-    for line in open(f"{tmp}/torch.{r}.jsonl"):
-        d = json.loads(line)
-        torch_version = d["torch"]
-        torch_blas.add(os.path.basename(d.get("blas", "?")))
-        torch.setdefault((d["mode"], d["T"]), []).append(
-            (d["ms_min"], d["gflops_best"], d["cpu_ms_min"]))
+    for path, into in ((f"{tmp}/torch.{r}.jsonl", torch), (f"{tmp}/torch_bf16.{r}.jsonl", torch_bf16)):
+        for line in open(path):
+            d = json.loads(line)
+            torch_version = d["torch"]
+            torch_blas.add(os.path.basename(d.get("blas", "?")))
+            into.setdefault((d["mode"], d["T"]), []).append(
+                (d["ms_min"], d["gflops_best"], d["cpu_ms_min"]))
 
 def best(samples):  # the fastest round: least disturbed by the shared machine
     return min(samples, key=lambda s: s[0])
@@ -126,6 +131,21 @@ for mode, name in (("inference", "BM_MhaInference"), ("training", "BM_MhaTrainin
                     f"**{tb[0] / ob[0]:.2f}x** | {oc:.0f} / {tc:.0f} ({tc / oc:.2f}x) | "
                     f"{spread(o):.0f}% / {spread(t):.0f}% |")
 
+# bf16: attn bf16 vs PyTorch bf16, with both fp32 runs of the same rounds beside them.
+rows_bf16 = []
+for mode, name in (("inference", "BM_MhaInference"), ("training", "BM_MhaTraining")):
+    for T in (512, 2048):
+        o, o32 = ours.get(f"{name}Bf16/{T}"), ours.get(f"{name}/{T}")
+        t, t32 = torch_bf16.get((mode, T)), torch.get((mode, T))
+        if not o or not t or not o32 or not t32:
+            continue
+        ob, tb, o32b, t32b = best(o), best(t), best(o32), best(t32)
+        oc, tc = min(s[2] for s in o), min(s[2] for s in t)
+        rows_bf16.append(
+            f"| {mode} | {T} | {ob[0]:.1f} | {ob[1]:.1f} | {o32b[0]:.1f} | {tb[0]:.1f} | "
+            f"{t32b[0]:.1f} | **{tb[0] / ob[0]:.2f}x** | {o32b[0] / ob[0]:.2f}x | "
+            f"{oc:.0f} / {tc:.0f} ({tc / oc:.2f}x) | {spread(o):.0f}% / {spread(t):.0f}% |")
+
 parts = []
 labels = {
     "BM_ProjectionForward": "one projection, forward (x W^T + b)",
@@ -135,6 +155,10 @@ labels = {
     "BM_AttentionCoreBackward": "attention core, backward",
     "BM_AttentionHeadsForward": "attention core on the (B, T, 3E) projection, head strides, forward",
     "BM_AttentionHeadsBackward": "attention core, head strides, backward (into (B, T, 3E))",
+    "BM_ProjectionQkvForwardBf16": "bf16 packed projection, forward (f32 accumulation, one rounding)",
+    "BM_ProjectionBackwardBf16": "bf16 one projection, backward",
+    "BM_AttentionCoreForwardBf16": "bf16 attention core, forward (B*H, T, D)",
+    "BM_AttentionCoreBackwardBf16": "bf16 attention core, backward",
 }
 for key, label in labels.items():
     for T in (512, 2048):
@@ -211,6 +235,16 @@ and gradient accumulation, the scheduler; the head split/merge copies are gone):
 | mode | T | total CPU ms | projections | attention core | rest |
 |---|---|---|---|---|---|
 {chr(10).join(split)}
+
+bfloat16, same shapes, settings and rounds: attn's `MultiHeadAttention(..., DType::BF16)` (bf16
+GEMMs accumulating in f32 with one rounding per output, the bf16 attention kernels on head
+copies) vs PyTorch's `nn.MultiheadAttention(...).to(torch.bfloat16)` (oneDNN bf16 linear layers
+inside PyTorch); the fp32 columns repeat the table above. Speedup = PyTorch bf16 / attn bf16
+wall time; attn bf16 vs fp32 = attn fp32 / attn bf16.
+
+| mode | T | attn bf16 ms | attn bf16 GFLOP/s | attn fp32 ms | PyTorch bf16 ms | PyTorch fp32 ms | speedup (bf16) | attn bf16 vs fp32 | CPU ms attn / PyTorch (bf16) | spread (bf16) |
+|---|---|---|---|---|---|---|---|---|---|---|
+{chr(10).join(rows_bf16)}
 
 | part | T | wall ms | GFLOP/s (wall) | CPU ms | spread |
 |---|---|---|---|---|---|

@@ -1,5 +1,8 @@
 #!/usr/bin/env python3
-"""PyTorch baseline for bench/bench_mha.cpp: torch.nn.MultiheadAttention, fp32, on the CPU.
+"""PyTorch baseline for bench/bench_mha.cpp: torch.nn.MultiheadAttention, fp32 or bf16, on the CPU.
+
+--dtype bfloat16 runs nn.MultiheadAttention(...).to(torch.bfloat16) on bfloat16 X and dout
+(bench_mha.cpp's BM_Mha*Bf16); the default float32 is BM_MhaInference / BM_MhaTraining's baseline.
 
 Times inference (eval + no_grad) and a training step (forward + backward of
 <out, dout> with respect to the parameters and the input) for self-attention X = queries =
@@ -65,14 +68,16 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--min-time", type=float, default=2.0, help="seconds per measurement")
     ap.add_argument("--min-reps", type=int, default=5)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     B, E, H = args.batch, args.hiddens, args.heads
-    mha = torch.nn.MultiheadAttention(E, H, dropout=0.0, bias=True, batch_first=True)
+    mha = torch.nn.MultiheadAttention(E, H, dropout=0.0, bias=True, batch_first=True).to(dtype)
     for T in args.lengths:
-        x = torch.randn(B, T, E)
+        x = torch.randn(B, T, E).to(dtype)
         for mode in ("inference", "training"):
             if mode == "inference":
                 mha.eval()
@@ -83,7 +88,7 @@ def main():
             else:
                 mha.train()
                 xg = x.clone().requires_grad_(True)
-                dout = torch.randn(B, T, E)
+                dout = torch.randn(B, T, E).to(dtype)
 
                 def step():
                     out, _ = mha(xg, xg, xg, need_weights=False)
@@ -95,7 +100,8 @@ def main():
             best, med = min(times), statistics.median(times)
             f = flops(B, T, E, H, mode == "training")
             print(json.dumps({
-                "impl": "torch", "torch": torch.__version__, "mode": mode, "B": B, "T": T,
+                "impl": "torch", "torch": torch.__version__, "dtype": args.dtype, "mode": mode,
+                "B": B, "T": T,
                 "E": E, "H": H, "bias": True, "threads": args.threads,
                 "reps": len(times), "ms_min": best * 1e3, "ms_median": med * 1e3,
                 "gflops_best": f / best * 1e-9,
