@@ -651,16 +651,17 @@ void flash_attention_forward(const FlashParams& p) {
   auto* block_fn = HWY_DYNAMIC_DISPATCH(ForwardBlock);
   // Items are independent and each one's arithmetic is fixed, so a dynamic schedule (better
   // balance for causal masks) still gives the same bits for any thread count. Causal blocks grow
-  // with t, so they are handed out longest first: the last block of every head, then the one
-  // before, and so on, so that the lightest items fill the end. (Session 2's order reversed twice
-  // and handed each head's blocks out lightest first, ending on a heavy one.)
+  // with t, so each head's blocks are handed out last (heaviest) first and the schedule ends on
+  // the lightest ones. Heads stay in order: consecutive items share one head's K and V in cache
+  // (an order across heads, all last blocks first, read them from memory for every item and
+  // was 6% slower at T = 4096, D = 64/128).
 #pragma omp parallel num_threads(std::max(1, p.threads))
   {
     hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t b = p.causal ? it % p.B : it / blocks;
-      const int64_t blk = p.causal ? blocks - 1 - it / p.B : it % blocks;
+      const int64_t b = it / blocks;
+      const int64_t blk = p.causal ? blocks - 1 - it % blocks : it % blocks;
       block_fn(p, b, blk * bq, scratch.get());
     }
   }
