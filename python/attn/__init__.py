@@ -16,7 +16,8 @@ Functions
     scaled_dot_product_attention(q, k, v, valid_lens=None, causal=False, dropout=0.0)
         bfloat16: pass torch.bfloat16 tensors (used in place, results torch.bfloat16) or
         dtype="bfloat16" (NumPy float32 rounded to bf16; float32 results holding bf16 values);
-        DotProductAttention(dropout, dtype="bfloat16") likewise, backward included
+        linear(..., dtype="bfloat16") likewise; DotProductAttention(dropout, dtype="bfloat16")
+        and MultiHeadAttention(..., dtype="bfloat16") too, backward included
     sinusoidal_encoding(num_steps, num_hiddens)                d2l's P matrix
     linear(x, weight, bias=None), dropout(x, p, seed=, offset=)
 

@@ -166,7 +166,9 @@ Layers start in training mode, as PyTorch's do.)doc")
           },
           R"doc(
 Copies of the parameters, {name: array}, with d2l's names ("W_q.weight", ...). Lazy projections
-that have seen no input yet are absent.)doc")
+that have seen no input yet are absent. A bfloat16 layer's entries are float32 arrays holding
+the bf16 values exactly (torch.from_numpy(a).bfloat16() and load_state_dict restore them
+exactly).)doc")
       .def(
           "load_state_dict",
           [](PyModule& self, const py::dict& state, bool strict) {
@@ -184,7 +186,8 @@ that have seen no input yet are absent.)doc")
             self.module().load_state_dict(dict, strict);
           },
           py::arg("state_dict"), py::arg("strict") = true, R"doc(
-Loads parameters from {name: array} (NumPy arrays, torch tensors or nested lists), copying them.
+Loads parameters from {name: array} (NumPy arrays, torch tensors or nested lists), copying them
+and converting them to the layer's dtype (to bfloat16: rounded to nearest even).
 d2l names, and for MultiHeadAttention also torch.nn.MultiheadAttention's (in_proj_weight,
 in_proj_bias, out_proj.weight, ...). strict: missing or unexpected names are errors. Nothing
 changes when anything is wrong (attn.Error).)doc")
@@ -193,13 +196,21 @@ changes when anything is wrong (attn.Error).)doc")
           [](PyModule& self) {
             std::lock_guard lock(self.mutex);
             py::list out;
-            for (auto& [name, p] : self.module().named_parameters())
-              if (p->value.defined()) out.append(py::make_tuple(name, to_numpy(p->value)));
+            for (auto& [name, p] : self.module().named_parameters()) {
+              if (!p->value.defined()) continue;
+              // NumPy cannot view bfloat16 memory as numbers: a bf16 layer's values come as
+              // float32 copies, read-only so that an in-place update fails instead of changing
+              // a copy the layer never sees.
+              const bool live = p->value.dtype() != DType::BF16;
+              out.append(py::make_tuple(name, to_numpy(p->value, /*writeable=*/live)));
+            }
             return out;
           },
           R"doc(
 [(name, array)] of live, writeable views of the parameters (no copies): an in-place update such
-as `w -= lr * g` changes the layer. load_state_dict overwrites them in place, so views stay valid.)doc")
+as `w -= lr * g` changes the layer. load_state_dict overwrites them in place, so views stay valid.
+A bfloat16 layer's parameters come as read-only float32 copies holding the bf16 values (NumPy
+has no bfloat16); update those through load_state_dict.)doc")
       .def_property_readonly(
           "grads",
           [](PyModule& self) {
@@ -211,7 +222,8 @@ as `w -= lr * g` changes the layer. load_state_dict overwrites them in place, so
           },
           R"doc(
 {name: array} of parameter gradients, read-only live views: every backward() ADDS to them (as
-PyTorch accumulates .grad) until zero_grad(). Copy an entry to keep a snapshot.)doc")
+PyTorch accumulates .grad) until zero_grad(). Copy an entry to keep a snapshot. A bfloat16
+layer's gradients are read-only float32 snapshots holding the bf16 values (not live).)doc")
       .def(
           "zero_grad",
           [](PyModule& self) {
@@ -232,7 +244,8 @@ PyTorch accumulates .grad) until zero_grad(). Copy an entry to keep a snapshot.)
             if (t == DType::BF16) return py::object(py::str("bfloat16"));
             return py::object(py::dtype(t == DType::F64 ? "float64" : "float32"));
           },
-          "np.float32/np.float64 dtype, or the string 'bfloat16' (DotProductAttention only).")
+          "np.float32/np.float64 dtype, or the string 'bfloat16' (DotProductAttention and "
+          "MultiHeadAttention).")
       .def_property(
           "context", [](PyModule& self) { return self.ctx; },
           [](PyModule& self, ContextPtr ctx) {
@@ -257,9 +270,12 @@ void bind_attention_calls(Class& cls, const char* op) {
   auto forward = [op](W& self, py::handle queries, py::handle keys, py::handle values,
                       py::handle valid_lens) {
     const DType dt = self.m.dtype();
+    // Self-attention (one object for queries, keys and values) converts once, so the layer
+    // still sees one tensor three times (MultiHeadAttention then projects with one stacked
+    // GEMM) when the array is not in its dtype (float32 arrays into a bfloat16 layer, say).
     Input q = module_input(queries, op, "queries", dt);
-    Input k = module_input(keys, op, "keys", dt);
-    Input v = module_input(values, op, "values", dt);
+    Input k = keys.is(queries) ? q : module_input(keys, op, "keys", dt);
+    Input v = values.is(queries) ? q : values.is(keys) ? k : module_input(values, op, "values", dt);
     Input lens = lens_input(valid_lens, op);
     Tensor out = run_locked(self, {q.array, k.array, v.array, lens.array}, [&](Context& c) {
       return self.m.forward(c, q.tensor, k.tensor, v.tensor, lens.tensor);
@@ -373,14 +389,23 @@ d2l's MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False): lazy proj
 W_k, W_v, W_o; head h owns features [h*D, (h+1)*D), D = num_hiddens / num_heads.
 load_state_dict also takes torch.nn.MultiheadAttention(num_hiddens, num_heads, bias=...,
 batch_first=True)'s state dict; d2l and torch then agree except on rows with no valid key
-(d2l: uniform weights; torch: NaN).)doc");
+(d2l: uniform weights; torch: NaN).
+
+dtype='bfloat16' (or torch.bfloat16) is PyTorch's module after .to(torch.bfloat16): bfloat16
+parameters (the float32 init rounded), projections on the bfloat16 GEMM (f32 accumulation, one
+rounding per output), attention on the bfloat16 kernels. torch.bfloat16 inputs are used as they
+are, float inputs rounded to bfloat16; output and backward's gradients are torch.bfloat16 tensors
+when the call's arrays were torch tensors, else float32 NumPy arrays holding the bfloat16 values.
+attention_weights are float32; state_dict(), grads and named_parameters() give float32 copies
+holding the bfloat16 values; load_state_dict takes float or torch.bfloat16 tensors (rounded).)doc");
   mha.def(py::init([](int64_t num_hiddens, int64_t num_heads, double dropout, bool bias,
                       bool causal, const std::string& masked_rows, py::handle dtype, uint64_t seed,
                       int threads, const std::string& backend, ContextPtr ctx) {
             const char* op = "MultiHeadAttention";
             ContextPtr c = make_context(ctx, seed, threads, backend);
             auto self = std::make_unique<PyMultiHeadAttention>(
-                num_hiddens, num_heads, dropout, bias, parse_float_dtype(dtype, op), c->ctx.seed);
+                num_hiddens, num_heads, dropout, bias,
+                parse_float_dtype(dtype, op, /*allow_bf16=*/true), c->ctx.seed);
             self->m.attention.causal = causal;
             self->m.attention.masked_rows = parse_masked_rows(masked_rows, op);
             self->ctx = c;

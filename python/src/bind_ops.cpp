@@ -208,18 +208,35 @@ float64 (and exact=True) computes angles in double.)doc");
 
   m.def(
       "linear",
-      [](py::handle x, py::handle weight, py::handle bias, ContextPtr ctx) {
+      [](py::handle x, py::handle weight, py::handle bias, py::handle dtype, ContextPtr ctx) {
         const char* op = "linear";
-        Input xi = to_tensor(x, op, "x", InputKind::kFloat);
-        Input w = to_tensor(weight, op, "weight", InputKind::kFloat);
-        Input b = to_tensor(bias, op, "bias", InputKind::kFloat, true);
-        Tensor y = run_with(context_or_default(ctx),
-                            [&](Context& c) { return linear(c, xi.tensor, w.tensor, b.tensor); });
-        return to_numpy(y);
+        const std::optional<DType> compute = parse_compute_dtype(dtype, op);
+        Input xi = to_tensor(x, op, "x", InputKind::kFloatBF16);
+        Input w = to_tensor(weight, op, "weight", InputKind::kFloatBF16);
+        Input b = to_tensor(bias, op, "bias", InputKind::kFloatBF16, true);
+        if (!compute && b.tensor.defined())
+          check_same_dtype(op, {{"x", &xi}, {"weight", &w}, {"bias", &b}});
+        else if (!compute)
+          check_same_dtype(op, {{"x", &xi}, {"weight", &w}});
+        Tensor y = run_with(context_or_default(ctx), [&](Context& c) {
+          if (!compute) return linear(c, xi.tensor, w.tensor, b.tensor);
+          // dtype=: a converted copy of each input whose dtype differs (to BF16: round to
+          // nearest even, attn/core/dtype.hpp; a float64 input through float32).
+          const Tensor bc = b.tensor.defined() ? b.tensor.to(*compute) : Tensor();
+          return linear(c, xi.tensor.to(*compute), w.tensor.to(*compute), bc);
+        });
+        return OutputMode(y.dtype(), {&xi, &w, &b})(y);
       },
       py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(), py::kw_only(),
-      py::arg("ctx") = py::none(),
-      "y = x weight^T + bias, weight (out, in) as in PyTorch: (..., in) -> (..., out).");
+      py::arg("dtype") = py::none(), py::arg("ctx") = py::none(), R"doc(
+y = x weight^T + bias, weight (out, in) as in PyTorch: (..., in) -> (..., out).
+
+x, weight, bias: float32 or float64, or torch.bfloat16 tensors (viewed without a copy).
+dtype: None computes in the inputs' dtype (all alike, else attn.Error); 'bfloat16' (or
+torch.bfloat16) rounds float inputs to bfloat16 (nearest even) and runs the bfloat16 GEMM (f32
+accumulation, one rounding per output, as PyTorch's bf16 F.linear); 'float32'/'float64' convert
+to that. bfloat16 results: a torch.bfloat16 tensor when an input was a torch tensor, else a
+float32 NumPy array holding the bfloat16 values exactly.)doc");
 
   m.def(
       "_input_view",

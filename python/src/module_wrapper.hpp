@@ -66,9 +66,10 @@ std::string fmt_double(double x);
                  py::arg("backend") = "auto", py::arg("ctx") = py::none()
 
 inline constexpr const char* kCommonDoc = R"doc(
-Keyword arguments of every layer: dtype (float32 default, or float64), seed (parameter
-initialisation and the dropout stream), threads (0: all cores), backend ('auto', 'reference',
-'cpu'), ctx (an attn.Context to share instead of a new one; seed/threads/backend then ignored).
+Keyword arguments of every layer: dtype (float32 default, or float64; also 'bfloat16' for
+DotProductAttention and MultiHeadAttention), seed (parameter initialisation and the dropout
+stream), threads (0: all cores), backend ('auto', 'reference', 'cpu'), ctx (an attn.Context to
+share instead of a new one; seed/threads/backend then ignored).
 Inputs of another float dtype are converted to the layer's dtype (a copy).)doc";
 
 }  // namespace attn::python

@@ -28,6 +28,10 @@ const char* numpy_name(DType t) {
   return nullptr;
 }
 
+// The entry points with bfloat16 kernels, for the messages that point there.
+constexpr const char* kBf16EntryPoints =
+    "scaled_dot_product_attention, linear, DotProductAttention and MultiHeadAttention";
+
 std::string dtype_str(const py::dtype& dt) {
   return dt.attr("name").cast<std::string>();
 }
@@ -87,8 +91,8 @@ Input to_tensor(py::handle obj, const char* op, const char* name, InputKind kind
   if (bf16) {
     check(kind == InputKind::kFloatBF16, op,
           "{} is a torch.bfloat16 tensor, expected float32 or float64: {} has no bfloat16 kernel "
-          "(bfloat16 runs in scaled_dot_product_attention and DotProductAttention)",
-          name, op);
+          "(bfloat16 runs in {})",
+          name, op, kBf16EntryPoints);
     // Same item size, so the int16 view keeps every stride; .numpy() shares the memory and its
     // array keeps the tensor alive.
     src = src.attr("view")(py::module_::import("torch").attr("int16")).attr("numpy")();
@@ -217,8 +221,8 @@ DType parse_float_dtype(py::handle obj, const char* op, bool allow_bf16) {
   if (text == "bfloat16" || text == "torch.bfloat16") {
     check(allow_bf16, op,
           "dtype bfloat16 is not supported by {}, expected float32 or float64 (bfloat16 runs in "
-          "scaled_dot_product_attention and DotProductAttention)",
-          op);
+          "{})",
+          op, kBf16EntryPoints);
     return DType::BF16;
   }
   const char* expected = allow_bf16 ? "float32, float64 or bfloat16" : "float32 or float64";
