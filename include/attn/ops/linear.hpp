@@ -5,9 +5,10 @@
 // dtypes: x, W, b (and dy in the backward) all F32, all F64 or all BF16; mixing is an error.
 // BF16 is PyTorch's bf16 F.linear: outputs and gradients BF16. The fast path (kAuto, kCpu) runs
 // a bf16 oneDNN GEMM accumulating in f32 (bias added in f32) that rounds each result once to
-// bf16 as it stores it; dx and dW likewise, db is summed in double and rounded to f32, then bf16. kReference widens the inputs,
-// accumulates in double and rounds once. With AVX512-BF16 oneDNN flushes bf16 subnormal inputs
-// and f32 subnormal partial results to zero (vdpbf16ps); values of normal magnitude are exact.
+// bf16 as it stores it; dx and dW likewise, db is summed in double and rounded to f32, then bf16.
+// kReference widens the inputs, accumulates in double and rounds once. With AVX512-BF16 oneDNN
+// flushes bf16 subnormal inputs and f32 subnormal partial results to zero (vdpbf16ps); values of
+// normal magnitude are exact.
 #pragma once
 
 #include "attn/core/context.hpp"
