@@ -667,19 +667,16 @@ void flash_attention_forward(const FlashParams& p) {
   }
 }
 
-// Key ranges of the backward items of one batch row. Enough items to feed a few threads when B
-// is small (a function of the shape only, never of the thread count), each a multiple of 64 keys;
-// with a causal mask the ranges hold equal work (key s is seen by T - s queries), not equal keys.
-static std::vector<int64_t> KeySplits(const FlashParams& p) {
+std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal) {
   constexpr int64_t kGrain = 64;
-  const int64_t grains = (p.S + kGrain - 1) / kGrain;
-  int64_t splits = p.B >= 4 ? 1 : (4 + p.B - 1) / p.B;
+  const int64_t grains = (S + kGrain - 1) / kGrain;
+  int64_t splits = B >= 4 ? 1 : (4 + B - 1) / B;
   splits = std::max<int64_t>(1, std::min(splits, grains / 4));
   std::vector<double> work(grains);
   double total = 0;
   for (int64_t gi = 0; gi < grains; ++gi) {
     const double s_mid = (gi + 0.5) * kGrain;
-    work[gi] = p.causal ? std::max(1.0, double(p.T) - s_mid) : 1.0;
+    work[gi] = causal ? std::max(1.0, double(T) - s_mid) : 1.0;
     total += work[gi];
   }
   std::vector<int64_t> bounds{0};
@@ -688,18 +685,18 @@ static std::vector<int64_t> KeySplits(const FlashParams& p) {
     acc += work[gi];
     const int64_t j = static_cast<int64_t>(bounds.size());
     if (j < splits && acc >= total * double(j) / double(splits))
-      bounds.push_back(std::min(p.S, (gi + 1) * kGrain));
+      bounds.push_back(std::min(S, (gi + 1) * kGrain));
   }
   while (static_cast<int64_t>(bounds.size()) <= splits)
-    bounds.push_back(p.S);
-  bounds.back() = p.S;
+    bounds.push_back(S);
+  bounds.back() = S;
   return bounds;
 }
 
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   if (p.B == 0) return;
   const int64_t Dp = (p.D + 15) / 16 * 16;  // >= every target's padded D; dq_part row stride
-  const std::vector<int64_t> bounds = KeySplits(p);
+  const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
   const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
   const int threads = std::max(1, p.threads);
   const size_t part_floats = static_cast<size_t>(p.T * Dp);

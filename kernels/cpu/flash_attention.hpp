@@ -87,6 +87,12 @@ void flash_attention_forward(const FlashParams& p);
 // Reads p.q, p.k, p.v, p.out, p.lse (as the forward left them) and g.dout; fills g.dq, g.dk, g.dv.
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g);
 
+// Key ranges [bounds[j], bounds[j+1]) of the backward's work items for one batch row, shared by
+// the fp32 and bf16 backwards: enough items to feed a few threads when B is small (a function of
+// the shape only, never of the thread count), each a multiple of 64 keys; with a causal mask the
+// ranges hold equal work (key s is seen by T - s queries), not equal keys.
+std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal);
+
 // Name of the SIMD target the dispatcher picks on this CPU (e.g. "AVX3", "AVX2", "EMU128").
 const char* flash_attention_target();
 // The SIMD targets compiled in and supported by this CPU (Highway target bits, best first), and

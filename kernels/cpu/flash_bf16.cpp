@@ -1274,37 +1274,10 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
   }
 }
 
-// Key ranges of the backward items of one batch row (flash_attention.cpp's KeySplits): enough
-// items to feed a few threads when B is small (a function of the shape only, never of the
-// thread count), each a multiple of 64 keys; causal ranges hold equal work, not equal keys.
-std::vector<int64_t> bwd_key_splits(const FlashBf16Params& p) {
-  const int64_t grains = (p.S + kBwdK - 1) / kBwdK;
-  int64_t splits = p.B >= 4 ? 1 : (4 + p.B - 1) / p.B;
-  splits = std::max<int64_t>(1, std::min(splits, grains / 4));
-  std::vector<double> work(static_cast<size_t>(grains));
-  double total = 0;
-  for (int64_t gi = 0; gi < grains; ++gi) {
-    const double s_mid = (double(gi) + 0.5) * double(kBwdK);
-    work[gi] = p.causal ? std::max(1.0, double(p.T) - s_mid) : 1.0;
-    total += work[gi];
-  }
-  std::vector<int64_t> bounds{0};
-  double acc = 0;
-  for (int64_t gi = 0; gi < grains; ++gi) {
-    acc += work[gi];
-    const int64_t j = static_cast<int64_t>(bounds.size());
-    if (j < splits && acc >= total * double(j) / double(splits))
-      bounds.push_back(std::min(p.S, (gi + 1) * kBwdK));
-  }
-  while (static_cast<int64_t>(bounds.size()) <= splits)
-    bounds.push_back(p.S);
-  bounds.back() = p.S;
-  return bounds;
-}
-
 void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
   const int64_t Dp = (p.D + kL - 1) / kL * kL;
-  const std::vector<int64_t> bounds = bwd_key_splits(p);
+  static_assert(kBwdK == 64, "backward_key_splits cuts at multiples of 64 keys");
+  const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
   const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
   const int threads = std::max(1, p.threads);
   const size_t part_floats = static_cast<size_t>(p.T * Dp);
