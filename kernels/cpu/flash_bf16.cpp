@@ -37,6 +37,7 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/transpose16.hpp"
 
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
@@ -418,38 +419,10 @@ inline bool pairs_finite(__m512i w) {
   return _mm512_cmpeq_epi16_mask(_mm512_and_si512(w, e), e) == 0;
 }
 
-// In-register transpose of a 16 x 16 block of 32-bit words: r[i] holds row i on entry, column i
-// on exit. Three rounds of shuffles (32-bit, 64-bit, 128-bit lanes twice): 64 instructions per
-// 256 words.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4i + m], 128-bit lane L: column 4L + m of rows 4i .. 4i+3
-  for (int i = 0; i < 4; ++i) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i v02 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);  // lanes 0, 2 of each
-    const __m512i w02 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
-    const __m512i v13 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);  // lanes 1, 3 of each
-    const __m512i w13 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
-    r[m] = _mm512_shuffle_i32x4(v02, w02, 0x88);
-    r[8 + m] = _mm512_shuffle_i32x4(v02, w02, 0xdd);
-    r[4 + m] = _mm512_shuffle_i32x4(v13, w13, 0x88);
-    r[12 + m] = _mm512_shuffle_i32x4(v13, w13, 0xdd);
-  }
-}
-
 // dst[j*ld + r] = (x[r][2j], x[r][2j+1]) for r < n, j < ceil(D/2), with x[r][c] = src[r*rs + c*sd]
 // (a zero high half past D): a tile's rows laid along the lanes as bf16 pairs. With unit feature
-// stride, 16 x 16 blocks of pairs go through transpose16x16 (a first version gathered the pair j
-// of 16 rows: 7% of the forward at T = S = 1024, D = 64); else scalar.
+// stride, 16 x 16 blocks of pairs go through transpose16x16_epi32 (a first version gathered the
+// pair j of 16 rows: 7% of the forward at T = S = 1024, D = 64); else scalar.
 void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs, int64_t sd,
                            uint32_t* dst, int64_t ld) {
   const int64_t D2 = (D + 1) / 2;
@@ -476,7 +449,7 @@ void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs
                  : ne == 2 * kL ? _mm512_loadu_si512(x)
                                 : _mm512_maskz_loadu_epi16(cols, x);
       }
-      transpose16x16(blk);
+      transpose16x16_epi32(blk);
       for (int64_t c = 0; c < std::min(kL, D2 - j0); ++c)
         _mm512_mask_storeu_epi32(dst + (j0 + c) * ld + ra, rows, blk[c]);
     }

@@ -13,6 +13,7 @@
 #endif
 
 #include "hwy/highway.h"
+#include "kernels/cpu/transpose16.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -278,35 +279,14 @@ HWY_INLINE void PackRows(const float* src, int64_t rows, int64_t cols, int64_t s
 }
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// In-register transpose of a 16 x 16 tile of floats: r[i] holds row i on entry, column i on exit.
-// Three stages: interleave 32-bit elements of row pairs, then 64-bit pairs of those (each 128-bit
-// block now holds a 4 x 4 sub-tile), then move 128-bit blocks across vectors (vshuff32x4).
+// In-register transpose of a 16 x 16 tile of floats (kernels/cpu/transpose16.hpp).
 HWY_INLINE void Transpose16(__m512 r[16]) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4g + k], block j: elements 4j + k of rows 4g .. 4g + 3.
-  for (int g = 0; g < 4; ++g) {
-    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), e = _mm512_castps_pd(t[4 * g + 3]);
-    u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, e));
-    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, e));
-  }
-  // Column 4j + k = block j of u[k], u[4 + k], u[8 + k], u[12 + k].
-  for (int k = 0; k < 4; ++k) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);  // blocks 0, 2 | 0, 2
-    const __m512 w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);  // blocks 1, 3 | 1, 3
-    const __m512 v1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-    r[k] = _mm512_shuffle_f32x4(v0, v1, 0x88);
-    r[8 + k] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
-    r[4 + k] = _mm512_shuffle_f32x4(w0, w1, 0x88);
-    r[12 + k] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
-  }
+  __m512i x[16];
+  for (int i = 0; i < 16; ++i)
+    x[i] = _mm512_castps_si512(r[i]);
+  transpose16x16_epi32(x);
+  for (int i = 0; i < 16; ++i)
+    r[i] = _mm512_castsi512_ps(x[i]);
 }
 #endif
 
