@@ -466,37 +466,55 @@ struct Packed {
   std::vector<uint8_t> v_finite;                 // (B, tiles): V of the 64-key tile is finite
 };
 
+// dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
+// (a zero high half past row n), zeros for c in [C, ld): rows laid out as pairs along the row
+// axis, features adjacent. bad[r] |= (row r's pair holds an Inf or NaN) (both rows of a pair are
+// marked: a conservative flag, it only sends a tile to the exact loops).
+void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int64_t cs,
+                     uint32_t* dst, int64_t ld, uint8_t* bad) {
+  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
+    const uint16_t* r0 = src + 2 * i * rs;
+    const uint16_t* r1 = r0 + rs;
+    const bool has1 = 2 * i + 1 < n;
+    uint32_t* o = dst + i * ld;
+    bool finite = true;
+    int64_t c = 0;
+    if (cs == 1) {
+      for (; c < C; c += kL) {
+        const __mmask16 m = c + kL <= C ? __mmask16(0xffff) : __mmask16((1u << (C - c)) - 1);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c));
+        const __m512i hi = has1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c))
+                                : _mm512_setzero_si512();
+        const __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        finite &= pairs_finite(w);
+        _mm512_mask_storeu_epi32(o + c, m, w);
+      }
+      c = C;
+    } else {
+      for (; c < C; ++c) {
+        const uint32_t lo = r0[c * cs], hi = has1 ? r1[c * cs] : 0u;
+        finite &= (lo & 0x7f80u) != 0x7f80u && (hi & 0x7f80u) != 0x7f80u;
+        o[c] = lo | (hi << 16);
+      }
+    }
+    std::fill(o + C, o + ld, 0u);
+    if (!finite) {
+      bad[2 * i] = 1;
+      if (has1) bad[2 * i + 1] = 1;
+    }
+  }
+}
+
 void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
   uint32_t* vt = pk.vt2.get() + b * S2 * Dv;
   const uint16_t* vb = p.v + b * p.v_sb;
+  uint8_t bad[kBlockK];
   for (int64_t tile = 0; tile < pk.tiles; ++tile) {
-    bool finite = true;
-    for (int64_t j = tile * kBlockK / 2; j < std::min(S2, (tile + 1) * kBlockK / 2); ++j) {
-      const uint16_t* r0 = vb + 2 * j * p.v_ss;
-      const uint16_t* r1 = r0 + p.v_ss;
-      const bool has1 = 2 * j + 1 < S;
-      uint32_t* o = vt + j * Dv;
-      int64_t e = 0;
-      if (p.v_sd == 1) {
-        for (; e < Dv; e += kL) {
-          const __mmask16 m = e + kL <= Dv ? __mmask16(0xffff) : __mmask16((1u << (Dv - e)) - 1);
-          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + e));
-          const __m512i hi = has1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + e))
-                                  : _mm512_setzero_si512();
-          const __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-          finite &= pairs_finite(w);
-          _mm512_mask_storeu_epi32(o + e, m, w);
-        }
-      } else {
-        for (; e < Dv; ++e) {
-          const uint32_t lo = r0[e * p.v_sd], hi = has1 ? r1[e * p.v_sd] : 0u;
-          finite &= (lo & 0x7f80u) != 0x7f80u && (hi & 0x7f80u) != 0x7f80u;
-          o[e] = lo | (hi << 16);
-        }
-      }
-    }
-    pk.v_finite[b * pk.tiles + tile] = finite;
+    const int64_t s0 = tile * kBlockK, n = std::min(kBlockK, S - s0);
+    std::fill(bad, bad + n, uint8_t{0});
+    pack_pairs_rows(vb + s0 * p.v_ss, n, Dv, p.v_ss, p.v_sd, vt + s0 / 2 * Dv, Dv, bad);
+    pk.v_finite[b * pk.tiles + tile] = std::none_of(bad, bad + n, [](uint8_t x) { return x != 0; });
   }
   uint32_t* kt = pk.kt2.get() + b * pk.D2 * pk.ldk;
   // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
@@ -895,45 +913,6 @@ inline void store_bf16_row(const float* x, int64_t n, float mul, uint16_t* dst, 
       _mm256_store_si256(reinterpret_cast<__m256i*>(o), h);
       for (int64_t l = 0; l < std::min(kL, n - c); ++l)
         dst[(c + l) * stride] = o[l];
-    }
-  }
-}
-
-// dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
-// (a zero high half past row n), zeros for c in [C, ld): rows laid out as pairs along the row
-// axis, features adjacent. bad[r] |= (row r's pair holds an Inf or NaN) (both rows of a pair are
-// marked: a conservative flag, it only sends a tile to the exact loops).
-void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int64_t cs,
-                     uint32_t* dst, int64_t ld, uint8_t* bad) {
-  for (int64_t i = 0; i < (n + 1) / 2; ++i) {
-    const uint16_t* r0 = src + 2 * i * rs;
-    const uint16_t* r1 = r0 + rs;
-    const bool has1 = 2 * i + 1 < n;
-    uint32_t* o = dst + i * ld;
-    bool finite = true;
-    int64_t c = 0;
-    if (cs == 1) {
-      for (; c < C; c += kL) {
-        const __mmask16 m = c + kL <= C ? __mmask16(0xffff) : __mmask16((1u << (C - c)) - 1);
-        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c));
-        const __m512i hi = has1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c))
-                                : _mm512_setzero_si512();
-        const __m512i w = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-        finite &= pairs_finite(w);
-        _mm512_mask_storeu_epi32(o + c, m, w);
-      }
-      c = C;
-    } else {
-      for (; c < C; ++c) {
-        const uint32_t lo = r0[c * cs], hi = has1 ? r1[c * cs] : 0u;
-        finite &= (lo & 0x7f80u) != 0x7f80u && (hi & 0x7f80u) != 0x7f80u;
-        o[c] = lo | (hi << 16);
-      }
-    }
-    std::fill(o + C, o + ld, 0u);
-    if (!finite) {
-      bad[2 * i] = 1;
-      if (has1) bad[2 * i + 1] = 1;
     }
   }
 }
