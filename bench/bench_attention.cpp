@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -39,16 +40,38 @@ double peak_gflops() {
   return peak;
 }
 
+// 64-byte aligned storage, as attn::Tensor and torch tensors have. std::vector's default
+// allocator gives 16-byte alignment for large blocks (glibc's mmap chunks start 16 bytes into a
+// page), so every 64-byte row load would straddle two cache lines: a case the kernels handle
+// (tests cover it) but not the one users' tensors present.
+template <class T>
+struct Aligned64 {
+  using value_type = T;
+  Aligned64() = default;
+  template <class U>
+  Aligned64(const Aligned64<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const Aligned64<U>&) const {
+    return true;
+  }
+};
+template <class T>
+using AlignedVec = std::vector<T, Aligned64<T>>;
+
 // Contiguous q, k, v, out, dout, grads of one shape, filled with uniform [-1, 1).
 struct Buffers {
   int64_t BH, T, S, D;
-  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
+  AlignedVec<float> q, k, v, out, lse, dout, dq, dk, dv;
   attn::cpu::FlashParams p;
   attn::cpu::FlashGrads g;
   Buffers(int64_t bh, int64_t t, int64_t d, bool causal, bool grads) : BH(bh), T(t), S(t), D(d) {
     std::mt19937 gen(42);
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-    auto fill = [&](std::vector<float>& x, int64_t n) {
+    auto fill = [&](AlignedVec<float>& x, int64_t n) {
       x.resize(n);
       for (auto& e : x)
         e = u(gen);
@@ -130,12 +153,12 @@ BENCHMARK(BM_FlashBackward)->Apply(IssueShapes);
 // The fp32 buffers above rounded to bf16, with the bf16 kernels' parameters on them.
 struct Bf16Buffers {
   Buffers f;
-  std::vector<uint16_t> q, k, v, out, dout, dq, dk, dv;
-  std::vector<float> lse;
+  AlignedVec<uint16_t> q, k, v, out, dout, dq, dk, dv;
+  AlignedVec<float> lse;
   attn::cpu::FlashBf16Params p;
   attn::cpu::FlashBf16Grads g;
-  static std::vector<uint16_t> round(const std::vector<float>& x) {
-    std::vector<uint16_t> y(x.size());
+  static AlignedVec<uint16_t> round(const AlignedVec<float>& x) {
+    AlignedVec<uint16_t> y(x.size());
     for (size_t i = 0; i < x.size(); ++i)
       y[i] = attn::float_to_bf16(x[i]);
     return y;

@@ -308,6 +308,7 @@ TEST_F(Cli, BadInputExitsTwoWithOneLineAndNoFile) {
       "bench",
       "bench attention --queries 0",
       "bench attention --repeats 0",
+      "bench attention --warmup-seconds -1",
       "bench attention --dtype f16",
       "bench attention --backend gpu",
       "bench attention --head-dim x",
@@ -334,7 +335,7 @@ TEST_F(Cli, BenchAttentionJson) {
   for (const std::string flags : {"", " --backward", " --causal --backward", " --keys 40"}) {
     const Result r =
         run("bench attention --batch-heads 2 --queries 24 --head-dim 16 --threads 1 "
-            "--repeats 3 --warmup 0 --json" +
+            "--repeats 3 --warmup 0 --warmup-seconds 0 --json" +
             flags);
     ASSERT_EQ(r.status, 0) << flags << ": " << r.err;
     const auto doc = nlohmann::json::parse(r.out);
@@ -344,6 +345,7 @@ TEST_F(Cli, BenchAttentionJson) {
     }
     EXPECT_EQ(doc["pass"], flags.find("--backward") != std::string::npos ? "backward" : "forward");
     EXPECT_EQ(doc["threads"], 1);
+    EXPECT_EQ(doc["warmup_runs"], 0);  // --warmup 0 --warmup-seconds 0
     const double S = doc["keys"].get<double>();
     EXPECT_EQ(S, flags.find("--keys") != std::string::npos ? 40 : 24);
     // FLOPs: 4 * BH * pairs * D, backward 2.5x; causal keeps sum_t (t + 1) of T = S = 24 pairs.
@@ -353,7 +355,8 @@ TEST_F(Cli, BenchAttentionJson) {
     EXPECT_NEAR(doc["gflops"].get<double>(),
                 doc["flops"].get<double>() / (doc["median_ms"].get<double>() * 1e6), 1e-9);
   }
-  const Result text = run("bench attention --batch-heads 1 --queries 8 --head-dim 8 --repeats 1");
+  const Result text = run(
+      "bench attention --batch-heads 1 --queries 8 --head-dim 8 --repeats 1 --warmup-seconds 0");
   ASSERT_EQ(text.status, 0) << text.err;
   EXPECT_NE(text.out.find("GFLOP/s"), std::string::npos) << text.out;
   EXPECT_NE(text.out.find("% of peak"), std::string::npos) << text.out;
