@@ -40,7 +40,7 @@ coretype=${TORCH_OPENBLAS_CORETYPE:-SkylakeX}
 torch_ld=${LD_LIBRARY_PATH:-}
 if [[ -n "$blas_dir" ]]; then torch_ld="$blas_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
-"$bin" --benchmark_filter="$filter" --benchmark_repetitions="$reps" \
+"$bin" --benchmark_filter="$filter" --benchmark_repetitions="$reps" --benchmark_min_warmup_time=0.5 \
   --benchmark_format=json --benchmark_out="$tmp/attn.json" --benchmark_out_format=json >/dev/null
 # bf16 against fp32 in the same process, alternating (BM_FlashBf16Speedup): the ratio that the
 # bf16 target is about, robust to the machine's load.

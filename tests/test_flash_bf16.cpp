@@ -441,6 +441,19 @@ TEST(FlashBf16, LongRowsKeepLseAccurate) {
   }
 }
 
+// Packed K and V over the 64 MiB the forward keeps between calls (S = 66000, D = 256: 67.6 MB)
+// get a buffer of their own; the next, smaller call goes back to the kept one, whose stale
+// contents must not leak into it (tiles of the sweep reuse it shape after shape too).
+TEST(FlashBf16, PackLargerThanKeptBuffer) {
+  for (const Case& c : {Case{1, 3, 66000, 256, 256, Lens::kNone, false, false, 0.0f, 0},
+                        Case{2, 5, 70, 256, 256, Lens::kNone, false, false, 0.0f, 0}}) {
+    Problem pr(c);
+    const Reference ref = reference(pr);
+    flash_attention_forward_bf16(pr.p);
+    EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0)) << c.name();
+  }
+}
+
 // Every row fully masked: d2l's policy gives the mean of v (weights 1/S, here with dropout),
 // PyTorch's gives zeros; lse is -inf; dq and dk are zero.
 TEST(FlashBf16, FullyMaskedRows) {

@@ -212,6 +212,29 @@ std::unique_ptr<T[], FreeDeleter> alloc_aligned(size_t n) {
   return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(64, bytes)));
 }
 
+// n elements of a buffer that the calling thread keeps between calls (one per Slot), up to
+// 64 MiB; a larger request gets a buffer of its own in `own`, freed with it. Fresh pages cost a
+// fault each (about 6 us per 4 KiB on this VM kind) and glibc hands large freed blocks back to
+// the system: at T = S = 4096, D = 128, B*H = 16 the forward's packed K and V (33 MiB) were
+// faulted in again on every call, ~10% of its time. Contents are not kept: callers write
+// before they read.
+template <int Slot, typename T>
+T* kept_buffer(size_t n, std::unique_ptr<T[], FreeDeleter>& own) {
+  constexpr size_t kKeepBytes = size_t{64} << 20;
+  thread_local std::unique_ptr<T[], FreeDeleter> kept;
+  thread_local size_t kept_n = 0;
+  if (n * sizeof(T) > kKeepBytes) {
+    own = alloc_aligned<T>(n);
+    return own.get();
+  }
+  if (kept_n < n) {
+    kept.reset();  // the old block first: peak memory is the new one only
+    kept = alloc_aligned<T>(n);
+    kept_n = n;
+  }
+  return kept.get();
+}
+
 // One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
 // A(i, k) = a[k*lda + i], a 32-bit word holding two bf16 (broadcast); row k of B is NV*16 words
 // at b + k*ldb, each two bf16. The rows of A are adjacent words, so one pointer and constant
@@ -461,9 +484,10 @@ void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs
 // K, features for V) in adjacent words.
 struct Packed {
   int64_t S2 = 0, D2 = 0, tiles = 0, ldk = 0;
-  std::unique_ptr<uint32_t[], FreeDeleter> vt2;  // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
-  std::unique_ptr<uint32_t[], FreeDeleter> kt2;  // (B, D2, ldk) words: (k[s][2i], k[s][2i+1])
+  uint32_t* vt2 = nullptr;                       // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
+  uint32_t* kt2 = nullptr;                       // (B, D2, ldk) words: (k[s][2i], k[s][2i+1])
   std::vector<uint8_t> v_finite;                 // (B, tiles): V of the 64-key tile is finite
+  std::unique_ptr<uint32_t[], FreeDeleter> own;  // vt2 and kt2 when over kept_buffer's limit
 };
 
 // dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
@@ -507,7 +531,7 @@ void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int6
 
 void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
-  uint32_t* vt = pk.vt2.get() + b * S2 * Dv;
+  uint32_t* vt = pk.vt2 + b * S2 * Dv;
   const uint16_t* vb = p.v + b * p.v_sb;
   uint8_t bad[kBlockK];
   for (int64_t tile = 0; tile < pk.tiles; ++tile) {
@@ -516,7 +540,7 @@ void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
     pack_pairs_rows(vb + s0 * p.v_ss, n, Dv, p.v_ss, p.v_sd, vt + s0 / 2 * Dv, Dv, bad);
     pk.v_finite[b * pk.tiles + tile] = std::none_of(bad, bad + n, [](uint8_t x) { return x != 0; });
   }
-  uint32_t* kt = pk.kt2.get() + b * pk.D2 * pk.ldk;
+  uint32_t* kt = pk.kt2 + b * pk.D2 * pk.ldk;
   // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
   pack_pairs_transposed(p.k + b * p.k_sb, S, p.D, p.k_ss, p.k_sd, kt, pk.ldk);
 }
@@ -582,8 +606,8 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
   std::fill(lv, lv + mqp, 0.0f);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
 
-  const uint32_t* kt2 = pk.kt2.get() + b * D2 * pk.ldk;
-  const uint32_t* vt2 = pk.vt2.get() + b * pk.S2 * Dv;
+  const uint32_t* kt2 = pk.kt2 + b * D2 * pk.ldk;
+  const uint32_t* vt2 = pk.vt2 + b * pk.S2 * Dv;
 
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0), nk2 = (nk + 1) / 2;
@@ -724,11 +748,15 @@ void forward_native(const FlashBf16Params& p) {
   // Rows of kt2 16 words longer than a multiple of 16: the transposed stores of a 16 x 16 block
   // then fall into different L1 sets (a stride of S = 1024 words, 4 KiB, put all 16 in one set).
   pk.ldk = (p.S + kL - 1) / kL * kL + kL;
-  // + kMR words of slack: the micro-kernel reads (and discards) up to kMR - 1 rows past the end.
-  pk.vt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR));
-  pk.kt2 = alloc_aligned<uint32_t>(static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR));
-  std::fill(pk.vt2.get() + p.B * pk.S2 * p.Dv, pk.vt2.get() + p.B * pk.S2 * p.Dv + kMR, 0u);
-  std::fill(pk.kt2.get() + p.B * pk.D2 * pk.ldk, pk.kt2.get() + p.B * pk.D2 * pk.ldk + kMR, 0u);
+  // One block: V then K, each with kMR words of slack (the micro-kernel reads, and discards, up
+  // to kMR - 1 rows past the end), K at a 64-byte boundary.
+  const size_t nv = static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR);
+  const size_t nv_padded = (nv + 15) / 16 * 16;
+  const size_t nk = static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR);
+  pk.vt2 = kept_buffer<0>(nv_padded + nk, pk.own);
+  pk.kt2 = pk.vt2 + nv_padded;
+  std::fill(pk.vt2 + nv - kMR, pk.vt2 + nv, 0u);
+  std::fill(pk.kt2 + nk - kMR, pk.kt2 + nk, 0u);
   pk.v_finite.assign(static_cast<size_t>(p.B * pk.tiles), 1);
   const int64_t blocks = (p.T + kBlockQ - 1) / kBlockQ, items = p.B * blocks;
   const size_t floats = scratch_floats(p, pk);
@@ -739,12 +767,13 @@ void forward_native(const FlashBf16Params& p) {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < p.B; ++b)
       pack_batch(p, pk, b);
-    auto scratch = alloc_aligned<float>(floats);
+    std::unique_ptr<float[], FreeDeleter> own_scratch;
+    float* scratch = kept_buffer<1>(floats, own_scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = p.causal ? items - 1 - it : it;
       const int64_t b = i / blocks, blk = p.causal ? blocks - 1 - i % blocks : i % blocks;
-      forward_block(p, pk, b, blk * kBlockQ, scratch.get());
+      forward_block(p, pk, b, blk * kBlockQ, scratch);
     }
   }
 }
