@@ -617,6 +617,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "hwy/aligned_allocator.h"
+#include "kernels/cpu/kept_buffer.hpp"
 
 #include <omp.h>
 
@@ -719,15 +720,15 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     // still in L2, instead of B buffers of T x Dp summed in a second pass.
 #pragma omp parallel num_threads(threads)
     {
-      hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
-      hwy::AlignedFreeUniquePtr<float[]> part =
-          hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats));
+      std::unique_ptr<float[], FreeDeleter> own_scratch, own_part;
+      float* scratch = kept_buffer<KeptSlot::kFp32BwdScratch>(scratch_floats, own_scratch);
+      float* part = kept_buffer<KeptSlot::kFp32BwdPart>(std::max<size_t>(1, part_floats), own_part);
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
-        std::fill(part.get(), part.get() + part_floats, 0.0f);
-        item_fn(p, g, b, bounds[0], bounds[1], part.get(), Dp, scratch.get());
+        std::fill(part, part + part_floats, 0.0f);
+        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch);
         for (int64_t t = 0; t < p.T; ++t) {
-          const float* row = part.get() + t * Dp;
+          const float* row = part + t * Dp;
           write_dq(b, t, &row);
         }
       }
@@ -735,17 +736,19 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     return;
   }
   // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
-  hwy::AlignedFreeUniquePtr<float[]> parts =
-      hwy::AllocateAligned<float>(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
+  std::unique_ptr<float[], FreeDeleter> own_parts;
+  float* const parts = kept_buffer<KeptSlot::kFp32BwdParts>(
+      std::max<size_t>(1, part_floats * static_cast<size_t>(items)), own_parts);
 #pragma omp parallel num_threads(threads)
   {
-    hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
+    std::unique_ptr<float[], FreeDeleter> own_scratch;
+    float* scratch = kept_buffer<KeptSlot::kFp32BwdScratch>(scratch_floats, own_scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
-      float* part = parts.get() + static_cast<size_t>(i) * part_floats;
+      float* part = parts + static_cast<size_t>(i) * part_floats;
       std::fill(part, part + part_floats, 0.0f);
       const int64_t b = i / splits, j = i % splits;
-      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch.get());
+      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch);
     }
     const int64_t rows = p.B * p.T;
     std::vector<const float*> part_rows(static_cast<size_t>(splits));
@@ -753,7 +756,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     for (int64_t bt = 0; bt < rows; ++bt) {
       const int64_t b = bt / p.T, t = bt % p.T;
       for (int64_t j = 0; j < splits; ++j)
-        part_rows[j] = parts.get() + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
+        part_rows[j] = parts + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
       write_dq(b, t, part_rows.data());
     }
   }

@@ -37,6 +37,7 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/kept_buffer.hpp"
 #include "kernels/cpu/transpose16.hpp"
 
 #include "attn/core/dtype.hpp"
@@ -202,38 +203,6 @@ constexpr int64_t kL = 16;            // fp32 lanes (queries) per vector
 constexpr int64_t kBlockK = 64;       // keys per tile (32 pairs)
 constexpr int64_t kBlockQ = 12 * kL;  // queries per work item
 constexpr int kMR = 8, kNV = 3;       // micro-tile: 8 rows x 3 vectors = 24 accumulators
-
-struct FreeDeleter {
-  void operator()(void* x) const { std::free(x); }
-};
-template <typename T>
-std::unique_ptr<T[], FreeDeleter> alloc_aligned(size_t n) {
-  const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
-  return std::unique_ptr<T[], FreeDeleter>(static_cast<T*>(std::aligned_alloc(64, bytes)));
-}
-
-// n elements of a buffer that the calling thread keeps between calls (one per Slot), up to
-// 64 MiB; a larger request gets a buffer of its own in `own`, freed with it. Fresh pages cost a
-// fault each (about 6 us per 4 KiB on this VM kind) and glibc hands large freed blocks back to
-// the system: at T = S = 4096, D = 128, B*H = 16 the forward's packed K and V (33 MiB) were
-// faulted in again on every call, ~10% of its time. Contents are not kept: callers write
-// before they read.
-template <int Slot, typename T>
-T* kept_buffer(size_t n, std::unique_ptr<T[], FreeDeleter>& own) {
-  constexpr size_t kKeepBytes = size_t{64} << 20;
-  thread_local std::unique_ptr<T[], FreeDeleter> kept;
-  thread_local size_t kept_n = 0;
-  if (n * sizeof(T) > kKeepBytes) {
-    own = alloc_aligned<T>(n);
-    return own.get();
-  }
-  if (kept_n < n) {
-    kept.reset();  // the old block first: peak memory is the new one only
-    kept = alloc_aligned<T>(n);
-    kept_n = n;
-  }
-  return kept.get();
-}
 
 // One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
 // A(i, k) = a[k*lda + i], a 32-bit word holding two bf16 (broadcast); row k of B is NV*16 words
@@ -753,7 +722,7 @@ void forward_native(const FlashBf16Params& p) {
   const size_t nv = static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR);
   const size_t nv_padded = (nv + 15) / 16 * 16;
   const size_t nk = static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR);
-  pk.vt2 = kept_buffer<0>(nv_padded + nk, pk.own);
+  pk.vt2 = kept_buffer<KeptSlot::kBf16Pack>(nv_padded + nk, pk.own);
   pk.kt2 = pk.vt2 + nv_padded;
   std::fill(pk.vt2 + nv - kMR, pk.vt2 + nv, 0u);
   std::fill(pk.kt2 + nk - kMR, pk.kt2 + nk, 0u);
@@ -768,7 +737,7 @@ void forward_native(const FlashBf16Params& p) {
     for (int64_t b = 0; b < p.B; ++b)
       pack_batch(p, pk, b);
     std::unique_ptr<float[], FreeDeleter> own_scratch;
-    float* scratch = kept_buffer<1>(floats, own_scratch);
+    float* scratch = kept_buffer<KeptSlot::kBf16Scratch>(floats, own_scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = p.causal ? items - 1 - it : it;

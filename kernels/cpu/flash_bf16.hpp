@@ -12,6 +12,8 @@
 // P rounded to bf16 once (after dropout) for the P V product. So out carries, beyond the final
 // rounding to bf16, one bf16 rounding of each weight. Design and measurements:
 // docs/kernels-cpu.md ("bfloat16"), docs/notes/bf16-kernel.md.
+// The native forward packs k and v of all B rows as pairs once per call (4 B (S D + S Dv) bytes)
+// into a buffer the calling thread keeps between calls up to 64 MiB (kernels/cpu/kept_buffer.hpp).
 // Without AVX512-BF16, when weights are requested, or when forced (tests), the forward converts
 // q, k, v to fp32 and runs cpu::flash_attention_forward, then rounds out to bf16.
 //
