@@ -45,6 +45,7 @@
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/cpu/flash_kernels-inl.h"
+#include "kernels/cpu/row_prefetch.hpp"
 
 #include "attn/core/rng.hpp"
 
@@ -90,33 +91,6 @@ inline int64_t RowLimit(const FlashParams& p, int64_t b, int64_t t) {
 inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
   dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
-
-// Software prefetch of `rows` rows of `cols` contiguous floats, `st` floats apart, spread over
-// the last (up to 8) of a work item's n key tiles: Step(i, n) issues the share of tiles up to i.
-// The forward reads its block of q from memory once, at the start, and writes its block of out
-// once, at the end; fetching the next item's q and this item's out lines while the last products
-// run hides those misses (a perf profile at T = S = 512 put ~4% of the kernel's time on the
-// first q loads). Earlier prefetches would be evicted again by the K and V rows streaming
-// through L2 at long S. Prefetches never fault: lines past the end of a tensor are harmless.
-class RowPrefetch {
- public:
-  RowPrefetch(const float* base, int64_t rows, int64_t cols, int64_t st)
-      : base_(reinterpret_cast<const char*>(base)),
-        row_bytes_(st * static_cast<int64_t>(sizeof(float))),
-        lines_((cols * static_cast<int64_t>(sizeof(float)) + 63) / 64 + 1),
-        total_(base == nullptr ? 0 : rows * lines_) {}
-  void Step(int64_t i, int64_t n) {
-    const int64_t span = std::min<int64_t>(n, 8), first = n - span;
-    if (i < first) return;
-    const int64_t upto = total_ * (i - first + 1) / span;
-    for (; done_ < upto; ++done_)
-      __builtin_prefetch(base_ + done_ / lines_ * row_bytes_ + done_ % lines_ * 64);
-  }
-
- private:
-  const char* base_;
-  int64_t row_bytes_, lines_, total_, done_ = 0;
-};
 
 }  // namespace
 }  // namespace attn::cpu
