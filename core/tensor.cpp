@@ -1,5 +1,7 @@
 #include "attn/core/tensor.hpp"
 
+#include "attn/core/memory.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -39,14 +41,14 @@ Strides contiguous_strides(const Shape& shape) {
 
 namespace {
 
-// 64-byte aligned so SIMD kernels can use aligned loads on fresh tensors.
+// 64-byte aligned so SIMD kernels can use aligned loads on fresh tensors; large blocks are
+// reused after their tensors are freed (attn/core/memory.hpp).
 std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
-  constexpr size_t kAlign = 64;
-  size_t rounded = (std::max<size_t>(nbytes, 1) + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded);
+  void* p = detail::acquire_block(nbytes);
   check(p != nullptr, "Tensor::empty", "cannot allocate {} bytes for shape {}", nbytes,
         shape_str(shape));
-  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); });
+  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
+                                    [nbytes](std::byte* q) { detail::release_block(q, nbytes); });
 }
 
 double load(const void* p, DType t) {

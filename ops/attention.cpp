@@ -127,7 +127,7 @@ cpu::FlashParams flash_params(const Context& ctx, const Tensor& q, const Tensor&
   p.q = q.data<float>(), p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sd = q.stride(2);
   p.k = k.data<float>(), p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
   p.v = v.data<float>(), p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
-  p.key_limit = key_limit.data();
+  p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
   p.causal = opts.mask.causal;
   p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
   p.scale = static_cast<float>(attention_scale(opts, d.D));
@@ -138,7 +138,10 @@ cpu::FlashParams flash_params(const Context& ctx, const Tensor& q, const Tensor&
   return p;
 }
 
+// Kept keys per (b, t) row for the kernels; empty without valid_lens (the kernels then keep S
+// keys, or t + 1 when causal, themselves), which saves building B*T limits on every call.
 std::vector<int32_t> key_limits(const MaskOptions& mask, const ref::AttentionDims& d) {
+  if (!mask.valid_lens.defined()) return {};
   const std::vector<int64_t> kept = ref::kept_key_counts(mask, d.B, d.T, d.S);
   return std::vector<int32_t>(kept.begin(), kept.end());  // each in [0, S], S < 2^31 (checked)
 }
@@ -159,7 +162,7 @@ cpu::FlashBf16Params flash_bf16_params(const Context& ctx, const Tensor& q, cons
   p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
   p.v = static_cast<const uint16_t*>(v.raw_data());
   p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
-  p.key_limit = key_limit.data();
+  p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
   p.causal = opts.mask.causal;
   p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
   p.scale = static_cast<float>(attention_scale(opts, d.D));

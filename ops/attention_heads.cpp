@@ -59,8 +59,10 @@ HeadDims check_heads(const char* op, const Tensor& q, const Tensor& k, const Ten
   return d;
 }
 
-// Kept-key counts of the (B*H) rows: row b*H + h reads the lengths of batch b.
+// Kept-key counts of the (B*H) rows: row b*H + h reads the lengths of batch b. Empty without
+// valid_lens (the kernel keeps S keys, or t + 1 when causal, itself).
 std::vector<int32_t> key_limits(const AttentionOptions& opts, const HeadDims& d) {
+  if (!opts.mask.valid_lens.defined()) return {};
   MaskOptions mask = opts.mask;
   mask.lens_repeat = d.H;
   const std::vector<int64_t> kept = ref::kept_key_counts(mask, d.B * d.H, d.T, d.S);
@@ -77,7 +79,7 @@ cpu::FlashParams flash_params(const Context& ctx, const Tensor& q, const Tensor&
   p.q = q.data<float>(), p.q_sb = q.stride(0), p.q_sh = d.D, p.q_st = q.stride(1), p.q_sd = 1;
   p.k = k.data<float>(), p.k_sb = k.stride(0), p.k_sh = d.D, p.k_ss = k.stride(1), p.k_sd = 1;
   p.v = v.data<float>(), p.v_sb = v.stride(0), p.v_sh = d.Dv, p.v_ss = v.stride(1), p.v_sd = 1;
-  p.key_limit = limits.data();
+  p.key_limit = limits.empty() ? nullptr : limits.data();
   p.causal = opts.mask.causal;
   p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
   p.scale = static_cast<float>(opts.scale ? *opts.scale : 1.0 / std::sqrt(double(d.D)));

@@ -4,6 +4,7 @@
 
 #include "attn/core/context.hpp"
 #include "attn/core/error.hpp"
+#include "attn/core/memory.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/core/tensor.hpp"

@@ -670,14 +670,15 @@ void flash_attention_forward(const FlashParams& p) {
   // was 6% slower at T = 4096, D = 64/128).
 #pragma omp parallel num_threads(std::max(1, p.threads))
   {
-    hwy::AlignedFreeUniquePtr<float[]> scratch = hwy::AllocateAligned<float>(scratch_floats);
+    std::unique_ptr<float[], FreeDeleter> own_scratch;
+    float* scratch = kept_buffer<KeptSlot::kFp32FwdScratch>(scratch_floats, own_scratch);
     // With a dynamic schedule of equal items, a thread's next item is most often it + threads.
     const int64_t stride = omp_get_num_threads();
     auto row0 = [&](int64_t i) { return (p.causal ? blocks - 1 - i % blocks : i % blocks) * bq; };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t next = it + stride < items ? it + stride : -1;
-      block_fn(p, it / blocks, row0(it), scratch.get(), next < 0 ? -1 : next / blocks,
+      block_fn(p, it / blocks, row0(it), scratch, next < 0 ? -1 : next / blocks,
                next < 0 ? 0 : row0(next));
     }
   }

@@ -24,7 +24,14 @@ std::unique_ptr<T[], FreeDeleter> alloc_aligned(size_t n) {
 }
 
 // One per use, so that buffers that are live at the same time never share.
-enum class KeptSlot { kBf16Pack, kBf16Scratch, kFp32BwdScratch, kFp32BwdPart, kFp32BwdParts };
+enum class KeptSlot {
+  kBf16Pack,
+  kBf16Scratch,
+  kFp32FwdScratch,
+  kFp32BwdScratch,
+  kFp32BwdPart,
+  kFp32BwdParts
+};
 
 // n elements (64-byte aligned, contents unspecified: callers write before they read) of a buffer
 // the calling thread keeps for `slot` between calls, up to 64 MiB; a larger request gets a buffer

@@ -1,0 +1,114 @@
+// The block cache behind attn::Tensor (attn/core/memory.hpp): large blocks come back to tensors of
+// about the same size, within the limit, and nothing is shared between live tensors.
+#include "attn/core/memory.hpp"
+#include "attn/core/tensor.hpp"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+#include <vector>
+
+namespace attn {
+namespace {
+
+// Each test starts from an empty cache with a known limit and restores the default after.
+class MemoryCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    saved_ = memory_cache_stats().limit_bytes;
+    set_memory_cache_limit(size_t{64} << 20);
+    release_cached_memory();
+  }
+  void TearDown() override {
+    release_cached_memory();
+    set_memory_cache_limit(saved_);
+  }
+  size_t saved_ = 0;
+};
+
+constexpr int64_t kMiB = 1 << 18;  // floats per MiB
+
+TEST_F(MemoryCache, FreedBlockServesTheNextTensorOfItsSize) {
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({4 * kMiB});
+    first = a.raw_data();
+  }
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 1u);
+  EXPECT_GE(memory_cache_stats().cached_bytes, size_t{4} << 20);
+  const uint64_t hits = memory_cache_stats().hits;
+  Tensor b = Tensor::zeros({4 * kMiB});
+  EXPECT_EQ(b.raw_data(), first);
+  EXPECT_EQ(memory_cache_stats().hits, hits + 1);
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);
+  EXPECT_EQ(b.data<float>()[4 * kMiB - 1], 0.0f);  // zeros() still zeroes a reused block
+}
+
+TEST_F(MemoryCache, SizesMustBeClose) {
+  { Tensor a = Tensor::empty({4 * kMiB}); }
+  const MemoryCacheStats before = memory_cache_stats();
+  Tensor small = Tensor::empty({2 * kMiB});  // the 4 MiB block is more than 1/8 too large
+  Tensor large = Tensor::empty({5 * kMiB});  // and too small
+  EXPECT_EQ(memory_cache_stats().hits, before.hits);
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 1u);
+  Tensor close = Tensor::empty({4 * kMiB - 1000});  // within 1/8: reused
+  EXPECT_EQ(memory_cache_stats().hits, before.hits + 1);
+}
+
+TEST_F(MemoryCache, SmallBlocksBypassTheCache) {
+  { Tensor a = Tensor::empty({1000}); }
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);
+}
+
+TEST_F(MemoryCache, LimitFreesOldestFirst) {
+  set_memory_cache_limit(size_t{10} << 20);
+  void* second = nullptr;
+  {
+    Tensor a = Tensor::empty({4 * kMiB});
+    Tensor b = Tensor::empty({4 * kMiB});
+    Tensor c = Tensor::empty({4 * kMiB});
+    second = b.raw_data();
+    a = Tensor();  // freed first: the oldest
+    b = Tensor();
+  }  // c freed last: 12 MiB > 10, so a's block goes
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 2u);
+  EXPECT_LE(memory_cache_stats().cached_bytes, size_t{10} << 20);
+  Tensor x = Tensor::empty({4 * kMiB});
+  Tensor y = Tensor::empty({4 * kMiB});
+  EXPECT_TRUE(x.raw_data() == second || y.raw_data() == second);
+
+  set_memory_cache_limit(0);  // off: frees what is held, keeps nothing
+  EXPECT_EQ(memory_cache_stats().cached_bytes, 0u);
+  x = Tensor();
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);
+}
+
+TEST_F(MemoryCache, LiveTensorsNeverShare) {
+  std::vector<Tensor> live;
+  for (int i = 0; i < 4; ++i) {
+    live.push_back(Tensor::full({kMiB}, double(i)));
+    live.pop_back();
+    live.push_back(Tensor::full({kMiB}, double(i)));
+  }
+  Tensor other = Tensor::full({kMiB}, -1.0);
+  EXPECT_NE(other.raw_data(), live.back().raw_data());
+  EXPECT_EQ(live.back().data<float>()[kMiB - 1], 3.0f);
+}
+
+TEST_F(MemoryCache, ThreadsAllocateAndFreeConcurrently) {
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([t] {
+      for (int i = 0; i < 50; ++i) {
+        Tensor a = Tensor::full({kMiB / 2 + t * 1000}, double(t));
+        ASSERT_EQ(a.data<float>()[0], float(t));
+        ASSERT_EQ(a.data<float>()[kMiB / 2 - 1], float(t));
+      }
+    });
+  for (auto& th : threads)
+    th.join();
+  EXPECT_LE(memory_cache_stats().cached_bytes, size_t{64} << 20);
+}
+
+}  // namespace
+}  // namespace attn
