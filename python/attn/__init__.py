@@ -20,6 +20,8 @@ Functions
         and MultiHeadAttention(..., dtype="bfloat16") too, backward included
     sinusoidal_encoding(num_steps, num_hiddens)                d2l's P matrix
     linear(x, weight, bias=None), dropout(x, p, seed=, offset=)
+    memory_cache_stats(), release_cached_memory(), set_memory_cache_limit(bytes)
+        the cache of freed blocks behind results (ATTN_MEMORY_CACHE_MIB, default 1024)
 
 Layers (subclasses of attn.Module: train()/eval(), state_dict()/load_state_dict(), backward(),
 grads, zero_grad(), named_parameters(), context)
@@ -53,6 +55,9 @@ from ._attn import (  # noqa: F401  (re-exported API)
     linear,
     masked_softmax,
     masked_softmax_backward,
+    memory_cache_stats,
+    release_cached_memory,
+    set_memory_cache_limit,
     scaled_dot_product_attention,
     sinusoidal_encoding,
 )

@@ -3,6 +3,7 @@
 // layout allows: numpy_tensor.hpp), then computes with the GIL released.
 #include "bindings.hpp"
 
+#include "attn/core/memory.hpp"
 #include "attn/ops/attention.hpp"
 #include "attn/ops/linear.hpp"
 #include "attn/ops/masked_softmax.hpp"
@@ -96,6 +97,36 @@ ctx=. Results do not depend on the thread count (static partitioning).)doc")
                backend_name(c.ctx.backend) + "')";
       });
   m.attr("default_context") = default_context();
+
+  // The block cache behind tensors (attn/core/memory.hpp).
+  m.def(
+      "memory_cache_stats",
+      [] {
+        const MemoryCacheStats s = memory_cache_stats();
+        py::dict d;
+        d["limit_bytes"] = s.limit_bytes;
+        d["cached_bytes"] = s.cached_bytes;
+        d["cached_blocks"] = s.cached_blocks;
+        d["hits"] = s.hits;
+        d["misses"] = s.misses;
+        return d;
+      },
+      R"doc(The block cache behind attn's arrays: freed blocks of 128 KiB or more are kept (up to
+limit_bytes) for later results of about the same size, so that each step's temporaries are not
+page-faulted in again. Returns {limit_bytes, cached_bytes, cached_blocks, hits, misses}.)doc");
+  m.def(
+      "release_cached_memory", [] { release_cached_memory(); },
+      "Frees every block the cache holds (arrays alive are not affected).");
+  m.def(
+      "set_memory_cache_limit",
+      [](int64_t bytes) {
+        check(bytes >= 0, "set_memory_cache_limit", "limit is {} bytes, expected >= 0 (0: off)",
+              bytes);
+        set_memory_cache_limit(static_cast<size_t>(bytes));
+      },
+      py::arg("bytes"),
+      "Most bytes the cache may hold (default ATTN_MEMORY_CACHE_MIB MiB, else 1 GiB); 0 turns it "
+      "off and frees what it holds.");
 }
 
 void bind_ops(py::module_& m) {

@@ -280,3 +280,31 @@ def test_state_dict_round_trip_between_attn_and_d2l_names(rng):
     b = attn.AdditiveAttention(6, 0.0, seed=2).eval()
     b.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})  # torch tensors work
     assert np.array_equal(b(q, k, v, np.array([2, 5])), out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The block cache behind results
+
+
+def test_memory_cache_reuses_freed_results_and_obeys_its_limit(rng):
+    saved = attn.memory_cache_stats()["limit_bytes"]
+    try:
+        attn.set_memory_cache_limit(64 << 20)
+        attn.release_cached_memory()
+        x = rng.standard_normal((1, 512, 1024)).astype(np.float32)  # 2 MiB results
+        y = attn.dropout(x, 0.5, seed=1)
+        first = y.ctypes.data
+        del y
+        gc.collect()
+        stats = attn.memory_cache_stats()
+        assert stats["cached_blocks"] == 1 and stats["cached_bytes"] >= 2 << 20
+        y = attn.dropout(x, 0.5, seed=2)  # the same size: the freed block comes back
+        assert y.ctypes.data == first
+        assert attn.memory_cache_stats()["hits"] == stats["hits"] + 1
+        assert np.array_equal(y != 0, attn.dropout(x, 0.5, seed=2) != 0)
+        attn.set_memory_cache_limit(0)
+        assert attn.memory_cache_stats()["cached_bytes"] == 0
+        with pytest.raises(attn.Error, match="set_memory_cache_limit"):
+            attn.set_memory_cache_limit(-1)
+    finally:
+        attn.set_memory_cache_limit(saved)
