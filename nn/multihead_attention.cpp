@@ -16,11 +16,11 @@
 // dV) in that layout (ops/attention_heads.hpp), so transpose_qkv / transpose_output copy nothing.
 // Same numbers as the copying path, bit for bit: the kernel reads the same values.
 //
-// bfloat16 (dtype BF16): the bf16 linear (f32 accumulation, one rounding) and the bf16 attention
-// op (kernels/cpu/flash_bf16 when need_weights = false) on d2l's head copies: that kernel takes
-// one batch stride, and head b*H + h of a (B, T, E) tensor sits at b*T*E + h*D, which no single
-// stride reaches. The copies cost O(B T E) next to attention's O(B T^2 E). Self-attention packs
-// the Q/K/V projection as the fp32 fast path does.
+// bfloat16 (dtype BF16): the bf16 linear (f32 accumulation, one rounding) and the same fused path
+// on kernels/cpu/flash_bf16, which takes head strides as the fp32 kernel does (bitwise equal to
+// the bf16 op on d2l's head copies, tests/test_mha_heads.cpp). Where the fused path does not
+// serve (need_weights, ALiBi, the reference backend) the bf16 attention op runs on head copies.
+// Self-attention packs the Q/K/V projection in both dtypes.
 #include "attn/nn/attention.hpp"
 
 #include "attn/ops/linear.hpp"
@@ -164,7 +164,7 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
            attn::detail::multi_head_fused_supported(ctx, dtype_, o);
   // Self-attention (one tensor for queries, keys and values, no padding copy): one projection
   // with the stacked weights [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM.
-  // On the fused float32 path, and for bfloat16 (whose attention then runs on head copies).
+  // On the fused path, and for bfloat16 also when its attention runs on head copies.
   packed_ = (fused_ || dtype_ == DType::BF16) && same_tensor(queries, keys) &&
             same_tensor(queries, values) && same_tensor(keys, keys_read) &&
             same_tensor(values, values_read);
@@ -237,8 +237,8 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
       attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
                                                   dQ, dK, dV);
     } else {
-      // bf16: the attention ran on head copies (B*H, T, D); its gradients are merged back into
-      // the slices (transpose_output into a strided destination).
+      // bf16 off the fused path: the attention ran on head copies (B*H, T, D); its gradients
+      // are merged back into the slices (transpose_output into a strided destination).
       AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
       detail::merge_heads_into(gh.dqueries, H, dQ);
       detail::merge_heads_into(gh.dkeys, H, dK);

@@ -10,7 +10,8 @@
 // Same numbers as d2l's transpose_qkv -> scaled_dot_product_attention on (B*H, ., D) with batch
 // index b*H + h (valid_lens per batch b, lens_repeat = H) -> transpose_output, and bitwise equal
 // to that path on the fused CPU kernel: the kernel reads the same values through head strides
-// (cpu::FlashParams::heads) instead of from copies. The dropout stream index is the (B*H) one.
+// (cpu::FlashParams::heads, cpu::FlashBf16Params::heads) instead of from copies. The dropout stream
+// index is the (B*H) one.
 #pragma once
 
 #include "attn/core/context.hpp"
@@ -18,7 +19,8 @@
 
 namespace attn::detail {
 
-// True when the fused CPU kernel serves these options: float32, Backend::kAuto without
+// True when the fused CPU kernel serves these options: float32 or bfloat16 (kernels/cpu/
+// flash_bf16: output bf16, logsumexp float32, gradients bf16), Backend::kAuto without
 // need_weights (the weights route to the reference, as ops/attention.cpp) or Backend::kCpu
 // without need_weights, and no ALiBi bias.
 bool multi_head_fused_supported(const Context& ctx, DType dtype, const AttentionOptions& opts);

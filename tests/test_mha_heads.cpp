@@ -14,6 +14,7 @@
 #include "attn/nn/attention.hpp"
 #include "attn/ops/attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_bf16.hpp"
 #include "ops/attention_heads.hpp"
 #include "testing.hpp"
 
@@ -31,12 +32,13 @@ namespace {
 
 using testing::random_tensor;
 
-constexpr float kSentinel = -777.0f;
+constexpr float kSentinel = -768.0f;  // exact in bfloat16 too
 
 bool bitwise_equal(const Tensor& a, const Tensor& b) {
   if (a.shape() != b.shape()) return false;
+  if (a.dtype() != b.dtype()) return false;
   const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.raw_data(), bc.raw_data(), size_t(ac.numel()) * sizeof(float)) == 0;
+  return std::memcmp(ac.raw_data(), bc.raw_data(), ac.nbytes()) == 0;
 }
 
 // (B, L, H*W) -> (B*H, L, W) contiguous: d2l's transpose_qkv.
@@ -109,19 +111,19 @@ struct Outcome {
 
 // The fused op on column slices of one (B, L, 3 * width + 3) buffer per input (offset 1, so every
 // row is misaligned), gradients into slices of a sentinel-filled buffer.
-Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts) {
+Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DType dt = DType::F32) {
   Context ctx;
   ctx.threads = threads;
   ctx.seed = 99;
   const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
-  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1);
-  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2);
+  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
+  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
   const Tensor q = qbuf.slice(2, 1, 1 + E);
   const Tensor k = kvbuf.slice(2, 1 + E, 1 + 2 * E), v = kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev);
   AttentionResult r = detail::multi_head_attention_forward(ctx, q, k, v, c.H, opts);
-  const Tensor dout = random_tensor({c.B, c.T, Ev}, DType::F32, 3);
-  Tensor gq = Tensor::full({c.B, c.T, E + 2}, kSentinel),
-         gkv = Tensor::full({c.B, c.S, E + Ev + 2}, kSentinel);
+  const Tensor dout = random_tensor({c.B, c.T, Ev}, DType::F32, 3).to(dt);
+  Tensor gq = Tensor::full({c.B, c.T, E + 2}, kSentinel, dt),
+         gkv = Tensor::full({c.B, c.S, E + Ev + 2}, kSentinel, dt);
   Tensor dq = gq.slice(2, 1, 1 + E), dk = gkv.slice(2, 1, 1 + E),
          dv = gkv.slice(2, 1 + E, 1 + E + Ev);
   detail::multi_head_attention_backward(ctx, dout, q, k, v, r, c.H, opts, dq, dk, dv);
@@ -136,21 +138,22 @@ Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts) {
 }
 
 // The copying path on the same values: split, sdpa on kCpu (the fused kernel), merge.
-Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts) {
+Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts,
+                  DType dt = DType::F32) {
   Context ctx;
   ctx.threads = threads;
   ctx.seed = 99;
   ctx.backend = Backend::kCpu;
   const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
-  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1);
-  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2);
+  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
+  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
   const Tensor q = split(qbuf.slice(2, 1, 1 + E), c.H);
   const Tensor k = split(kvbuf.slice(2, 1 + E, 1 + 2 * E), c.H);
   const Tensor v = split(kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev), c.H);
   AttentionOptions opts = heads_opts;
   opts.mask.lens_repeat = c.H;
   AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, opts);
-  const Tensor dout = split(random_tensor({c.B, c.T, Ev}, DType::F32, 3), c.H);
+  const Tensor dout = split(random_tensor({c.B, c.T, Ev}, DType::F32, 3).to(dt), c.H);
   AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, opts);
   return {merge(r.output, c.H), r.logsumexp, merge(g.dq, c.H), merge(g.dk, c.H), merge(g.dv, c.H)};
 }
@@ -180,6 +183,34 @@ TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
     }
   }
   cpu::flash_attention_set_targets(0);
+}
+
+// bfloat16 q, k, v (kernels/cpu/flash_bf16 with head strides): the native AVX512-BF16 kernels
+// where the CPU has them and the fp32 conversion fallback, 1 and 2 threads.
+TEST_P(MhaHeadsOp, Bf16BitwiseEqualToCopyingPath) {
+  const Case c = GetParam();
+  AttentionOptions opts;
+  opts.mask.valid_lens = valid_lens(c);
+  opts.mask.causal = c.causal;
+  opts.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
+  opts.dropout = c.dropout;
+  opts.training = true;
+  for (bool fallback : {false, true}) {
+    cpu::flash_bf16_force_fallback(fallback);
+    const Outcome want = run_split(c, 1, opts, DType::BF16);
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE(std::string(fallback ? "fallback" : "native if available") + " threads " +
+                   std::to_string(threads));
+      const Outcome got = run_heads(c, threads, opts, DType::BF16);
+      EXPECT_EQ(got.out.dtype(), DType::BF16);
+      EXPECT_TRUE(bitwise_equal(got.out, want.out)) << max_abs_diff(got.out, want.out);
+      EXPECT_TRUE(bitwise_equal(got.lse, want.lse));
+      EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << max_abs_diff(got.dq, want.dq);
+      EXPECT_TRUE(bitwise_equal(got.dk, want.dk)) << max_abs_diff(got.dk, want.dk);
+      EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << max_abs_diff(got.dv, want.dv);
+    }
+  }
+  cpu::flash_bf16_force_fallback(false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),

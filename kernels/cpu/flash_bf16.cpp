@@ -84,6 +84,12 @@ void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float
   cpu::dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
+// Offset of batch row b in a tensor with batch stride sb and head stride sh (heads > 1: b is
+// (batch, head) = (b / heads, b % heads); FlashBf16Params::heads).
+inline int64_t head_off(int64_t heads, int64_t b, int64_t sb, int64_t sh) {
+  return heads == 1 ? b * sb : b / heads * sb + b % heads * sh;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fallback: through the fp32 kernels
 
@@ -116,11 +122,12 @@ class Fp32Arena {
 
 // Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst (rows split over the
 // threads: elementwise, so the result does not depend on the split).
-void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb, int64_t sn,
-              int64_t sc, int threads, float* dst) {
+// Row b starts at head_off(heads, b, sb, sh).
+void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t heads, int64_t sb,
+              int64_t sh, int64_t sn, int64_t sc, int threads, float* dst) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
-    const uint16_t* x = src + bn / N * sb + bn % N * sn;
+    const uint16_t* x = src + head_off(heads, bn / N, sb, sh) + bn % N * sn;
     float* y = dst + bn * C;
     for (int64_t c = 0; c < C; ++c)
       y[c] = bf16_to_float(x[c * sc]);
@@ -128,12 +135,12 @@ void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t sb, 
 }
 
 // Rounds a contiguous (B, N, C) fp32 array into a strided bf16 view.
-void to_bf16(const float* src, uint16_t* dst, int64_t B, int64_t N, int64_t C, int64_t sb,
-             int64_t sn, int64_t sc, int threads) {
+void to_bf16(const float* src, uint16_t* dst, int64_t B, int64_t N, int64_t C, int64_t heads,
+             int64_t sb, int64_t sh, int64_t sn, int64_t sc, int threads) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
     const float* x = src + bn * C;
-    uint16_t* y = dst + bn / N * sb + bn % N * sn;
+    uint16_t* y = dst + head_off(heads, bn / N, sb, sh) + bn % N * sn;
     for (int64_t c = 0; c < C; ++c)
       y[c * sc] = float_to_bf16(x[c]);
   }
@@ -155,10 +162,10 @@ void fp32_params(const FlashBf16Params& p, bool with_out, size_t extra, Fp32Copi
   const size_t nq = n(B, T, D), nk = n(B, S, D), nv = n(B, S, Dv), no = n(B, T, Dv);
   c.q = c.arena.take(nq + nk + nv + no + extra);
   c.k = c.q + nq, c.v = c.k + nk, c.out = c.v + nv, c.extra = c.out + no;
-  to_float(p.q, B, T, D, p.q_sb, p.q_st, p.q_sd, th, c.q);
-  to_float(p.k, B, S, D, p.k_sb, p.k_ss, p.k_sd, th, c.k);
-  to_float(p.v, B, S, Dv, p.v_sb, p.v_ss, p.v_sd, th, c.v);
-  if (with_out) to_float(p.out, B, T, Dv, p.o_sb, p.o_st, p.o_sd, th, c.out);
+  to_float(p.q, B, T, D, p.heads, p.q_sb, p.q_sh, p.q_st, p.q_sd, th, c.q);
+  to_float(p.k, B, S, D, p.heads, p.k_sb, p.k_sh, p.k_ss, p.k_sd, th, c.k);
+  to_float(p.v, B, S, Dv, p.heads, p.v_sb, p.v_sh, p.v_ss, p.v_sd, th, c.v);
+  if (with_out) to_float(p.out, B, T, Dv, p.heads, p.o_sb, p.o_sh, p.o_st, p.o_sd, th, c.out);
   FlashParams& f = c.f;
   f.B = B, f.T = T, f.S = S, f.D = D, f.Dv = Dv;
   f.q = c.q, f.q_sb = T * D, f.q_st = D, f.q_sd = 1;
@@ -180,7 +187,7 @@ void forward_fallback(const FlashBf16Params& p) {
   Fp32Copies c;
   fp32_params(p, /*with_out=*/false, /*extra=*/0, c);
   flash_attention_forward(c.f);
-  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.o_sb, p.o_st, p.o_sd, p.threads);
+  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.heads, p.o_sb, p.o_sh, p.o_st, p.o_sd, p.threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -501,7 +508,7 @@ void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int6
 void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
   uint32_t* vt = pk.vt2 + b * S2 * Dv;
-  const uint16_t* vb = p.v + b * p.v_sb;
+  const uint16_t* vb = p.v + head_off(p.heads, b, p.v_sb, p.v_sh);
   uint8_t bad[kBlockK];
   for (int64_t tile = 0; tile < pk.tiles; ++tile) {
     const int64_t s0 = tile * kBlockK, n = std::min(kBlockK, S - s0);
@@ -511,7 +518,8 @@ void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   }
   uint32_t* kt = pk.kt2 + b * pk.D2 * pk.ldk;
   // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
-  pack_pairs_transposed(p.k + b * p.k_sb, S, p.D, p.k_ss, p.k_sd, kt, pk.ldk);
+  pack_pairs_transposed(p.k + head_off(p.heads, b, p.k_sb, p.k_sh), S, p.D, p.k_ss, p.k_sd, kt,
+                        pk.ldk);
 }
 
 size_t scratch_floats(const FlashBf16Params& p, const Packed& pk) {
@@ -533,7 +541,7 @@ void masked_row(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, floa
     }
     for (int64_t s = 0; s < nk; ++s) {
       const float w = z[s] / static_cast<float>(p.S);
-      const uint16_t* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+      const uint16_t* vs = p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + (s0 + s) * p.v_ss;
       for (int64_t e = 0; e < p.Dv; ++e)
         acc[e] += w * bf16_to_float(vs[e * p.v_sd]);
     }
@@ -567,7 +575,8 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
-  pack_pairs_transposed(p.q + b * p.q_sb + t0 * p.q_st, mq, D, p.q_st, p.q_sd, qt2, mqp);
+  pack_pairs_transposed(p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + t0 * p.q_st, mq, D, p.q_st,
+                        p.q_sd, qt2, mqp);
   for (int64_t j = 0; j < D2; ++j)
     std::fill(qt2 + j * mqp + mq, qt2 + (j + 1) * mqp, 0u);
   std::fill(ot, ot + Dv * mqp, 0.0f);
@@ -676,7 +685,7 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
         for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s) {
           const uint32_t w = pt2[s / 2 * mqp + r];
           const float pw = bf16_to_float(static_cast<uint16_t>(s % 2 == 0 ? w : w >> 16));
-          const uint16_t* vs = p.v + b * p.v_sb + (s0 + s) * p.v_ss;
+          const uint16_t* vs = p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + (s0 + s) * p.v_ss;
           for (int64_t e = 0; e < Dv; ++e)
             ot[e * mqp + r] += pw * bf16_to_float(vs[e * p.v_sd]);
         }
@@ -691,14 +700,14 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     for (int64_t q = 0; q < mq; q += kL) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(ot + e * mqp + q), _mm512_loadu_ps(alpha + q));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o16), (__m256i)_mm512_cvtneps_pbh(x));
-      uint16_t* o = p.out + b * p.o_sb + (t0 + q) * p.o_st + e * p.o_sd;
+      uint16_t* o = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + (t0 + q) * p.o_st + e * p.o_sd;
       for (int64_t l = 0; l < std::min(kL, mq - q); ++l)
         o[l * p.o_st] = o16[l];
     }
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
     if (lim[r] == 0) {
-      uint16_t* orow = p.out + b * p.o_sb + t * p.o_st;
+      uint16_t* orow = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + t * p.o_st;
       masked_row(p, b, t, tmp, z);
       p.lse[b * p.T + t] = kNegInf;
       for (int64_t e = 0; e < Dv; ++e)
@@ -1008,8 +1017,8 @@ struct BwdBuffers {
 void pack_query_rows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t ta,
                      int64_t tb, BwdBuffers& w) {
   const int64_t n = tb - ta, D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
-  const uint16_t* q = p.q + b * p.q_sb + ta * p.q_st;
-  const uint16_t* dout = g.dout + b * g.do_sb + ta * g.do_st;
+  const uint16_t* q = p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + ta * p.q_st;
+  const uint16_t* dout = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + ta * g.do_st;
   pack_pairs_transposed(q, n, p.D, p.q_st, p.q_sd, w.qt2, w.ldq);
   pack_pairs_transposed(dout, n, p.Dv, g.do_st, g.do_sd, w.dot2, w.ldq);
   for (int64_t j = 0; j < D2; ++j)
@@ -1041,8 +1050,8 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     w.lse2[t] = p.lse[b * T + t] * kLog2e;
-    const uint16_t* o = p.out + b * p.o_sb + t * p.o_st;
-    const uint16_t* dout = g.dout + b * g.do_sb + t * g.do_st;
+    const uint16_t* o = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + t * p.o_st;
+    const uint16_t* dout = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
     // D_t = dO_t . out_t in fp32, 16 lanes then a fixed reduction: error <= ~(Dv/16 + 4) 2^-24
     // sum |dO| |out|, far below the error of out itself (its bf16 rounding, 2^-8 |out|).
     __m512 acc = _mm512_setzero_ps();
@@ -1063,11 +1072,12 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     std::fill(dv_acc, dv_acc + Dv * kBwdK, 0.0f);
     bool k_finite = true;
     if (nkr > 0) {
-      const uint16_t* kb = p.k + b * p.k_sb + s0 * p.k_ss;
+      const uint16_t* kb = p.k + head_off(p.heads, b, p.k_sb, p.k_sh) + s0 * p.k_ss;
       std::fill(w.kt2, w.kt2 + D2 * kBwdK, 0u);
       std::fill(w.vt2, w.vt2 + Dv2 * kBwdK, 0u);
       pack_pairs_transposed(kb, nkr, D, p.k_ss, p.k_sd, w.kt2, kBwdK);
-      pack_pairs_transposed(p.v + b * p.v_sb + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, w.vt2, kBwdK);
+      pack_pairs_transposed(p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + s0 * p.v_ss, nkr, Dv,
+                            p.v_ss, p.v_sd, w.vt2, kBwdK);
       uint8_t kbad[kBwdK] = {};
       pack_pairs_rows(kb, nkr, D, p.k_ss, p.k_sd, w.kp2, Dp, kbad);
       for (int64_t s = 0; s < nkr; ++s)
@@ -1163,8 +1173,8 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
       } else {
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
-          const uint16_t* qr = p.q + b * p.q_sb + t * p.q_st;
-          const uint16_t* dor = g.dout + b * g.do_sb + t * g.do_st;
+          const uint16_t* qr = p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + t * p.q_st;
+          const uint16_t* dor = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
           for (int64_t s = 0; s < n; ++s) {
             for (int64_t e = 0; e < Dv; ++e)
               dv_acc[e * kBwdK + s] += half(pz2, r, s) * bf16_to_float(dor[e * g.do_sd]);
@@ -1179,7 +1189,7 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
           for (int64_t s = 0; s < n; ++s) {
-            const uint16_t* kr = p.k + b * p.k_sb + (s0 + s) * p.k_ss;
+            const uint16_t* kr = p.k + head_off(p.heads, b, p.k_sb, p.k_sh) + (s0 + s) * p.k_ss;
             for (int64_t d = 0; d < D; ++d)
               dq_part[t * Dp + d] += half(ds2, r, s) * bf16_to_float(kr[d * p.k_sd]);
           }
@@ -1197,7 +1207,7 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
         } else {
           std::fill(z, z + nk, 1.0f);
         }
-        const uint16_t* dor = g.dout + b * g.do_sb + t * g.do_st;
+        const uint16_t* dor = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
         for (int64_t e = 0; e < Dv; ++e) {
           const float go = bf16_to_float(dor[e * g.do_sd]);
           for (int64_t s = 0; s < nk; ++s)
@@ -1210,14 +1220,14 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     for (int64_t d = 0; d < D; ++d)
       store_bf16_row(dk_acc + d * kBwdK, nk, p.scale, w.out16 + d * kBwdK, 1);
     for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dk = g.dk + b * g.dk_sb + (s0 + s) * g.dk_ss;
+      uint16_t* dk = g.dk + head_off(p.heads, b, g.dk_sb, g.dk_sh) + (s0 + s) * g.dk_ss;
       for (int64_t d = 0; d < D; ++d)
         dk[d * g.dk_sd] = w.out16[d * kBwdK + s];
     }
     for (int64_t e = 0; e < Dv; ++e)
       store_bf16_row(dv_acc + e * kBwdK, nk, 1.0f, w.out16 + e * kBwdK, 1);
     for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dv = g.dv + b * g.dv_sb + (s0 + s) * g.dv_ss;
+      uint16_t* dv = g.dv + head_off(p.heads, b, g.dv_sb, g.dv_sh) + (s0 + s) * g.dv_ss;
       for (int64_t e = 0; e < Dv; ++e)
         dv[e * g.dv_sd] = w.out16[e * kBwdK + s];
     }
@@ -1234,7 +1244,7 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
   // dQ row (b, t) from its shares: scale * (0 + part_0 + part_1 + ...), in item order, so the
   // same sum whatever thread made each part; rounded to bf16 once.
   auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows, float* sum) {
-    uint16_t* dq = g.dq + b * g.dq_sb + t * g.dq_st;
+    uint16_t* dq = g.dq + head_off(p.heads, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
     if (splits == 1) {
       store_bf16_row(part_rows[0], p.D, p.scale, dq, g.dq_sd);
       return;
@@ -1333,16 +1343,16 @@ void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grad
   float* dq = dout + B * T * Dv;
   float* dk = dq + B * T * D;
   float* dv = dk + B * S * D;
-  to_float(g.dout, B, T, Dv, g.do_sb, g.do_st, g.do_sd, p.threads, dout);
+  to_float(g.dout, B, T, Dv, p.heads, g.do_sb, g.do_sh, g.do_st, g.do_sd, p.threads, dout);
   FlashGrads fg;
   fg.dout = dout, fg.do_sb = T * Dv, fg.do_st = Dv, fg.do_sd = 1;
   fg.dq = dq, fg.dq_sb = T * D, fg.dq_st = D, fg.dq_sd = 1;
   fg.dk = dk, fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
   fg.dv = dv, fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
   flash_attention_backward(c.f, fg);
-  to_bf16(dq, g.dq, B, T, D, g.dq_sb, g.dq_st, g.dq_sd, p.threads);
-  to_bf16(dk, g.dk, B, S, D, g.dk_sb, g.dk_ss, g.dk_sd, p.threads);
-  to_bf16(dv, g.dv, B, S, Dv, g.dv_sb, g.dv_ss, g.dv_sd, p.threads);
+  to_bf16(dq, g.dq, B, T, D, p.heads, g.dq_sb, g.dq_sh, g.dq_st, g.dq_sd, p.threads);
+  to_bf16(dk, g.dk, B, S, D, p.heads, g.dk_sb, g.dk_sh, g.dk_ss, g.dk_sd, p.threads);
+  to_bf16(dv, g.dv, B, S, Dv, p.heads, g.dv_sb, g.dv_sh, g.dv_ss, g.dv_sd, p.threads);
 }
 
 }  // namespace attn::cpu

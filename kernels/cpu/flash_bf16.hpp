@@ -45,6 +45,11 @@ struct FlashBf16Params {
   int64_t v_sb = 0, v_ss = 0, v_sd = 1;
   uint16_t* out = nullptr;  // forward output (backward input)
   int64_t o_sb = 0, o_st = 0, o_sd = 1;
+  // Head split, as FlashParams::heads: with heads > 1 row b of q starts at
+  // (b / heads) * q_sb + (b % heads) * q_sh (likewise k, v, out and the gradients), so q, k, v
+  // may be (B', T, heads * D) projections read in place. lse, key_limit and weights stay (B, ...).
+  int64_t heads = 1;
+  int64_t q_sh = 0, k_sh = 0, v_sh = 0, o_sh = 0;
   float* lse = nullptr;  // (B, T) contiguous, float32; forward output (backward input)
   // Optional forward output: pre-dropout weights (B, T, S) in float32, unit stride along S.
   float* weights = nullptr;
@@ -70,6 +75,7 @@ struct FlashBf16Grads {
   int64_t dk_sb = 0, dk_ss = 0, dk_sd = 1;
   uint16_t* dv = nullptr;  // (B, S, Dv)
   int64_t dv_sb = 0, dv_ss = 0, dv_sd = 1;
+  int64_t do_sh = 0, dq_sh = 0, dk_sh = 0, dv_sh = 0;  // head strides, as FlashBf16Params::heads
 };
 
 // Fills p.out and p.lse (and p.weights when set).
