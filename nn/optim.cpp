@@ -1,12 +1,15 @@
 // SGD (momentum), AdamW and clip_grad_norm with PyTorch's update rules, and optimiser state as
 // named tensors. Each update reads and writes one parameter element at a time in double, so the
 // result does not depend on threads or vector widths, and a resumed run repeats bit for bit.
+// BF16 parameters (a module built with DType::BF16, PyTorch's module.to(torch.bfloat16)) keep
+// BF16 state, as torch.optim does; each stored value is rounded once from the double result.
 #include "attn/nn/optim.hpp"
 
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <set>
+#include <type_traits>
 
 namespace attn::nn {
 
@@ -16,19 +19,48 @@ bool has_grad(const Parameter& p) {
   return p.value.defined() && p.grad.defined();
 }
 
+// One bfloat16 element as the update loops see it: read as double, assigned from double with
+// one rounding to nearest even (not double -> float -> bf16, which can round twice: a float that
+// lands exactly halfway between two bf16 values is moved toward the double first).
+struct Bf16 {
+  uint16_t bits;
+  Bf16(double x) : bits(round(x)) {}  // NOLINT(google-explicit-constructor): T(double) below
+  operator double() const { return bf16_to_float(bits); }
+  static uint16_t round(double x) {
+    float f = static_cast<float>(x);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0xffffu) == 0x8000u && std::isfinite(f) && static_cast<double>(f) != x) {
+      u = (x > static_cast<double>(f)) == (f > 0.0f) ? u + 1 : u - 1;  // off the tie, toward x
+      std::memcpy(&f, &u, 4);
+    }
+    return float_to_bf16(f);
+  }
+};
+static_assert(sizeof(Bf16) == 2);
+
 // Runs f(value*, grad*, n) typed as the parameter's dtype (value and grad contiguous: they are
 // allocated that way by every module).
 template <typename F>
 void with_typed(const Parameter& p, F&& f) {
   if (p.value.dtype() == DType::F32)
     f(p.value.data<float>(), p.grad.data<float>(), p.value.numel());
+  else if (p.value.dtype() == DType::BF16)
+    f(static_cast<Bf16*>(p.value.raw_data()), static_cast<Bf16*>(p.grad.raw_data()),
+      p.value.numel());
   else
     f(p.value.data<double>(), p.grad.data<double>(), p.value.numel());
 }
 
 template <typename T>
 T* buffer_data(const Tensor& t) {
-  return t.data<T>();
+  if constexpr (std::is_same_v<T, Bf16>) {
+    check(t.dtype() == DType::BF16, "optimizer", "state has dtype {}, expected BF16",
+          dtype_name(t.dtype()));
+    return static_cast<Bf16*>(t.raw_data());
+  } else {
+    return t.data<T>();
+  }
 }
 
 }  // namespace
@@ -43,8 +75,9 @@ Optimizer::Optimizer(NamedParameters params, double lr_, const char* name)
   for (const auto& [n, p] : params_) {
     check(p != nullptr, name, "parameter '{}' is null", n);
     check(seen.insert(n).second, name, "parameter '{}' is listed twice", n);
-    check(!p->value.defined() || p->value.dtype() == DType::F32 || p->value.dtype() == DType::F64,
-          name, "parameter '{}' has dtype {}, expected F32 or F64", n,
+    check(!p->value.defined() || p->value.dtype() == DType::F32 || p->value.dtype() == DType::F64 ||
+              p->value.dtype() == DType::BF16,
+          name, "parameter '{}' has dtype {}, expected F32, F64 or BF16", n,
           dtype_name(p->value.dtype()));
   }
 }
@@ -52,7 +85,7 @@ Optimizer::Optimizer(NamedParameters params, double lr_, const char* name)
 void Optimizer::zero_grad() {
   for (auto& [n, p] : params_) {
     if (!p->grad.defined()) continue;
-    // All-zero bytes are +0.0 in F32 and F64: one memset instead of a per-element fill.
+    // All-zero bytes are +0.0 in F32, F64 and BF16: one memset instead of a per-element fill.
     if (p->grad.is_contiguous())
       std::memset(p->grad.raw_data(), 0, p->grad.nbytes());
     else

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
 
 namespace attn::nn {
 namespace {
@@ -104,6 +105,133 @@ TEST(AdamW, FirstStepByHand) {
   EXPECT_EQ(s.at("p.step").flat(0), 1.0);
   EXPECT_NEAR(s.at("p.exp_avg").flat(1), (1.0 - 0.9) * -4.0, 1e-16);
   EXPECT_NEAR(s.at("p.exp_avg_sq").flat(1), (1.0 - 0.999) * 16.0, 1e-16);
+}
+
+// ---- bfloat16 parameters ----------------------------------------------------------------------
+
+// The bf16 value nearest to x, ties to the even bit pattern, by search (independent of the
+// library's rounding): the two bf16 neighbours of x bracket it.
+double nearest_bf16(double x) {
+  uint16_t lo = float_to_bf16(static_cast<float>(x));
+  double best = bf16_to_float(lo);
+  for (int delta : {-1, 1}) {
+    const uint16_t c = static_cast<uint16_t>(lo + delta);
+    const double v = bf16_to_float(c);
+    const double d = std::abs(v - x), db = std::abs(best - x);
+    if (d < db || (d == db && (c & 1) == 0)) best = v, lo = c;
+  }
+  return best;
+}
+
+TEST(Bf16Parameters, SgdStepRoundsEachStoredValueOnce) {
+  Rng rng(5, 1);
+  std::vector<double> w, g;
+  for (int i = 0; i < 2000; ++i) {
+    w.push_back(nearest_bf16(rng.uniform() * 4.0 - 2.0));
+    g.push_back(nearest_bf16((rng.uniform() - 0.5) * 1e-2));
+  }
+  SGDOptions o;
+  o.lr = 0.3;
+  o.weight_decay = 0.01;
+  Parameter p;
+  p.value = Tensor::from_vector(w, {2000}, DType::BF16);
+  p.grad = Tensor::from_vector(g, {2000}, DType::BF16);
+  SGD opt({{"p", &p}}, o);
+  opt.step();
+  const std::vector<double> got = p.value.to_vector();
+  // d = g + wd * w is held in the parameter's dtype, as torch's d_p tensor (SGD::step).
+  for (size_t i = 0; i < w.size(); ++i)
+    ASSERT_EQ(got[i], nearest_bf16(w[i] - 0.3 * nearest_bf16(g[i] + 0.01 * w[i]))) << i;
+  EXPECT_EQ(p.value.dtype(), DType::BF16);
+
+  // A double just above the midpoint of two bf16 values whose float is the midpoint itself:
+  // double -> float -> bf16 would round to even (1.0); once from double gives 1.0078125.
+  Parameter t;
+  t.value = Tensor::from_vector(std::vector<double>{1.0078125}, {1}, DType::BF16);
+  t.grad = Tensor::from_vector(std::vector<double>{0.00390625}, {1}, DType::BF16);
+  SGDOptions tie;
+  tie.lr = 1.0 - std::ldexp(1.0, -30);  // w - lr * g = 1.00390625 + 2^-38
+  SGD tie_opt({{"t", &t}}, tie);
+  tie_opt.step();
+  EXPECT_EQ(t.value.flat(0), 1.0078125);
+}
+
+TEST(Bf16Parameters, AdamWKeepsBf16StateAndFollowsTheRule) {
+  AdamWOptions o;
+  o.lr = 0.1;
+  o.weight_decay = 0.01;
+  // The rule of optim.hpp with every stored value rounded once to bf16.
+  std::vector<double> w = {1.0, -2.0, nearest_bf16(0.3)}, m(3, 0.0), v(3, 0.0);
+  for (size_t t = 1; t <= kGrads.size(); ++t) {
+    const double bc1 = 1.0 - std::pow(0.9, double(t)), bc2 = std::sqrt(1.0 - std::pow(0.999, t));
+    for (size_t j = 0; j < 3; ++j) {
+      const double gj = nearest_bf16(kGrads[t - 1][j]);
+      const double wj = nearest_bf16(w[j] * (1.0 - 0.1 * 0.01));
+      m[j] = nearest_bf16(0.9 * m[j] + 0.1 * gj);
+      v[j] = nearest_bf16(0.999 * v[j] + 0.001 * gj * gj);
+      w[j] = nearest_bf16(wj - 0.1 / bc1 * m[j] / (std::sqrt(v[j]) / bc2 + 1e-8));
+    }
+  }
+  const std::vector<double> got = three_steps<AdamW>(o, DType::BF16);
+  EXPECT_EQ(got, w);
+  // PyTorch's float64 result (AdamW.MatchesPyTorch) within bf16 rounding of the path.
+  expect_near_all(got, {0.8433294795899422, -2.2715493671916107, 0.40935650430178394}, 2e-2);
+
+  Parameter p;
+  p.value = Tensor::from_vector(std::vector<double>{1.0}, {1}, DType::BF16);
+  p.grad = Tensor::from_vector(std::vector<double>{0.5}, {1}, DType::BF16);
+  AdamW opt({{"p", &p}}, o);
+  opt.step();
+  const StateDict st = opt.state_dict();
+  EXPECT_EQ(st.at("p.exp_avg").dtype(), DType::BF16);
+  EXPECT_EQ(st.at("p.exp_avg_sq").dtype(), DType::BF16);
+  EXPECT_EQ(st.at("p.step").dtype(), DType::F64);
+  // Resuming from the state dict (saved as BF16, loaded from F32 too) repeats bit for bit.
+  Parameter q = p;
+  q.value = p.value.clone(), q.grad = p.grad.clone();
+  AdamW a({{"p", &p}}, o), b({{"p", &q}}, o);
+  a.load_state_dict(st);
+  StateDict st32;
+  for (const auto& [k, t] : st)
+    st32.emplace(k, t.to(k == "p.step" ? DType::F64 : DType::F32));
+  b.load_state_dict(st32);
+  a.step();
+  b.step();
+  EXPECT_EQ(p.value.to_vector(), q.value.to_vector());
+}
+
+// A bf16 MultiHeadAttention trains with AdamW: the loss falls (no master weights, as PyTorch).
+TEST(Bf16Parameters, MultiHeadAttentionLearns) {
+  Context ctx;
+  ctx.threads = 1;
+  MultiHeadAttention mha(16, 2, 0.0, true, DType::BF16);
+  const Tensor x = testing::random_tensor({4, 6, 16}, DType::F32, 3).to(DType::BF16);
+  const Tensor target = testing::random_tensor({4, 6, 16}, DType::F32, 4).to(DType::BF16);
+  AdamWOptions o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.0;
+  std::unique_ptr<AdamW> opt;
+  double first = 0, last = 0;
+  for (int step = 0; step < 60; ++step) {
+    const Tensor y = mha.forward(ctx, x, x, x, Tensor());
+    // Loss 0.5 * mean (y - target)^2 and its gradient, in double.
+    const std::vector<double> yv = y.to_vector(), tv = target.to_vector();
+    std::vector<double> dy(yv.size());
+    double loss = 0;
+    for (size_t i = 0; i < yv.size(); ++i) {
+      loss += 0.5 * (yv[i] - tv[i]) * (yv[i] - tv[i]) / double(yv.size());
+      dy[i] = (yv[i] - tv[i]) / double(yv.size());
+    }
+    if (step == 0) {
+      first = loss;
+      opt = std::make_unique<AdamW>(mha.named_parameters(), o);
+    }
+    last = loss;
+    opt->zero_grad();
+    mha.backward(ctx, Tensor::from_vector(dy, y.shape(), DType::BF16));
+    opt->step();
+  }
+  EXPECT_LT(last, 0.5 * first) << "first " << first << ", last " << last;
 }
 
 TEST(ClipGradNorm, GlobalL2NormAsPyTorch) {

@@ -3,8 +3,12 @@
 // named tensors so a trainer can checkpoint and resume bit-identically.
 //
 // A parameter whose value or grad is undefined (a lazy Linear before its first input) is skipped,
-// as PyTorch skips parameters whose .grad is None. Updates are computed per element in double
-// and rounded once to the parameter's dtype; optimiser state has the parameter's dtype.
+// as PyTorch skips parameters whose .grad is None. Parameters are F32, F64 or BF16. Updates are
+// computed per element in double and rounded once to the parameter's dtype; optimiser state has
+// the parameter's dtype (BF16 state for BF16 parameters, as torch.optim keeps it; PyTorch rounds
+// after every tensor op of the update, attn once per stored value, so bf16 results can differ
+// from PyTorch's in the last bit). No fp32 master copy is kept: as in PyTorch, an update smaller
+// than half a bf16 step of the weight (2^-9 relative) is lost.
 #pragma once
 
 #include "attn/nn/module.hpp"
