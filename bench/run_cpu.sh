@@ -74,7 +74,7 @@ for b in attn["benchmarks"]:
                  b["name"])
     key = (m.group(2).lower(), int(m.group(4)), int(m.group(5)), int(m.group(6)),
            "bf16" if m.group(1) else "fp32")
-    runs.setdefault(key, []).append(b["GFLOPS"])
+    runs.setdefault(key, []).append((b["GFLOPS"], b["pct_peak"], b["peak_GFLOPS"]))
 torch = {}
 for line in open(f"{tmp}/torch.jsonl"):
     r = json.loads(line)
@@ -88,8 +88,11 @@ print("# Performance (CPU)\n")
 print("Written by `bench/run_cpu.sh`; do not edit by hand. "
       f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {cpu}, "
       f"{ctx['threads']} threads, flash target {ctx['flash_target']}.\n")
+peaks = [r[2] for g in runs.values() for r in g]
 print(f"- FP32 FMA peak measured in the same run ({ctx['fma_peak_target']}, register-only FMA "
-      f"loop, {ctx['threads']} threads): **{peak:.0f} GFLOP/s**.")
+      f"loop, {ctx['threads']} threads): **{peak:.0f} GFLOP/s** at the start; again right after "
+      f"each benchmark, {min(peaks):.0f}-{max(peaks):.0f} GFLOP/s (the host's speed drifts). "
+      "% of peak divides each repetition by the peak read right after it (the best shown).")
 print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. "
       f"{reps} repetitions; best and median shown.")
 print("- FLOPs: forward 4·BH·T·S·D, backward 2.5× forward, causal halves both (useful FLOPs).")
@@ -104,13 +107,14 @@ print("| pass | dtype | BH | T=S | D | causal | attn GFLOP/s best (median) | % o
 print("|---|---|---|---|---|---|---|---|---|---|")
 for key in sorted(runs, key=lambda k: (k[0] != "forward", k[4] != "fp32", k[1], k[2], k[3])):
     pas, T, D, causal, dtype = key
-    g = runs[key]
+    g = [r[0] for r in runs[key]]
     best, med = max(g), statistics.median(g)
+    pct = max(r[1] for r in runs[key])
     t = torch.get(key[:4]) if dtype == "fp32" else None
     tg = f"{t['gflops']:.1f}" if t else "—"
     sp = f"{best / t['gflops']:.2f}×" if t else "—"
     print(f"| {pas} | {dtype} | 16 | {T} | {D} | {'yes' if causal else 'no'} | {best:.1f} ({med:.1f}) | "
-          f"{100 * best / peak:.0f}% | {tg} | {sp} |")
+          f"{pct:.0f}% | {tg} | {sp} |")
 speed = [b for b in json.load(open(f"{tmp}/speed.json"))["benchmarks"]
          if b.get("run_type") == "iteration"]
 if speed:
@@ -127,7 +131,7 @@ if speed:
 for b in long["benchmarks"]:
     print(f"\nLong sequence, forward + backward once, BH = 1, T = S = 65536, D = 64: "
           f"{b['real_time']:.1f} s, {b['GFLOPS']:.1f} GFLOP/s "
-          f"({100 * b['GFLOPS'] / peak:.0f}% of peak), peak memory beyond inputs and outputs "
+          f"({b['pct_peak']:.0f}% of the peak read right after it), peak memory beyond inputs and outputs "
           f"{b['extra_MiB']:.0f} MiB.")
 PY
 # Replace only this script's block of docs/performance.md (bench/run_mha.sh owns another), via a
