@@ -1,6 +1,7 @@
 #include "attn/core/memory.hpp"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -25,12 +26,19 @@ size_t default_limit() {
 #if defined(ATTN_ASAN)
   return 0;
 #else
+  constexpr size_t kDefaultMiB = 1024;
   if (const char* env = std::getenv("ATTN_MEMORY_CACHE_MIB")) {
     char* end = nullptr;
     const unsigned long long mib = std::strtoull(env, &end, 10);
-    if (end != env && *end == '\0') return static_cast<size_t>(mib) << 20;
+    if (end != env && *end == '\0' && env[0] != '-' && mib <= (size_t{1} << 40))
+      return static_cast<size_t>(mib) << 20;
+    // Not an error: an allocation is no place to fail on a tuning knob. Said once, on stderr.
+    std::fprintf(stderr,
+                 "attn: ATTN_MEMORY_CACHE_MIB='%s' is not a whole number of MiB (0 turns the "
+                 "cache off); using %zu\n",
+                 env, kDefaultMiB);
   }
-  return size_t{1024} << 20;
+  return kDefaultMiB << 20;
 #endif
 }
 
