@@ -158,16 +158,22 @@ Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts
   return {merge(r.output, c.H), r.logsumexp, merge(g.dq, c.H), merge(g.dk, c.H), merge(g.dv, c.H)};
 }
 
-class MhaHeadsOp : public ::testing::TestWithParam<Case> {};
-
-TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
-  const Case c = GetParam();
+// The case's mask, masked-row policy and dropout, in training mode.
+AttentionOptions case_options(const Case& c) {
   AttentionOptions opts;
   opts.mask.valid_lens = valid_lens(c);
   opts.mask.causal = c.causal;
   opts.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
   opts.dropout = c.dropout;
   opts.training = true;
+  return opts;
+}
+
+class MhaHeadsOp : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
+  const Case c = GetParam();
+  const AttentionOptions opts = case_options(c);
   for (int64_t target : cpu::flash_attention_targets()) {
     cpu::flash_attention_set_targets(target);
     const Outcome want = run_split(c, 1, opts);
@@ -189,12 +195,7 @@ TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
 // where the CPU has them and the fp32 conversion fallback, 1 and 2 threads.
 TEST_P(MhaHeadsOp, Bf16BitwiseEqualToCopyingPath) {
   const Case c = GetParam();
-  AttentionOptions opts;
-  opts.mask.valid_lens = valid_lens(c);
-  opts.mask.causal = c.causal;
-  opts.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
-  opts.dropout = c.dropout;
-  opts.training = true;
+  const AttentionOptions opts = case_options(c);
   for (bool fallback : {false, true}) {
     cpu::flash_bf16_force_fallback(fallback);
     const Outcome want = run_split(c, 1, opts, DType::BF16);
