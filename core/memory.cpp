@@ -47,7 +47,8 @@ size_t default_limit() {
 // blocks at most in practice, so a vector and linear scans.
 class BlockCache {
  public:
-  void* acquire(size_t bytes) {
+  void* acquire(size_t bytes, size_t* size) {
+    *size = bytes;
     if (bytes >= kMinCached) {
       std::lock_guard<std::mutex> lock(mu_);
       size_t best = blocks_.size();
@@ -59,6 +60,7 @@ class BlockCache {
       }
       if (best < blocks_.size()) {
         void* p = blocks_[best].p;
+        *size = blocks_[best].bytes;
         cached_ -= blocks_[best].bytes;
         blocks_.erase(blocks_.begin() + static_cast<std::ptrdiff_t>(best));
         ++hits_;
@@ -156,12 +158,12 @@ void set_memory_cache_limit(size_t bytes) {
 
 namespace detail {
 
-void* acquire_block(size_t bytes) {
-  return cache().acquire(block_bytes(bytes));
+void* acquire_block(size_t bytes, size_t* size) {
+  return cache().acquire(block_bytes(bytes), size);
 }
 
-void release_block(void* p, size_t bytes) {
-  cache().release(p, block_bytes(bytes));
+void release_block(void* p, size_t size) {
+  cache().release(p, size);
 }
 
 }  // namespace detail

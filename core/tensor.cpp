@@ -44,11 +44,12 @@ namespace {
 // 64-byte aligned so SIMD kernels can use aligned loads on fresh tensors; large blocks are
 // reused after their tensors are freed (attn/core/memory.hpp).
 std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
-  void* p = detail::acquire_block(nbytes);
+  size_t size = 0;
+  void* p = detail::acquire_block(nbytes, &size);
   check(p != nullptr, "Tensor::empty", "cannot allocate {} bytes for shape {}", nbytes,
         shape_str(shape));
   return std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
-                                    [nbytes](std::byte* q) { detail::release_block(q, nbytes); });
+                                    [size](std::byte* q) { detail::release_block(q, size); });
 }
 
 double load(const void* p, DType t) {

@@ -51,8 +51,13 @@ TEST_F(MemoryCache, SizesMustBeClose) {
   Tensor large = Tensor::empty({5 * kMiB});  // and too small
   EXPECT_EQ(memory_cache_stats().hits, before.hits);
   EXPECT_EQ(memory_cache_stats().cached_blocks, 1u);
-  Tensor close = Tensor::empty({4 * kMiB - 1000});  // within 1/8: reused
-  EXPECT_EQ(memory_cache_stats().hits, before.hits + 1);
+  {
+    Tensor close = Tensor::empty({4 * kMiB - 1000});  // within 1/8: reused
+    EXPECT_EQ(memory_cache_stats().hits, before.hits + 1);
+    EXPECT_EQ(memory_cache_stats().cached_bytes, 0u);
+  }
+  // It goes back with its own size, not the smaller tensor's (the limit counts real memory).
+  EXPECT_EQ(memory_cache_stats().cached_bytes, size_t{4} << 20);
 }
 
 TEST_F(MemoryCache, SmallBlocksBypassTheCache) {

@@ -37,9 +37,10 @@ void set_memory_cache_limit(size_t bytes);
 
 namespace detail {
 // 64-byte aligned block of at least `bytes` bytes (cached or fresh); nullptr when the system has
-// no memory. Release with release_block(p, bytes) using the same `bytes`.
-void* acquire_block(size_t bytes);
-void release_block(void* p, size_t bytes);
+// no memory. *size receives the block's own size (a cached block may be up to 1/8 larger), which
+// release_block takes back.
+void* acquire_block(size_t bytes, size_t* size);
+void release_block(void* p, size_t size);
 }  // namespace detail
 
 }  // namespace attn
