@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
-#include <string>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
