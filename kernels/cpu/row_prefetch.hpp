@@ -20,7 +20,7 @@ class RowPrefetch {
  public:
   template <typename T>
   RowPrefetch(const T* base, int64_t rows, int64_t cols, int64_t st)
-      : base_(reinterpret_cast<const char*>(base)),
+      : row_(reinterpret_cast<const char*>(base)),
         row_bytes_(st * static_cast<int64_t>(sizeof(T))),
         lines_(Lines(reinterpret_cast<uintptr_t>(base), cols * static_cast<int64_t>(sizeof(T)),
                      st * static_cast<int64_t>(sizeof(T)))),
@@ -29,8 +29,14 @@ class RowPrefetch {
     const int64_t span = std::min<int64_t>(n, 8), first = n - span;
     if (i < first) return;
     const int64_t upto = total_ * (i - first + 1) / span;
-    for (; done_ < upto; ++done_)
-      __builtin_prefetch(base_ + done_ / lines_ * row_bytes_ + done_ % lines_ * 64);
+    // Row and line counters, not done_ / lines_ and done_ % lines_ (a 64-bit division per line).
+    for (; done_ < upto; ++done_) {
+      __builtin_prefetch(row_ + col_ * 64);
+      if (++col_ == lines_) {
+        col_ = 0;
+        row_ += row_bytes_;
+      }
+    }
   }
 
  private:
@@ -40,8 +46,9 @@ class RowPrefetch {
     const bool aligned = base % 64 == 0 && stride % 64 == 0;
     return (row + 63) / 64 + (aligned ? 0 : 1);
   }
-  const char* base_;
+  const char* row_;  // the row of line done_
   int64_t row_bytes_, lines_, total_, done_ = 0;
+  int64_t col_ = 0;  // line done_'s place within its row
 };
 
 }  // namespace attn::cpu
