@@ -34,6 +34,9 @@ grads, zero_grad(), named_parameters(), context)
     TransformerEncoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
                        use_bias=False)
 
+Training: attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
+step()/zero_grad()/state_dict()), attn.optim.clip_grad_norm(layer, max_norm)
+
 Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
 the shapes and what was expected; .op is the operation's name.
 
@@ -89,6 +92,10 @@ for _name in ("TransformerEncoder", "TransformerEncoderBlock"):
         globals()[_name] = getattr(_ext, _name)
         __all__.append(_name)
 del _ext, _name
+
+from . import optim  # noqa: E402  (attn.optim: SGD, AdamW, clip_grad_norm)
+
+__all__.append("optim")
 
 # Show the public names as attn.X (not attn._attn.X) in reprs and tracebacks.
 for _name in __all__:
