@@ -35,6 +35,19 @@ Input module_input(py::handle obj, const char* op, const char* name, DType dtype
   return in;
 }
 
+nn::StateDict state_dict_input(const py::dict& state, const std::string& op,
+                               std::vector<Input>& keep) {
+  nn::StateDict dict;
+  for (auto [key, value] : state) {
+    std::string name = py::str(key).cast<std::string>();
+    // bf16 checkpoints (torch.bfloat16 tensors) load too: the library converts each entry to
+    // its parameter's dtype.
+    keep.push_back(to_tensor(value, op.c_str(), name.c_str(), InputKind::kFloatBF16));
+    dict.emplace(std::move(name), keep.back().tensor);
+  }
+  return dict;
+}
+
 Input lens_input(py::handle obj, const char* op) {
   return to_tensor(obj, op, "valid_lens", InputKind::kLens, true);
 }
@@ -172,16 +185,9 @@ exactly).)doc")
       .def(
           "load_state_dict",
           [](PyModule& self, const py::dict& state, bool strict) {
-            const std::string op = std::string(self.name()) + "::load_state_dict";
-            nn::StateDict dict;
-            std::vector<Input> keep;  // the views below point into these until loaded (copied)
-            for (auto [key, value] : state) {
-              std::string name = py::str(key).cast<std::string>();
-              // bf16 checkpoints (torch.bfloat16 tensors) load too: the library converts each
-              // entry to its parameter's dtype.
-              keep.push_back(to_tensor(value, op.c_str(), name.c_str(), InputKind::kFloatBF16));
-              dict.emplace(std::move(name), keep.back().tensor);
-            }
+            std::vector<Input> keep;  // what `dict` views, until loaded (copied)
+            const nn::StateDict dict =
+                state_dict_input(state, std::string(self.name()) + "::load_state_dict", keep);
             std::lock_guard lock(self.mutex);
             self.module().load_state_dict(dict, strict);
           },

@@ -40,6 +40,19 @@ std::pair<py::object, PyModule*> layer_of(py::handle module, const char* op) {
   return {py::reinterpret_borrow<py::object>(module), &module.cast<PyModule&>()};
 }
 
+// A PyT holding an Opt(layer's parameters, options) over `module`'s layer.
+template <typename PyT, typename Opt, typename Options>
+std::unique_ptr<PyT> make_optimizer(py::handle module, const char* name, const Options& options) {
+  auto [owner, layer] = layer_of(module, name);
+  auto self = std::make_unique<PyT>();
+  self->owner = owner;
+  self->layer = layer;
+  self->name = name;
+  std::lock_guard lock(layer->mutex);
+  self->opt = std::make_unique<Opt>(layer->module().named_parameters(), options);
+  return self;
+}
+
 template <typename F>
 auto locked(PyOptimizer& self, F&& f) {
   return without_gil([&] {
@@ -97,14 +110,9 @@ bf16 values exactly. Hyperparameters are not included.)doc")
       .def(
           "load_state_dict",
           [](PyOptimizer& self, const py::dict& state) {
-            const std::string op = self.name + "::load_state_dict";
-            nn::StateDict dict;
-            std::vector<Input> keep;  // the views below point into these until loaded (copied)
-            for (auto [key, value] : state) {
-              std::string name = py::str(key).cast<std::string>();
-              keep.push_back(to_tensor(value, op.c_str(), name.c_str(), InputKind::kFloatBF16));
-              dict.emplace(std::move(name), keep.back().tensor);
-            }
+            std::vector<Input> keep;  // what `dict` views, until loaded (copied)
+            const nn::StateDict dict =
+                state_dict_input(state, self.name + "::load_state_dict", keep);
             locked(self, [&](nn::Optimizer& o) { o.load_state_dict(dict); });
           },
           py::arg("state_dict"), R"doc(
@@ -131,20 +139,8 @@ rule over every parameter of `layer`:
 Each element is updated in double and rounded once to the layer's dtype.)doc")
       .def(py::init([](py::handle module, double lr, double momentum, double dampening,
                        double weight_decay, bool nesterov) {
-             auto [owner, layer] = layer_of(module, "SGD");
-             nn::SGDOptions o;
-             o.lr = lr;
-             o.momentum = momentum;
-             o.dampening = dampening;
-             o.weight_decay = weight_decay;
-             o.nesterov = nesterov;
-             auto self = std::make_unique<PySGD>();
-             self->owner = owner;
-             self->layer = layer;
-             self->name = "SGD";
-             std::lock_guard lock(layer->mutex);
-             self->opt = std::make_unique<nn::SGD>(layer->module().named_parameters(), o);
-             return self;
+             return make_optimizer<PySGD, nn::SGD>(
+                 module, "SGD", nn::SGDOptions{lr, momentum, dampening, weight_decay, nesterov});
            }),
            py::arg("layer"), py::arg("lr"), py::arg("momentum") = 0.0, py::arg("dampening") = 0.0,
            py::arg("weight_decay") = 0.0, py::arg("nesterov") = false)
@@ -165,20 +161,9 @@ AdamW(layer, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2): torch.op
 Each element is updated in double and rounded once to the layer's dtype.)doc")
       .def(py::init([](py::handle module, double lr, std::pair<double, double> betas, double eps,
                        double weight_decay) {
-             auto [owner, layer] = layer_of(module, "AdamW");
-             nn::AdamWOptions o;
-             o.lr = lr;
-             o.beta1 = betas.first;
-             o.beta2 = betas.second;
-             o.eps = eps;
-             o.weight_decay = weight_decay;
-             auto self = std::make_unique<PyAdamW>();
-             self->owner = owner;
-             self->layer = layer;
-             self->name = "AdamW";
-             std::lock_guard lock(layer->mutex);
-             self->opt = std::make_unique<nn::AdamW>(layer->module().named_parameters(), o);
-             return self;
+             return make_optimizer<PyAdamW, nn::AdamW>(
+                 module, "AdamW",
+                 nn::AdamWOptions{lr, betas.first, betas.second, eps, weight_decay});
            }),
            py::arg("layer"), py::arg("lr") = 1e-3, py::arg("betas") = std::make_pair(0.9, 0.999),
            py::arg("eps") = 1e-8, py::arg("weight_decay") = 1e-2)

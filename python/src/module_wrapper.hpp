@@ -53,6 +53,11 @@ auto run_locked(PyModule& self, std::vector<py::object> inputs, F&& f) {
 // float64 feeding a float32 module, say). Errors name the module.
 Input module_input(py::handle obj, const char* op, const char* name, DType dtype,
                    bool allow_none = false);
+// {name: array} (NumPy arrays, torch tensors incl. bfloat16, lists) as Tensors for a
+// load_state_dict of operation `op`; `keep` receives the arrays the Tensors view, which must
+// outlive them (the loaders copy).
+nn::StateDict state_dict_input(const py::dict& state, const std::string& op,
+                               std::vector<Input>& keep);
 // valid_lens: None, or integer/float lengths.
 Input lens_input(py::handle obj, const char* op);
 // `ctx` when given, else a new Context from the other arguments.
