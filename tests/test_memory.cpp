@@ -2,9 +2,11 @@
 // about the same size, within the limit, and nothing is shared between live tensors.
 #include "attn/core/memory.hpp"
 #include "attn/core/tensor.hpp"
+#include "attn/ops/attention.hpp"
 
 #include <gtest/gtest.h>
 
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -113,6 +115,47 @@ TEST_F(MemoryCache, ThreadsAllocateAndFreeConcurrently) {
   for (auto& th : threads)
     th.join();
   EXPECT_LE(memory_cache_stats().cached_bytes, size_t{64} << 20);
+}
+
+// The attention kernels take their scratch from the same cache (kernels/cpu/scratch.hpp): a
+// repeated call is served from it without a miss, and release_cached_memory() frees it all.
+TEST_F(MemoryCache, KernelScratchComesFromTheCache) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist;
+  const auto random = [&](Shape shape) {
+    Tensor t = Tensor::empty(std::move(shape));
+    for (int64_t i = 0; i < t.numel(); ++i)
+      t.data<float>()[i] = dist(gen);
+    return t;
+  };
+  // B = 2 < 4: the fp32 backward splits the keys and keeps (T, D) dQ shares per item (~1 MiB).
+  const Tensor q = random({2, 1024, 64}), k = random({2, 1024, 64}), v = random({2, 1024, 64});
+  const Tensor dout = random({2, 1024, 64});
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Context ctx;
+    ctx.backend = Backend::kCpu;
+    ctx.threads = 2;
+    const Tensor qd = q.to(dtype), kd = k.to(dtype), vd = v.to(dtype), dod = dout.to(dtype);
+    const auto step = [&] {
+      const AttentionResult fwd = scaled_dot_product_attention(ctx, qd, kd, vd);
+      const AttentionGrads g = scaled_dot_product_attention_backward(ctx, dod, qd, kd, vd, fwd);
+      ASSERT_EQ(g.dq.shape(), q.shape());
+    };
+    step();
+    // Freed by now: out, dq, dk, dv (4 x 2 x 1024 x 64 elements; lse is below the cache's
+    // 128 KiB). The rest of what the cache holds is kernel scratch, at least the backward's
+    // per-item dQ shares (B * 2 key splits * T * D floats = 1 MiB).
+    const MemoryCacheStats warm = memory_cache_stats();
+    const size_t tensors = 4 * q.numel() * dtype_size(dtype);
+    EXPECT_GE(warm.cached_bytes, tensors + (size_t{1} << 20)) << dtype_name(dtype);
+    step();
+    const MemoryCacheStats again = memory_cache_stats();
+    EXPECT_EQ(again.misses, warm.misses) << dtype_name(dtype) << ": scratch was allocated anew";
+    EXPECT_GT(again.hits, warm.hits) << dtype_name(dtype);
+    release_cached_memory();
+    EXPECT_EQ(memory_cache_stats().cached_bytes, 0u);
+    EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);
+  }
 }
 
 }  // namespace

@@ -629,7 +629,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "hwy/aligned_allocator.h"
-#include "kernels/cpu/kept_buffer.hpp"
+#include "kernels/cpu/scratch.hpp"
 
 #include <omp.h>
 
@@ -668,17 +668,18 @@ void flash_attention_forward(const FlashParams& p) {
   // the lightest ones. Heads stay in order: consecutive items share one head's K and V in cache
   // (an order across heads, all last blocks first, read them from memory for every item and
   // was 6% slower at T = 4096, D = 64/128).
-#pragma omp parallel num_threads(std::max(1, p.threads))
+  const int threads = std::max(1, p.threads);
+  const Scratch<float> scratch("flash_attention_forward", scratch_floats, threads);
+#pragma omp parallel num_threads(threads)
   {
-    std::unique_ptr<float[], FreeDeleter> own_scratch;
-    float* scratch = kept_buffer<KeptSlot::kFp32FwdScratch>(scratch_floats, own_scratch);
+    float* own = scratch.get(omp_get_thread_num());
     // With a dynamic schedule of equal items, a thread's next item is most often it + threads.
     const int64_t stride = omp_get_num_threads();
     auto row0 = [&](int64_t i) { return (p.causal ? blocks - 1 - i % blocks : i % blocks) * bq; };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t next = it + stride < items ? it + stride : -1;
-      block_fn(p, it / blocks, row0(it), scratch, next < 0 ? -1 : next / blocks,
+      block_fn(p, it / blocks, row0(it), own, next < 0 ? -1 : next / blocks,
                next < 0 ? 0 : row0(next));
     }
   }
@@ -734,11 +735,12 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     // One item per b (B >= 4, e.g. MultiHeadAttention's B*H rows): its dQ share is the whole
     // dQ of b, written by the item's own thread straight from a per-thread buffer while it is
     // still in L2, instead of B buffers of T x Dp summed in a second pass.
+    const Scratch<float> scratches("flash_attention_backward", scratch_floats, threads);
+    const Scratch<float> parts("flash_attention_backward", part_floats, threads);
 #pragma omp parallel num_threads(threads)
     {
-      std::unique_ptr<float[], FreeDeleter> own_scratch, own_part;
-      float* scratch = kept_buffer<KeptSlot::kFp32BwdScratch>(scratch_floats, own_scratch);
-      float* part = kept_buffer<KeptSlot::kFp32BwdPart>(std::max<size_t>(1, part_floats), own_part);
+      float* scratch = scratches.get(omp_get_thread_num());
+      float* part = parts.get(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
         std::fill(part, part + part_floats, 0.0f);
@@ -752,13 +754,13 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     return;
   }
   // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
-  std::unique_ptr<float[], FreeDeleter> own_parts;
-  float* const parts = kept_buffer<KeptSlot::kFp32BwdParts>(
-      std::max<size_t>(1, part_floats * static_cast<size_t>(items)), own_parts);
+  const Scratch<float> all_parts("flash_attention_backward",
+                                 part_floats * static_cast<size_t>(items));
+  float* const parts = all_parts.get();
+  const Scratch<float> scratches("flash_attention_backward", scratch_floats, threads);
 #pragma omp parallel num_threads(threads)
   {
-    std::unique_ptr<float[], FreeDeleter> own_scratch;
-    float* scratch = kept_buffer<KeptSlot::kFp32BwdScratch>(scratch_floats, own_scratch);
+    float* scratch = scratches.get(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       float* part = parts + static_cast<size_t>(i) * part_floats;

@@ -37,13 +37,14 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
-#include "kernels/cpu/kept_buffer.hpp"
+#include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/transpose16.hpp"
 
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -93,33 +94,6 @@ inline int64_t head_off(int64_t heads, int64_t b, int64_t sb, int64_t sh) {
 // ---------------------------------------------------------------------------------------------
 // Fallback: through the fp32 kernels
 
-// fp32 buffers of the fallback forward and of the backward, reused across calls: fresh pages cost
-// a page fault each (about as much as the whole conversion on this VM), and a zero-filled
-// std::vector touched every page twice. One arena per calling thread (the OpenMP workers only
-// write into it), kept between calls up to kKeepFloats (64 MiB); a larger request gets a
-// buffer of its own, freed when the call returns. Every buffer is written before it is read
-// (conversions, or the fp32 kernels' outputs, which overwrite), so nothing is zeroed.
-class Fp32Arena {
- public:
-  float* take(size_t floats) {
-    constexpr size_t kKeepFloats = size_t{16} << 20;
-    thread_local std::unique_ptr<float[]> kept;
-    thread_local size_t kept_floats = 0;
-    if (floats > kKeepFloats) {
-      own_.reset(new float[floats]);
-      return own_.get();
-    }
-    if (kept_floats < floats) {
-      kept.reset(new float[floats]);
-      kept_floats = floats;
-    }
-    return kept.get();
-  }
-
- private:
-  std::unique_ptr<float[]> own_;
-};
-
 // Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst (rows split over the
 // threads: elementwise, so the result does not depend on the split).
 // Row b starts at head_off(heads, b, sb, sh).
@@ -148,9 +122,10 @@ void to_bf16(const float* src, uint16_t* dst, int64_t B, int64_t N, int64_t C, i
 
 // fp32 copies of q, k, v and out (converted from p.out with `with_out`, for the backward;
 // otherwise only room for the fp32 kernel's output), then `extra` more floats for the caller,
-// all in one arena, and the fp32 kernel's parameters on them.
+// all in one scratch block (every part is written before it is read: conversions, or the fp32
+// kernels' outputs, which overwrite), and the fp32 kernel's parameters on them.
 struct Fp32Copies {
-  Fp32Arena arena;
+  Scratch<float> arena;
   float *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *extra = nullptr;
   FlashParams f;
 };
@@ -160,7 +135,8 @@ void fp32_params(const FlashBf16Params& p, bool with_out, size_t extra, Fp32Copi
   const int th = p.threads;
   const auto n = [](int64_t a, int64_t b, int64_t e) { return static_cast<size_t>(a * b * e); };
   const size_t nq = n(B, T, D), nk = n(B, S, D), nv = n(B, S, Dv), no = n(B, T, Dv);
-  c.q = c.arena.take(nq + nk + nv + no + extra);
+  c.arena = Scratch<float>("flash_attention_bf16", nq + nk + nv + no + extra);
+  c.q = c.arena.get();
   c.k = c.q + nq, c.v = c.k + nk, c.out = c.v + nv, c.extra = c.out + no;
   to_float(p.q, B, T, D, p.heads, p.q_sb, p.q_sh, p.q_st, p.q_sd, th, c.q);
   to_float(p.k, B, S, D, p.heads, p.k_sb, p.k_sh, p.k_ss, p.k_sd, th, c.k);
@@ -460,10 +436,10 @@ void pack_pairs_transposed(const uint16_t* src, int64_t n, int64_t D, int64_t rs
 // K, features for V) in adjacent words.
 struct Packed {
   int64_t S2 = 0, D2 = 0, tiles = 0, ldk = 0;
-  uint32_t* vt2 = nullptr;                       // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
-  uint32_t* kt2 = nullptr;                       // (B, D2, ldk) words: (k[s][2i], k[s][2i+1])
-  std::vector<uint8_t> v_finite;                 // (B, tiles): V of the 64-key tile is finite
-  std::unique_ptr<uint32_t[], FreeDeleter> own;  // vt2 and kt2 when over kept_buffer's limit
+  uint32_t* vt2 = nullptr;        // (B, S2, Dv) words: (v[2j][e], v[2j+1][e])
+  uint32_t* kt2 = nullptr;        // (B, D2, ldk) words: (k[s][2i], k[s][2i+1])
+  std::vector<uint8_t> v_finite;  // (B, tiles): V of the 64-key tile is finite
+  Scratch<uint32_t> block;        // vt2 and kt2
 };
 
 // dst[i*ld + c] = (x[2i][c], x[2i+1][c]) for i < ceil(n/2), c < C, with x[r][c] = src[r*rs + c*cs]
@@ -731,22 +707,23 @@ void forward_native(const FlashBf16Params& p) {
   const size_t nv = static_cast<size_t>(p.B * pk.S2 * p.Dv + kMR);
   const size_t nv_padded = (nv + 15) / 16 * 16;
   const size_t nk = static_cast<size_t>(p.B * pk.D2 * pk.ldk + kMR);
-  pk.vt2 = kept_buffer<KeptSlot::kBf16Pack>(nv_padded + nk, pk.own);
+  pk.block = Scratch<uint32_t>("flash_attention_bf16", nv_padded + nk);
+  pk.vt2 = pk.block.get();
   pk.kt2 = pk.vt2 + nv_padded;
   std::fill(pk.vt2 + nv - kMR, pk.vt2 + nv, 0u);
   std::fill(pk.kt2 + nk - kMR, pk.kt2 + nk, 0u);
   pk.v_finite.assign(static_cast<size_t>(p.B * pk.tiles), 1);
   const int64_t blocks = (p.T + kBlockQ - 1) / kBlockQ, items = p.B * blocks;
-  const size_t floats = scratch_floats(p, pk);
+  const int threads = std::max(1, p.threads);
+  const Scratch<float> scratches("flash_attention_bf16", scratch_floats(p, pk), threads);
   // Work items (b, query block) as in the fp32 forward: each one's arithmetic is fixed, so any
   // thread count and any schedule give the same bits; causal items are handed out longest first.
-#pragma omp parallel num_threads(std::max(1, p.threads))
+#pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < p.B; ++b)
       pack_batch(p, pk, b);
-    std::unique_ptr<float[], FreeDeleter> own_scratch;
-    float* scratch = kept_buffer<KeptSlot::kBf16Scratch>(floats, own_scratch);
+    float* scratch = scratches.get(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t i = p.causal ? items - 1 - it : it;
@@ -930,12 +907,10 @@ bool bwd_whole_rows(const FlashBf16Params& p) {
   return p.T * (p.D + p.Dv) <= (int64_t{1} << 21);
 }
 
-// Per-thread buffers of the native backward, carved from one allocation per thread that is kept
-// between calls (thread_local, up to 16 MiB per thread, which holds the whole-row packing's 8 MiB
-// and a dQ share of T = 8192 rows at D = 128; larger ones are freed when the call returns): fresh
-// pages cost a page fault each, as for the fallback's Fp32Arena. Zero-filled when allocated and
-// then only ever overwritten, so every read is of initialized memory (the micro-kernel reads, and
-// discards, up to kBMR - 1 rows past the valid ones).
+// Per-thread buffers of the native backward, carved from each thread's part of one scratch block
+// (kernels/cpu/scratch.hpp: from attn's block cache, so not faulted in again on every call).
+// Zero-filled per call and then only ever overwritten, so every read is of initialized memory
+// (the micro-kernel reads, and discards, up to kBMR - 1 rows past the valid ones).
 struct BwdBuffers {
   int64_t rows = 0, ldq = 0, Dp = 0;
   uint32_t *qt2, *dot2, *qp2, *dop2;  // packed q, dO (all rows, or one tile's)
@@ -948,70 +923,60 @@ struct BwdBuffers {
   uint16_t* out16;                    // dK or dV of a key block rounded to bf16
   uint8_t* bad;                       // (rows) q or dO row not finite
 
-  explicit BwdBuffers(const FlashBf16Params& p, bool with_part) {
+  // The buffers carved from `base`, Bytes(p, with_part) bytes, 64-byte aligned.
+  BwdBuffers(const FlashBf16Params& p, bool with_part, std::byte* base) {
+    Layout(p, with_part, base);
+  }
+  static size_t Bytes(const FlashBf16Params& p, bool with_part) {
+    BwdBuffers sizes;
+    return sizes.Layout(p, with_part, nullptr);
+  }
+
+ private:
+  BwdBuffers() = default;
+  // Points every buffer into base (nullptr: only counts) and returns the bytes used.
+  size_t Layout(const FlashBf16Params& p, bool with_part, std::byte* base) {
     const int64_t D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
     rows = bwd_whole_rows(p) ? p.T : std::min(p.T, kBwdQ);
     ldq = (rows + kL - 1) / kL * kL + kL;
     Dp = (p.D + kL - 1) / kL * kL;
     const int64_t rows2 = (rows + 1) / 2;
-    // Two passes over the same list: sizes first (base null), then the pointers.
-    std::byte* base = nullptr;
     size_t used = 0;
     auto carve = [&](auto*& ptr, int64_t n) {
       using T = std::remove_reference_t<decltype(*ptr)>;
       ptr = base ? reinterpret_cast<T*>(base + used) : nullptr;
       used += (static_cast<size_t>(n) * sizeof(T) + 63) / 64 * 64;
     };
-    for (int pass = 0; pass < 2; ++pass) {
-      used = 0;
-      carve(qt2, D2 * ldq + kBMR);
-      carve(dot2, Dv2 * ldq + kBMR);
-      carve(qp2, rows2 * p.D + kBMR);
-      carve(dop2, rows2 * p.Dv + kBMR);
-      carve(kt2, D2 * kBwdK);
-      carve(vt2, Dv2 * kBwdK);
-      carve(kp2, kBwdK2 * Dp + kL);
-      carve(pz2, kBwdQ / 2 * kBwdK);
-      carve(ds2, kBwdQ / 2 * kBwdK);
-      carve(dsr, (kBwdQ + kBMR) * kBwdK2);
-      carve(x, kBwdQ * kBwdK);
-      carve(dp, kBwdQ * kBwdK);
-      carve(dk_acc, p.D * kBwdK);
-      carve(out16, std::max(p.D, p.Dv) * kBwdK);
-      carve(dv_acc, p.Dv * kBwdK);
-      carve(z, 2 * kBwdK);
-      carve(part, with_part ? p.T * Dp : 0);
-      carve(lse2, p.T);
-      carve(drow, p.T);
-      carve(lim, p.T);
-      carve(bad, rows);
-      if (pass == 0) base = take(used);
-    }
-  }
-
- private:
-  std::unique_ptr<std::byte[], FreeDeleter> own_;
-
-  std::byte* take(size_t bytes) {
-    constexpr size_t kKeepBytes = size_t{16} << 20;
-    thread_local std::unique_ptr<std::byte[], FreeDeleter> kept;
-    thread_local size_t kept_bytes = 0;
-    auto fresh = [bytes] {
-      auto buf = alloc_aligned<std::byte>(bytes);
-      std::memset(buf.get(), 0, bytes);
-      return buf;
-    };
-    if (bytes > kKeepBytes) {
-      own_ = fresh();
-      return own_.get();
-    }
-    if (kept_bytes < bytes) {
-      kept = fresh();
-      kept_bytes = bytes;
-    }
-    return kept.get();
+    carve(qt2, D2 * ldq + kBMR);
+    carve(dot2, Dv2 * ldq + kBMR);
+    carve(qp2, rows2 * p.D + kBMR);
+    carve(dop2, rows2 * p.Dv + kBMR);
+    carve(kt2, D2 * kBwdK);
+    carve(vt2, Dv2 * kBwdK);
+    carve(kp2, kBwdK2 * Dp + kL);
+    carve(pz2, kBwdQ / 2 * kBwdK);
+    carve(ds2, kBwdQ / 2 * kBwdK);
+    carve(dsr, (kBwdQ + kBMR) * kBwdK2);
+    carve(x, kBwdQ * kBwdK);
+    carve(dp, kBwdQ * kBwdK);
+    carve(dk_acc, p.D * kBwdK);
+    carve(out16, std::max(p.D, p.Dv) * kBwdK);
+    carve(dv_acc, p.Dv * kBwdK);
+    carve(z, 2 * kBwdK);
+    carve(part, with_part ? p.T * Dp : 0);
+    carve(lse2, p.T);
+    carve(drow, p.T);
+    carve(lim, p.T);
+    carve(bad, rows);
+    return used;
   }
 };
+
+// Per-thread BwdBuffers memory for a parallel region, zero-filled (see BwdBuffers).
+Scratch<std::byte> bwd_scratch(const FlashBf16Params& p, bool with_part, int threads) {
+  return Scratch<std::byte>("flash_attention_backward_bf16", BwdBuffers::Bytes(p, with_part),
+                            static_cast<size_t>(threads), /*zero=*/true);
+}
 
 // Rows [ta, tb) of q and dO of batch row b into w's four layouts (row ta at index 0).
 void pack_query_rows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t ta,
@@ -1259,9 +1224,10 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
   };
   if (splits == 1) {
     // One item per b: its dQ share is the whole dQ of b, written by the item's own thread.
+    const Scratch<std::byte> buffers = bwd_scratch(p, /*with_part=*/true, threads);
 #pragma omp parallel num_threads(threads)
     {
-      BwdBuffers w(p, /*with_part=*/true);
+      BwdBuffers w(p, /*with_part=*/true, buffers.get(omp_get_thread_num()));
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
         std::fill(w.part, w.part + part_floats, 0.0f);
@@ -1274,12 +1240,15 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
     }
     return;
   }
-  Fp32Arena arena;  // the shares of all items, summed below
-  float* const parts = arena.take(std::max<size_t>(1, part_floats * static_cast<size_t>(items)));
+  // The shares of all items, summed below.
+  const Scratch<float> all_parts("flash_attention_backward_bf16",
+                                 part_floats * static_cast<size_t>(items));
+  float* const parts = all_parts.get();
+  const Scratch<std::byte> buffers = bwd_scratch(p, /*with_part=*/false, threads);
 #pragma omp parallel num_threads(threads)
   {
     {
-      BwdBuffers w(p, /*with_part=*/false);
+      BwdBuffers w(p, /*with_part=*/false, buffers.get(omp_get_thread_num()));
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < items; ++i) {
         float* part = parts + static_cast<size_t>(i) * part_floats;

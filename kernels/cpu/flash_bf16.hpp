@@ -13,7 +13,7 @@
 // rounding to bf16, one bf16 rounding of each weight. Design and measurements:
 // docs/kernels-cpu.md ("bfloat16"), docs/notes/bf16-kernel.md.
 // The native forward packs k and v of all B rows as pairs once per call (4 B (S D + S Dv) bytes)
-// into a buffer the calling thread keeps between calls up to 64 MiB (kernels/cpu/kept_buffer.hpp).
+// into scratch from attn's block cache (kernels/cpu/scratch.hpp), not faulted in on every call.
 // Without AVX512-BF16, when weights are requested, or when forced (tests), the forward converts
 // q, k, v to fp32 and runs cpu::flash_attention_forward, then rounds out to bf16.
 //
