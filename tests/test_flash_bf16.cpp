@@ -441,9 +441,9 @@ TEST(FlashBf16, LongRowsKeepLseAccurate) {
   }
 }
 
-// Packed K and V over the 64 MiB the forward keeps between calls (S = 66000, D = 256: 67.6 MB)
-// get a buffer of their own; the next, smaller call goes back to the kept one, whose stale
-// contents must not leak into it (tiles of the sweep reuse it shape after shape too).
+// Packed K and V of 67.6 MB (S = 66000, D = 256) and then a small call: scratch comes from the
+// block cache, whose blocks hold what their last user left; stale contents must not leak into a
+// later call (tiles of the sweep reuse blocks shape after shape too).
 TEST(FlashBf16, PackLargerThanKeptBuffer) {
   for (const Case& c : {Case{1, 3, 66000, 256, 256, Lens::kNone, false, false, 0.0f, 0},
                         Case{2, 5, 70, 256, 256, Lens::kNone, false, false, 0.0f, 0}}) {
@@ -451,6 +451,38 @@ TEST(FlashBf16, PackLargerThanKeptBuffer) {
     const Reference ref = reference(pr);
     flash_attention_forward_bf16(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0)) << c.name();
+  }
+}
+
+// Key tiles scaled up and down by turns: the running max jumps at some tiles and stays put at
+// others, so the online softmax rescales l and O^T (exp2_accurate) by factors far from 1, native
+// and fallback; one and two threads give the same bits.
+TEST(FlashBf16, RisingAndFallingScoresRescaleExactly) {
+  const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};
+  for (bool fallback : modes()) {
+    ForceFallback force(fallback);
+    for (bool causal : {false, true}) {
+      const Case c{2, 37, 640, 16, 24, Lens::kNone, causal, false, 0.0f, 0};
+      Problem pr(c);
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t s = 0; s < c.S; ++s)
+          for (int64_t d = 0; d < c.D; ++d)
+            pr.k.raw(b, s, d) = float_to_bf16(static_cast<float>(pr.k.at(b, s, d)) * 3.0f *
+                                              gain[(s / 16 + b) % 10]);
+      const Reference ref = reference(pr);
+      SCOPED_TRACE(std::string(fallback ? "fallback" : "native") + (causal ? " causal" : ""));
+      flash_attention_forward_bf16(pr.p);
+      EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
+      for (int64_t i = 0; i < c.B * c.T; ++i)
+        EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-4 + 1e-5 * std::abs(ref.lse[i]))
+            << "lse[" << i << "]";
+      Problem pr2(c);
+      pr2.k.buf = pr.k.buf;
+      pr2.p.k = pr2.k.ptr();
+      pr2.p.threads = 2;
+      flash_attention_forward_bf16(pr2.p);
+      EXPECT_EQ(pr.out.buf, pr2.out.buf);
+    }
   }
 }
 

@@ -427,6 +427,39 @@ TEST(FlashCpu, LargeScoresAndLateMaximum) {
     EXPECT_NEAR(pr.lse[t], ref.lse[t], 3e-5 * std::abs(ref.lse[t]));
 }
 
+// Key tiles scaled up and down by turns: the running max jumps by tens (log2 units) at some tiles
+// and stays put at others, so the online softmax rescales l and O^T by factors far below 2^-8, on
+// every target (whose key tiles are 64, 32 or 4 keys), with one and two threads giving the same
+// bits.
+TEST(FlashCpu, RisingAndFallingScoresRescaleExactly) {
+  const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};
+  for (bool causal : {false, true}) {
+    const Case c{2, 37, 640, 16, 24, Lens::kNone, causal, false, 0.0f, 0};
+    Problem ref_pr(c);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int64_t s = 0; s < c.S; ++s)
+        for (int64_t d = 0; d < c.D; ++d)
+          ref_pr.k.at(b, s, d) *= 3.0f * gain[(s / 16 + b) % 10];
+    const Reference ref = reference(ref_pr, false);
+    for (int64_t target : flash_attention_targets()) {
+      flash_attention_set_targets(target);
+      SCOPED_TRACE(std::string("target ") + flash_attention_target() + (causal ? " causal" : ""));
+      for (int threads : {1, 2}) {
+        Problem pr(c);
+        std::copy(ref_pr.k.buf.begin(), ref_pr.k.buf.end(), pr.k.buf.begin());
+        pr.p.threads = threads;
+        flash_attention_forward(pr.p);
+        EXPECT_TRUE(close_view("out", pr.out, ref.out, 3e-5, 3e-5));
+        EXPECT_TRUE(close_view("weights", pr.weights, ref.weights, 3e-5, 3e-6));
+        for (int64_t i = 0; i < c.B * c.T; ++i)
+          EXPECT_NEAR(pr.lse[i], ref.lse[i], 3e-5 * (1 + std::abs(ref.lse[i])))
+              << "lse[" << i << "]";
+      }
+    }
+  }
+  flash_attention_set_targets(0);
+}
+
 // ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------
 
 namespace ops_check {
