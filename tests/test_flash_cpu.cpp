@@ -431,7 +431,7 @@ TEST(FlashCpu, LargeScoresAndLateMaximum) {
 // and stays put at others, so the online softmax rescales l and O^T by factors far below 2^-8, on
 // every target (whose key tiles are 64, 32 or 4 keys), with one and two threads giving the same
 // bits.
-TEST(FlashCpu, RisingAndFallingScoresRescaleExactly) {
+TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
   const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};
   for (bool causal : {false, true}) {
     const Case c{2, 37, 640, 16, 24, Lens::kNone, causal, false, 0.0f, 0};
