@@ -34,7 +34,9 @@ grads, zero_grad(), named_parameters(), context)
     TransformerEncoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
                        use_bias=False)
 
-Training: attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
+Training: Linear(in_features, out_features, bias=True) (an output head; in_features=None: lazy),
+cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) (the loss and
+its gradient), attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
 step()/zero_grad()/state_dict()), attn.optim.clip_grad_norm(layer, max_norm)
 
 Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
@@ -49,10 +51,13 @@ from ._attn import (  # noqa: F401  (re-exported API)
     DotProductAttention,
     Error,
     LearnedPositionalEmbedding,
+    Linear,
     Module,
     MultiHeadAttention,
     PositionalEncoding,
     __version__,
+    cross_entropy,
+    cross_entropy_backward,
     default_context,
     dropout,
     linear,
@@ -72,9 +77,12 @@ __all__ = [
     "DotProductAttention",
     "Error",
     "LearnedPositionalEmbedding",
+    "Linear",
     "Module",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "cross_entropy",
+    "cross_entropy_backward",
     "default_context",
     "dropout",
     "linear",

@@ -10,6 +10,7 @@ void bind_context(py::module_& m);      // attn.Context, attn.default_context   
 void bind_ops(py::module_& m);          // free functions                        (bind_ops.cpp)
 void bind_nn(py::module_& m);           // Module and the layer classes          (bind_nn.cpp)
 void bind_transformer(py::module_& m);  // the Transformer encoder          (bind_transformer.cpp)
+void bind_train(py::module_& m);        // Linear, cross_entropy                 (bind_train.cpp)
 void bind_optim(py::module_& m);        // SGD, AdamW, clip_grad_norm            (bind_optim.cpp)
 
 }  // namespace attn::python
