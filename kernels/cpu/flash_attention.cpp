@@ -628,7 +628,6 @@ HWY_AFTER_NAMESPACE();
 // Dispatch and threads (compiled once)
 
 #if HWY_ONCE
-#include "hwy/aligned_allocator.h"
 #include "kernels/cpu/scratch.hpp"
 
 #include <omp.h>
