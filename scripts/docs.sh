@@ -3,10 +3,10 @@
 # (docs/Doxyfile), then lists the public symbols that have no documentation comment. The list is
 # information, not a failure: the script exits 0 unless Doxygen itself fails.
 #   scripts/docs.sh            # then open build/docs/api/html/index.html
-# Needs doxygen (scripts/setup.sh installs it) and python3 (the comment filter).
+# Installs doxygen and python3 (the comment filter) with scripts/setup.sh docs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-command -v doxygen >/dev/null || { echo "docs: doxygen not found (run scripts/setup.sh)" >&2; exit 1; }
+bash scripts/setup.sh docs
 out=build/docs/api
 # The filter's interpreter, resolved past any shim (docs/Doxyfile reads it from the environment).
 ATTN_DOCS_PYTHON=$(python3 -c 'import sys; print(sys.executable)')

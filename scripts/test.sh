@@ -8,12 +8,14 @@
 #   5. the whole CTest suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh test
+source scripts/ccache-env.sh
 start=$SECONDS
 stamp() { echo "   ($((SECONDS - start)) s so far)"; }
 
 echo "== 1. build and test (RelWithDebInfo, warnings as errors)"
-cmake --preset default >/dev/null
+cmake --preset default -DATTN_BUILD_CLI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_BENCH=ON \
+  -DATTN_BUILD_PYTHON=ON >/dev/null  # all on, whatever scripts/tour.sh configured
 cmake --build --preset default
 ctest --preset default
 # The README's set-up makes `/usr/bin/python3 -c "import attn"` work.

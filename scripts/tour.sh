@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The main job: install, build, and run `attn tour` into ./tour (open tour/index.html).
+# The main job: install what the library and the CLI need (scripts/setup.sh build: no test
+# packages), build the CLI, and run `attn tour` into ./tour (open tour/index.html).
+#   bash scripts/tour.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-cmake --preset default -DATTN_BUILD_CLI=ON >/dev/null  # on even if an earlier configure turned it off
+bash scripts/setup.sh build
+source scripts/ccache-env.sh
+# The CLI on (even if an earlier configure turned it off); tests, benchmarks and the Python
+# module off, since their packages come with `setup.sh test` (scripts/test.sh turns them on).
+cmake --preset default -DATTN_BUILD_CLI=ON -DATTN_BUILD_TESTS=OFF -DATTN_BUILD_BENCH=OFF \
+  -DATTN_BUILD_PYTHON=OFF >/dev/null
 cmake --build --preset default --target attn_cli
 ./build/default/attn tour --out "${1:-tour}"
