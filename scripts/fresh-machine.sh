@@ -42,6 +42,7 @@ mirror=$(apt-get indextargets --format '$(RELEASE) $(REPO_URI)' 2>/dev/null |
 [ -n "$mirror" ] || { echo "fresh-machine: apt has no source for $suite (apt-get update?)" >&2; exit 1; }
 
 root=$(mktemp -d "${TMPDIR:-/var/tmp}/attn-fresh.XXXXXX")
+chmod 755 "$root"  # apt drops to the _apt user for downloads: it must reach /var inside
 mounts=()
 cleanup() {
   local status=$?
@@ -106,10 +107,13 @@ in_root() {
     /bin/bash -c "cd /root/attn && $1"
 }
 
+# Wall time and the CPU time of every process the job ran: the CPU figure tells what the job
+# costs when the wall time was stretched by other work on the machine.
+TIMEFORMAT="%R s wall, %U s user + %S s system CPU"
 say "main job: bash scripts/tour.sh"
-job_start=$SECONDS
-in_root "bash scripts/tour.sh"
-say "main job took $((SECONDS - job_start)) s (apt, build and tour, on $(nproc) cores)"
+{ time in_root "bash scripts/tour.sh" 2>&1; } 2>"$root.time"
+say "main job took $(cat "$root.time") (apt, build and tour; $(nproc) cores)"
+rm -f "$root.time"
 
 # The tour's page and each figure it references.
 index="$root/root/attn/tour/index.html"
@@ -125,8 +129,8 @@ say "tour/index.html and its $n figures exist"
 
 if ((run_tests)); then
   say "test command: bash scripts/test.sh"
-  job_start=$SECONDS
-  in_root "bash scripts/test.sh"
-  say "test command took $((SECONDS - job_start)) s"
+  { time in_root "bash scripts/test.sh" 2>&1; } 2>"$root.time"
+  say "test command took $(cat "$root.time")"
+  rm -f "$root.time"
 fi
 say "passed"
