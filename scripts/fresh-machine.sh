@@ -111,9 +111,9 @@ in_root() {
 # costs when the wall time was stretched by other work on the machine.
 TIMEFORMAT="%R s wall, %U s user + %S s system CPU"
 say "main job: bash scripts/tour.sh"
-{ time in_root "bash scripts/tour.sh" 2>&1; } 2>"$root.time"
-say "main job took $(cat "$root.time") (apt, build and tour; $(nproc) cores)"
-rm -f "$root.time"
+{ time in_root "bash scripts/tour.sh" 2>&1; } 2>"$root/tmp/fresh-machine.time"
+say "main job took $(cat "$root/tmp/fresh-machine.time") (apt, build and tour; $(nproc) cores)"
+rm -f "$root/tmp/fresh-machine.time"
 
 # The tour's page and each figure it references.
 index="$root/root/attn/tour/index.html"
@@ -129,8 +129,8 @@ say "tour/index.html and its $n figures exist"
 
 if ((run_tests)); then
   say "test command: bash scripts/test.sh"
-  { time in_root "bash scripts/test.sh" 2>&1; } 2>"$root.time"
-  say "test command took $(cat "$root.time")"
-  rm -f "$root.time"
+  { time in_root "bash scripts/test.sh" 2>&1; } 2>"$root/tmp/fresh-machine.time"
+  say "test command took $(cat "$root/tmp/fresh-machine.time")"
+  rm -f "$root/tmp/fresh-machine.time"
 fi
 say "passed"
