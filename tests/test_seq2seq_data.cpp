@@ -449,8 +449,7 @@ TEST(Seq2SeqTasks, HeldOutSplitNeverOverlapsTraining) {
       }
     }
   EXPECT_EQ(all, 73049);
-  EXPECT_GT(held, 6900);
-  EXPECT_LT(held, 7700);
+  EXPECT_EQ(held, 7165);  // 9.8%; pinned: changing the split makes old evaluations incomparable
 }
 
 // --- scores ------------------------------------------------------------------------------------
