@@ -183,7 +183,9 @@ TEST(Seq2SeqVocabulary, ReservedIdsMinFreqUnknownsAndJson) {
       },
       {"Vocabulary::to_json", "UTF-8"});
   // An encoder vocabulary cannot feed encode_seq2seq (no <bos>/<eos>).
-  expect_error([&] { encode_seq2seq(ex, Vocabulary::build({{"a"}}), tgt); }, {"encode_seq2seq"});
+  const Vocabulary& target_vocab = tgt;  // (clang cannot capture a structured binding)
+  expect_error([&] { encode_seq2seq(ex, Vocabulary::build({{"a"}}), target_vocab); },
+               {"encode_seq2seq"});
 }
 
 // --- batching ----------------------------------------------------------------------------------
@@ -317,7 +319,7 @@ TEST(Seq2SeqBatch, EpochSamplerIsAPureFunctionOfSeedAndStep) {
   EXPECT_EQ(train.size(), 19);
   EXPECT_EQ(held.size(), 4);
   EXPECT_EQ(split_holdout(d, 0.2, 3).second.sources, held.sources);
-  expect_error([&] { split_holdout(held, 1.5, 0); }, {"fraction"});
+  expect_error([&] { split_holdout(d, 1.5, 0); }, {"fraction"});
 }
 
 // --- generated tasks ---------------------------------------------------------------------------
