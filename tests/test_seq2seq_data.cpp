@@ -115,7 +115,13 @@ TEST(Seq2SeqTsv, BadInputNamesFileAndLine) {
                {"d.tsv:1:", "target after the tab is empty"});
   expect_error([] { parse_seq2seq_tsv("a\tb\nc\xff\td\n", "d.tsv"); },
                {"d.tsv:2:", "byte 2 (0xFF) is not valid UTF-8"});
-  expect_error([] { parse_seq2seq_tsv("\xc3\x28\tx\n", "d.tsv"); }, {"d.tsv:1:", "UTF-8"});
+  // Not UTF-8 (RFC 3629): a bad continuation, overlong forms, a surrogate, past U+10FFFF, cut.
+  for (const char* bad : {"\xc3\x28", "\xc0\xaf", "\xe0\x80\xaf", "\xed\xa0\x80",
+                          "\xf4\x90\x80\x80", "\xf8\x88\x80\x80\x80", "x\xe2\x82"})
+    expect_error([&] { parse_seq2seq_tsv(std::string("ok\tfine\n") + bad + "\ty\n", "d.tsv"); },
+                 {"d.tsv:2:", "is not valid UTF-8"});
+  EXPECT_EQ(parse_seq2seq_tsv("\xf0\x9f\x98\x80 \xed\x9f\xbf\t\xf4\x8f\xbf\xbf", "d.tsv")[0].source,
+            (Tokens{"\U0001F600", "\uD7FF"}));  // the largest code points around the gaps
   expect_error([] { parse_seq2seq_tsv("", "empty.tsv"); }, {"empty.tsv: no pairs"});
   expect_error([] { parse_seq2seq_tsv("\n \n\t\n", "blank.tsv"); }, {"blank.tsv: no pairs"});
   expect_error([] { read_seq2seq_tsv("/nonexistent/dir/pairs.tsv"); },
