@@ -12,7 +12,7 @@ Vocabulary: B batch, T queries, S keys, H heads, D head width (of q and k), Dv o
 Tensors cross into C++ without copies: float32/float64 through NumPy (tensor.numpy() shares the
 memory), bfloat16 as its int16 bits (NumPy has no bfloat16); results come back as torch tensors
 over attn's buffers (torch.from_numpy), and the C++ runs with the GIL released. attn's kernels
-run with torch.get_num_threads() threads.
+run with the Context's thread count when it is set (> 0), else torch.get_num_threads().
 
 Which kernel runs:
   - float32 and bfloat16 on the default backend: attn's fused (flash) kernels, forward and
@@ -43,8 +43,25 @@ from . import _attn
 __all__ = ["scaled_dot_product_attention", "reference_attention", "MultiheadAttention"]
 
 
-def _threads():
-    return torch.get_num_threads()
+def _threads(actx):
+    """The Context's thread count when set (> 0), else torch's (torch.set_num_threads)."""
+    t = actx.threads
+    return t if t > 0 else torch.get_num_threads()
+
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _check_tensors(op, *tensors):
+    for x in tensors:
+        if not torch.is_tensor(x):
+            raise TypeError(f"{op}: expected torch tensors, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{op}: a tensor is on {x.device}; attn.torch runs attn's CPU "
+                             "kernels (move it with .cpu())")
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{op}: a tensor has dtype {x.dtype}, expected torch.float32, "
+                             "torch.float64 or torch.bfloat16")
 
 
 def _unit_feature_stride(t):
@@ -71,8 +88,8 @@ class _Attention(torch.autograd.Function):
     def forward(fctx, q, k, v, valid_lens, lens_repeat, causal, p, training, scale, masked_rows,
                 actx):
         out, lse, seed, offset = _attn._sdpa_forward(q, k, v, valid_lens, lens_repeat, causal, p,
-                                                     training, scale, masked_rows, _threads(),
-                                                     actx)
+                                                     training, scale, masked_rows,
+                                                     _threads(actx), actx)
         fctx.save_for_backward(q, k, v, out, lse)
         fctx.args = (valid_lens, lens_repeat, causal, p, training, scale, masked_rows, seed,
                      offset, actx)
@@ -85,13 +102,13 @@ class _Attention(torch.autograd.Function):
         lens, repeat, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
         dq, dk, dv = _attn._sdpa_backward(_unit_feature_stride(dout), q, k, v, out, lse, lens,
                                           repeat, causal, p, training, scale, masked_rows, seed,
-                                          offset, _threads(), actx)
+                                          offset, _threads(actx), actx)
         return (dq, dk, dv) + (None,) * 8
 
 
 def _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale, masked_rows, actx):
     out, lse, seed, offset = _attn._heads_forward(q, k, v, heads, valid_lens, causal, p, training,
-                                                  scale, masked_rows, _threads(), actx)
+                                                  scale, masked_rows, _threads(actx), actx)
     fctx.args = (heads, valid_lens, causal, p, training, scale, masked_rows, seed, offset, actx)
     fctx.mark_non_differentiable(lse)
     return out, lse
@@ -100,8 +117,8 @@ def _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale, ma
 def _heads_grads(fctx, dout, q, k, v, out, lse, dq, dk, dv):
     heads, lens, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
     _attn._heads_backward(_unit_feature_stride(dout), q, k, v, out, lse, heads, lens, causal, p,
-                          training, scale, masked_rows, seed, offset, dq, dk, dv, _threads(),
-                          actx)
+                          training, scale, masked_rows, seed, offset, dq, dk, dv,
+                          _threads(actx), actx)
 
 
 class _HeadsAttention(torch.autograd.Function):
@@ -178,6 +195,7 @@ def scaled_dot_product_attention(query, key, value, valid_lens=None, causal=Fals
     dropout_p acts only when training (attn's Philox stream of ctx, attn.default_context by
     default). Returns out (B, [H,] T, Dv) in the inputs' dtype.
     """
+    _check_tensors("attn.torch.scaled_dot_product_attention", query, key, value)
     actx = ctx if ctx is not None else _attn.default_context
     lens = _lens_tensor(valid_lens)
     p = float(dropout_p)
@@ -394,6 +412,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             T, B = query.shape[:2]
             S = key.shape[0]
         H, E = self.num_heads, self.embed_dim
+        _check_tensors("attn.torch.MultiheadAttention", query, key, value)
         lens = _lens_from_key_padding_mask(key_padding_mask, B, S)
         causal = _causal_from_attn_mask(attn_mask, T, S)
         p = self.dropout if self.training else 0.0

@@ -142,11 +142,14 @@ def test_dropout_training_and_eval(rng):
     assert not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("layout", ["3d", "heads_view"])
+@pytest.mark.parametrize("layout", ["3d", "heads_view", "4d_contiguous"])
 def test_bfloat16_within_tolerance(rng, layout):
     B, H, T, D = 2, 2, 32, 16
     if layout == "3d":
         q32, k32, v32 = (randn(rng, B, T, D, dtype=torch.float32, grad=False) for _ in range(3))
+    elif layout == "4d_contiguous":
+        q32, k32, v32 = (randn(rng, B, H, T, D, dtype=torch.float32, grad=False)
+                         for _ in range(3))
     else:
         q32, k32, v32 = (randn(rng, B, T, H * D, dtype=torch.float32, grad=False).view(
             B, T, H, D).transpose(1, 2) for _ in range(3))
@@ -174,6 +177,20 @@ def test_function_errors(rng):
         at.scaled_dot_product_attention(q, q, q, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="expected all"):
         at.scaled_dot_product_attention(q[None], q, q)
+    with pytest.raises(ValueError, match="float16"):
+        at.scaled_dot_product_attention(q.half(), q.half(), q.half())
+    with pytest.raises(TypeError, match="torch tensors"):
+        at.scaled_dot_product_attention(q.numpy(), q, q)
+
+
+def test_threads_follow_torch_unless_the_context_sets_them(rng):
+    """Results do not depend on the thread count (attn partitions work statically)."""
+    q = randn(rng, 2, 33, 8, dtype=torch.float32, grad=False)
+    one = at.scaled_dot_product_attention(q, q, q, ctx=attn.Context(threads=1))
+    two = at.scaled_dot_product_attention(q, q, q, ctx=attn.Context(threads=2))
+    assert torch.equal(one, two)
+    assert at._threads(attn.Context(threads=3)) == 3
+    assert at._threads(attn.Context()) == torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------------------------
