@@ -334,6 +334,28 @@ def test_bfloat16_module_within_tolerance(rng):
     assert ours.in_proj_weight.grad.dtype == torch.bfloat16
 
 
+def test_swapped_into_nn_transformer_encoder_layer(rng):
+    """torch's own encoder layer with self_attn replaced (its call passes need_weights=False,
+    the causal src_mask and the padding mask), training mode, dropout off."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    swapped = copy.deepcopy(layer)
+    swapped.self_attn = at.MultiheadAttention(16, 4, dropout=0.0, batch_first=True)
+    swapped.load_state_dict(layer.state_dict())
+    x = torch.tensor(rng.standard_normal((2, 6, 16)), dtype=torch.float32)
+    kwargs = dict(src_mask=nn.Transformer.generate_square_subsequent_mask(6),
+                  src_key_padding_mask=torch.tensor([[False] * 6, [False] * 4 + [True] * 2]))
+    res = []
+    for m in (layer, swapped):
+        xi = x.clone().requires_grad_(True)
+        m(xi, **kwargs).square().sum().backward()
+        res.append((m(x, **kwargs).detach(), xi.grad))
+    np.testing.assert_allclose(res[1][0], res[0][0], rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(res[1][1], res[0][1], rtol=2e-5, atol=2e-5)
+    for (n, p), (_, q) in zip(layer.named_parameters(), swapped.named_parameters()):
+        np.testing.assert_allclose(q.grad, p.grad, rtol=2e-5, atol=2e-5, err_msg=n)
+
+
 def test_module_errors():
     m = at.MultiheadAttention(8, 2)
     x = torch.zeros(4, 2, 8)
