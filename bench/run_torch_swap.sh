@@ -65,12 +65,13 @@ print(f"- PyTorch {runs[0]['torch']}, BLAS {runs[0]['blas']} (`OPENBLAS_CORETYPE
 print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Compare the "
       "ratio, not the absolute numbers.\n")
 print("| batch | nn.MultiheadAttention ms/step (median) | attn.torch ms/step (median) | "
-      "speedup median | speedup best | eval loss torch / attn |")
+      "speedup (median of round pairs) | speedup per round pair | eval loss torch / attn |")
 print("|---|---|---|---|---|---|")
 for r in runs:
     s, m, l = r["shape"], r["median_ms"], r["eval_loss"]
     print(f"| B = {s['B']}, T = {s['T']} | {m['torch']:.1f} | {m['attn']:.1f} | "
-          f"**{r['speedup_median']:.2f}x** | {r['speedup_best']:.2f}x | "
+          f"**{r['speedup_paired_median']:.2f}x** | "
+          f"{', '.join(f'{x:.2f}' for x in r['speedup_per_round'])} | "
           f"{l['torch']:.6f} / {l['attn']:.6f} |")
 PY
 cat "$tmp/swap.md"

@@ -144,11 +144,14 @@ def main():
                     break
             ms[name].append(1000.0 * elapsed / steps)
     med = {n: statistics.median(v) for n, v in ms.items()}
+    # Each torch round and the attn round right after it saw about the same load.
+    paired = [t / a for t, a in zip(ms["torch"], ms["attn"])]
     print(json.dumps({
         "shape": dict(B=B, T=T, E=E, H=H, blocks=args.blocks, ffn=args.ffn, dropout=args.dropout),
         "threads": torch.get_num_threads(), "blas": loaded_blas(), "torch": torch.__version__,
         "ms_per_step": ms, "median_ms": med, "speedup_median": med["torch"] / med["attn"],
         "speedup_best": min(ms["torch"]) / min(ms["attn"]),
+        "speedup_per_round": paired, "speedup_paired_median": statistics.median(paired),
         "eval_loss": {n: c[0] for n, c in check.items()},
         "first_grad_max_abs_diff": grad_diff, "first_grad_max_abs": grad_scale,
         "train_loss_last": {n: v[-1] for n, v in losses.items()},
