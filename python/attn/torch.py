@@ -164,9 +164,11 @@ class _PackedHeadsAttention(torch.autograd.Function):
         return (dqkv,) + (None,) * 8
 
 
-def _fused_heads_ok(dtype, actx):
-    return dtype in (torch.float32, torch.bfloat16) and _attn._heads_supported(
-        _dtype_name_of(dtype), actx)
+def _fused_heads_ok(dtype, actx, *tensors):
+    """Whether the head-strided fused kernels take these tensors (empty ones go the (B*H) way,
+    whose op handles every empty shape)."""
+    return dtype in (torch.float32, torch.bfloat16) and all(t.numel() > 0 for t in tensors) and \
+        _attn._heads_supported(_dtype_name_of(dtype), actx)
 
 
 def _dtype_name_of(dtype):
@@ -214,7 +216,8 @@ def scaled_dot_product_attention(query, key, value, valid_lens=None, causal=Fals
         raise ValueError(f"attn.torch.scaled_dot_product_attention: query {tuple(query.shape)}, "
                          f"key {tuple(key.shape)}, value {tuple(value.shape)}: expected the same "
                          "(B, H) leading axes")
-    if query.dtype == key.dtype == value.dtype and _fused_heads_ok(query.dtype, actx):
+    if query.dtype == key.dtype == value.dtype and _fused_heads_ok(query.dtype, actx, query, key,
+                                                                   value):
         views = [_as_heads_view(x) for x in (query, key, value)]
         if all(x is not None for x in views):
             out, _ = _HeadsAttention.apply(*views, H, lens, bool(causal), p, bool(training), scale,
@@ -322,6 +325,12 @@ def _causal_from_attn_mask(mask, T, S):
                      "nn.Transformer.generate_square_subsequent_mask) is supported")
 
 
+def _split_heads(x, H):
+    """(B, L, H*D) -> (B, H, L, D), a view where the layout allows."""
+    B, L, E = x.shape
+    return x.reshape(B, L, H, E // H).transpose(1, 2)
+
+
 class MultiheadAttention(nn.MultiheadAttention):
     """torch.nn.MultiheadAttention whose attention core runs attn's fused kernels.
 
@@ -421,8 +430,8 @@ class MultiheadAttention(nn.MultiheadAttention):
             separate = (qkv[..., :E], qkv[..., E:2 * E], qkv[..., 2 * E:])
         q, k, v = separate
         dtype = q.dtype
-        if _fused_heads_ok(dtype, self.context) and q.stride(-1) == 1 and k.stride(-1) == 1 \
-                and v.stride(-1) == 1:
+        if _fused_heads_ok(dtype, self.context, q, k, v) and q.stride(-1) == 1 and \
+                k.stride(-1) == 1 and v.stride(-1) == 1:
             if qkv is not None:
                 out, _ = _PackedHeadsAttention.apply(qkv, H, lens, causal, p, self.training, None,
                                                      self.masked_rows, self.context)
@@ -430,18 +439,16 @@ class MultiheadAttention(nn.MultiheadAttention):
                 out, _ = _HeadsAttention.apply(q, k, v, H, lens, causal, p, self.training, None,
                                                self.masked_rows, self.context)
         else:  # float64 or the reference backend: heads as batch rows b*H + h
-            split = lambda x: x.reshape(B, x.shape[1], H, -1).transpose(1, 2).reshape(  # noqa
-                B * H, x.shape[1], -1)
-            out, _ = _Attention.apply(split(q), split(k), split(v), lens, H, causal, p,
-                                      self.training, None, self.masked_rows, self.context)
-            out = out.view(B, H, T, -1).transpose(1, 2).reshape(B, T, E)
+            out, _ = _Attention.apply(*(_split_heads(x, H).flatten(0, 1) for x in (q, k, v)), lens,
+                                      H, causal, p, self.training, None, self.masked_rows,
+                                      self.context)
+            out = out.view(B, H, T, E // H).transpose(1, 2).reshape(B, T, E)
         if not self.batch_first:
             out = out.transpose(0, 1)
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
         weights = None
         if need_weights:
-            heads = lambda x: x.reshape(B, x.shape[1], H, -1).transpose(1, 2)  # noqa: E731
-            _, weights = reference_attention(heads(q), heads(k), heads(v), lens, causal,
+            _, weights = reference_attention(*(_split_heads(x, H) for x in (q, k, v)), lens, causal,
                                              masked_rows=self.masked_rows, need_weights=True)
             if average_attn_weights:
                 weights = weights.mean(dim=1)

@@ -356,6 +356,21 @@ def test_swapped_into_nn_transformer_encoder_layer(rng):
         np.testing.assert_allclose(q.grad, p.grad, rtol=2e-5, atol=2e-5, err_msg=n)
 
 
+@pytest.mark.parametrize("B, T, S", [(0, 3, 3), (2, 0, 3), (2, 3, 0)])
+def test_empty_inputs(B, T, S):
+    """Empty batches and sequences give empty results and gradients (no error, no NaN)."""
+    q = torch.randn(B, 2, T, 4, requires_grad=True)
+    k = torch.randn(B, 2, S, 4, requires_grad=True)
+    out = at.scaled_dot_product_attention(q, k, k)
+    out.sum().backward()
+    assert out.shape == (B, 2, T, 4) and q.grad.shape == q.shape and k.grad.shape == k.shape
+    m = at.MultiheadAttention(8, 2, batch_first=True)
+    x, kv = torch.randn(B, T, 8, requires_grad=True), torch.randn(B, S, 8)
+    y, _ = m(x, kv, kv, need_weights=False)
+    y.sum().backward()
+    assert y.shape == (B, T, 8) and x.grad.shape == x.shape and torch.isfinite(y).all()
+
+
 def test_module_errors():
     m = at.MultiheadAttention(8, 2)
     x = torch.zeros(4, 2, 8)
