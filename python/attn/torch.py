@@ -198,6 +198,10 @@ def scaled_dot_product_attention(query, key, value, valid_lens=None, causal=Fals
     default). Returns out (B, [H,] T, Dv) in the inputs' dtype.
     """
     _check_tensors("attn.torch.scaled_dot_product_attention", query, key, value)
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"attn.torch.scaled_dot_product_attention: query, key, value have dtypes "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}, expected one dtype for all "
+                         "(convert them with .to())")
     actx = ctx if ctx is not None else _attn.default_context
     lens = _lens_tensor(valid_lens)
     p = float(dropout_p)
