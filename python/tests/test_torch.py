@@ -319,6 +319,31 @@ def test_module_dropout_train_and_eval(rng):
     assert torch.equal(m(x, x, x, need_weights=False)[0], m2(x, x, x, need_weights=False)[0])
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_module_dropout_fused_matches_reference_backend(rng, packed):
+    """With dropout on, the head-strided fused kernels and the reference loops on (B*H, T, D)
+    draw the same Philox mask (batch row b*H + h), forward and backward."""
+    torch.manual_seed(0)
+    fused = at.MultiheadAttention(16, 4, dropout=0.3, batch_first=True,
+                                  ctx=attn.Context(seed=5))
+    ref = at.MultiheadAttention(16, 4, dropout=0.3, batch_first=True,
+                                ctx=attn.Context(seed=5, backend="reference"))
+    ref.load_state_dict(fused.state_dict())
+    x = torch.tensor(rng.standard_normal((2, 7, 16)), dtype=torch.float32)
+    pad = torch.tensor([[False] * 7, [False] * 5 + [True] * 2])
+    res = []
+    for m in (fused, ref):
+        xs = [x.clone().requires_grad_(True) for _ in range(1 if packed else 3)]
+        q, k, v = (xs * 3) if packed else xs
+        out, _ = m(q, k, v, key_padding_mask=pad, need_weights=False)
+        out.square().sum().backward()
+        res.append((out.detach(), [t.grad for t in xs], m.in_proj_weight.grad))
+    np.testing.assert_allclose(res[0][0], res[1][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(res[0][1], res[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(res[0][2], res[1][2], rtol=1e-4, atol=1e-5)
+
+
 def test_bfloat16_module_within_tolerance(rng):
     ref, ours = pair(32, 4, batch_first=True)
     ours = ours.to(torch.bfloat16)
