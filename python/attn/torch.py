@@ -37,6 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from . import _attn
 
@@ -97,6 +98,7 @@ class _Attention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # attn has no backward of its backward
     def backward(fctx, dout, _dlse):
         q, k, v, out, lse = fctx.saved_tensors
         lens, repeat, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
@@ -133,6 +135,7 @@ class _HeadsAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # attn has no backward of its backward
     def backward(fctx, dout, _dlse):
         q, k, v, out, lse = fctx.saved_tensors
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
@@ -155,6 +158,7 @@ class _PackedHeadsAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # attn has no backward of its backward
     def backward(fctx, dout, _dlse):
         qkv, out, lse = fctx.saved_tensors
         E = qkv.shape[-1] // 3

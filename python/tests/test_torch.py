@@ -171,6 +171,11 @@ def test_bfloat16_within_tolerance(rng, layout):
 
 def test_function_errors(rng):
     q = torch.zeros(2, 3, 4)
+    x = q.clone().requires_grad_(True)
+    (dx,) = torch.autograd.grad(at.scaled_dot_product_attention(x, x, x).square().sum(), x,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # no double backward
+        dx.sum().backward()
     with pytest.raises(ValueError, match="expected one dtype"):
         at.scaled_dot_product_attention(q, q.double(), q)
     with pytest.raises(attn.Error, match="valid_lens"):
