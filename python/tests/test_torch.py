@@ -482,7 +482,7 @@ def test_d2l_encoder_trains_to_the_same_loss_curve(rng):
 
     a, b = losses(ref), losses(ours)
     assert a[-1] < 0.5 * a[0]  # it learns
-    np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)  # measured: within 3e-6
     # the attn run really went through attn's Function
     fn = ours["enc"].blks[0].attention.mha(torch.zeros(1, 2, E), torch.zeros(1, 2, E),
                                            torch.zeros(1, 2, E), need_weights=False)[0].grad_fn
