@@ -16,7 +16,8 @@ run the same step in eval mode (no dropout) from the same weights and their loss
 
 Run it through bench/run_torch_swap.sh for PyTorch's best settings (OpenBLAS, no mmap per
 temporary, passive OpenMP waits). Prints one JSON object: ms per step of each round, the loss
-check, the BLAS, the threads.
+check, the BLAS, the threads; also the process CPU time per step (both threads), whose ratio
+moves less than wall time when other processes load the machine.
 """
 import argparse
 import json
@@ -132,10 +133,11 @@ def main():
         step(name)
         step(name)
     ms = {n: [] for n in models}
+    cpu_ms = {n: [] for n in models}  # process CPU time: less sensitive to being descheduled
     losses = {n: [] for n in models}
     for _ in range(args.rounds):
         for name in ("torch", "attn"):
-            steps, start = 0, time.perf_counter()
+            steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
             while True:
                 losses[name].append(step(name))
                 steps += 1
@@ -143,6 +145,7 @@ def main():
                 if elapsed >= args.min_time and steps >= 3:
                     break
             ms[name].append(1000.0 * elapsed / steps)
+            cpu_ms[name].append(1000.0 * (time.process_time() - cpu_start) / steps)
     med = {n: statistics.median(v) for n, v in ms.items()}
     # Each torch round and the attn round right after it saw about the same load.
     paired = [t / a for t, a in zip(ms["torch"], ms["attn"])]
@@ -152,6 +155,8 @@ def main():
         "ms_per_step": ms, "median_ms": med, "speedup_median": med["torch"] / med["attn"],
         "speedup_best": min(ms["torch"]) / min(ms["attn"]),
         "speedup_per_round": paired, "speedup_paired_median": statistics.median(paired),
+        "cpu_ms_per_step": cpu_ms,
+        "cpu_ratio_median": statistics.median(cpu_ms["torch"]) / statistics.median(cpu_ms["attn"]),
         "eval_loss": {n: c[0] for n, c in check.items()},
         "first_grad_max_abs_diff": grad_diff, "first_grad_max_abs": grad_scale,
         "train_loss_last": {n: v[-1] for n, v in losses.items()},
