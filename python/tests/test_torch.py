@@ -261,7 +261,7 @@ def test_self_attention_matches_torch(rng, batch_first, mask):
     ref, ours = pair(E, 4, batch_first=batch_first)
     x = torch.tensor(rng.standard_normal((B, T, E) if batch_first else (T, B, E)),
                      dtype=torch.float32)
-    kwargs = dict(need_weights=False)
+    kwargs = dict(need_weights=mask == "both")  # weights: with both masks
     if mask in ("padding", "both"):
         lens = torch.tensor([7, 3, 5])
         kwargs["key_padding_mask"] = torch.arange(T)[None, :] >= lens[:, None]
@@ -269,7 +269,7 @@ def test_self_attention_matches_torch(rng, batch_first, mask):
         kwargs["attn_mask"] = torch.ones(T, T, dtype=torch.bool).triu(1)
     if mask == "causal_float":
         kwargs["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(T)
-    assert_same(run_both(ref, ours, [x, x, x], kwargs, rng))
+    assert_same(run_both(ref, ours, [x, x, x], kwargs, rng, weights=True))
 
 
 @pytest.mark.parametrize("batch_first", [False, True])
