@@ -401,6 +401,19 @@ def test_empty_inputs(B, T, S):
     assert y.shape == (B, T, 8) and x.grad.shape == x.shape and torch.isfinite(y).all()
 
 
+def test_fully_padded_rows_are_zero_not_nan(rng):
+    """torch 1.13 gives NaN for a sequence whose keys are all padded; attn.torch's default
+    masked_rows='zero' gives a zero attention output (so out_proj's bias), and zero gradients."""
+    ref, ours = pair(8, 2, batch_first=True)
+    x = torch.tensor(rng.standard_normal((2, 3, 8)), dtype=torch.float32, requires_grad=True)
+    pad = torch.tensor([[False] * 3, [True] * 3])
+    assert torch.isnan(ref(x, x, x, key_padding_mask=pad)[0][1]).all()
+    out, _ = ours(x, x, x, key_padding_mask=pad, need_weights=False)
+    assert torch.allclose(out[1], ours.out_proj.bias.expand(3, 8))
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.all(x.grad[1] == 0)
+
+
 def test_module_errors():
     m = at.MultiheadAttention(8, 2)
     x = torch.zeros(4, 2, 8)
