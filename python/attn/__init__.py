@@ -39,6 +39,10 @@ cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) 
 its gradient), attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
 step()/zero_grad()/state_dict()), attn.optim.clip_grad_norm(layer, max_norm)
 
+Inside PyTorch: `import attn.torch` (not imported here, so attn needs no torch) gives
+attn.torch.scaled_dot_product_attention (a torch.autograd.Function on torch tensors, fused
+forward and backward) and attn.torch.MultiheadAttention (a drop-in torch.nn.MultiheadAttention).
+
 Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
 the shapes and what was expected; .op is the operation's name.
 

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""d2l's PyTorch training step with nn.MultiheadAttention vs attn.torch.MultiheadAttention.
+
+Both models are bench/torch_train.py's: d2l's TransformerEncoder (tests/fixtures/
+d2l_reference.py) with attn's classification head, E = 128, 4 heads, 2 blocks, FFN 256,
+vocabulary 1000, 2 classes, dropout 0.1, train mode; one step is zero_grad, forward,
+F.cross_entropy, backward, clip_grad_norm_(1.0), AdamW(lr 1e-3) step. In each block d2l's own
+MultiHeadAttention is replaced by the module under test (batch_first=True, bias=False, d2l's
+valid_lens passed as key_padding_mask, need_weights=False): torch.nn.MultiheadAttention in one
+model, attn.torch.MultiheadAttention (attn's fused kernels inside the same autograd graph) in the
+other. Both start from the same weights (one state dict).
+
+The two run in the same process, in alternating rounds (torch, attn, torch, attn, ...) of
+--min-time seconds each, so that load from other processes hits both alike. Before timing, both
+run the same step in eval mode (no dropout) from the same weights and their losses are compared.
+
+Run it through bench/run_torch_swap.sh for PyTorch's best settings (OpenBLAS, no mmap per
+temporary, passive OpenMP waits). Prints one JSON object: ms per step of each round, the loss
+check, the BLAS, the threads; also the process CPU time per step (both threads), whose ratio
+moves less than wall time when other processes load the machine.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.dont_write_bytecode = True
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "tests", "fixtures"))
+from d2l_reference import EncoderClassifier  # noqa: E402
+
+import attn.torch  # noqa: E402  (PYTHONPATH=<build>/python)
+
+
+class _Weights(nn.Module):
+    attention_weights = None  # d2l's encoder reads blk.attention.attention.attention_weights
+
+
+class TorchMHA(nn.Module):
+    """d2l's MultiHeadAttention call (queries, keys, values, valid_lens) over an
+    nn.MultiheadAttention-like module (batch_first=True): valid_lens become a padding mask."""
+
+    def __init__(self, mha):
+        super().__init__()
+        self.mha = mha
+        self.attention = _Weights()
+
+    def forward(self, queries, keys, values, valid_lens):
+        mask = None
+        if valid_lens is not None:
+            mask = torch.arange(keys.shape[1])[None, :] >= valid_lens[:, None]
+        return self.mha(queries, keys, values, key_padding_mask=mask, need_weights=False)[0]
+
+
+def loaded_blas():
+    found = set()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            name = line.split()[-1]
+            if "blas" in name.lower():
+                found.add(os.path.realpath(name))
+    return ", ".join(sorted(found)) or "?"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--length", type=int, default=128)
+    ap.add_argument("--hiddens", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--classes", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.1)
+    ap.add_argument("--min-time", type=float, default=2.0, help="seconds per round and side")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    B, T, E, H = args.batch, args.length, args.hiddens, args.heads
+
+    def build(cls):
+        torch.manual_seed(0)
+        model = EncoderClassifier(args.vocab, E, args.ffn, H, args.blocks, args.dropout,
+                                  args.classes)
+        for blk in model.encoder.blks:
+            blk.attention = TorchMHA(cls(E, H, dropout=args.dropout, bias=False,
+                                         batch_first=True))
+        return model
+
+    models = {"torch": build(nn.MultiheadAttention), "attn": build(attn.torch.MultiheadAttention)}
+    torch.manual_seed(1)
+    ids = torch.randint(2, args.vocab, (B, T))
+    valid_lens = torch.full((B,), T, dtype=torch.int64)
+    valid_lens[B // 2:] = T * 3 // 4  # half the batch padded: the mask path is exercised
+    targets = torch.randint(0, args.classes, (B,))
+    models["torch"](ids, valid_lens)  # materialise the lazy layers (the FFN's LazyLinear)
+    models["attn"](ids, valid_lens)
+    models["attn"].load_state_dict(models["torch"].state_dict())
+
+    # The same weights give the same loss (eval: no dropout), forward and first gradient.
+    check = {}
+    for name, m in models.items():
+        m.eval()
+        m.zero_grad()
+        loss = nn.functional.cross_entropy(m(ids, valid_lens), targets)
+        loss.backward()
+        check[name] = (loss.item(), torch.cat([p.grad.flatten() for p in m.parameters()]))
+        m.zero_grad()
+        m.train()
+    grad_diff = (check["attn"][1] - check["torch"][1]).abs().max().item()
+    grad_scale = check["torch"][1].abs().max().item()
+
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in models.items()}
+
+    def step(name):
+        m, opt = models[name], opts[name]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(m(ids, valid_lens), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        return loss.item()
+
+    for name in models:  # warm-up: allocators, thread pool, AdamW state
+        step(name)
+        step(name)
+    ms = {n: [] for n in models}
+    cpu_ms = {n: [] for n in models}  # process CPU time: less sensitive to being descheduled
+    losses = {n: [] for n in models}
+    for _ in range(args.rounds):
+        for name in ("torch", "attn"):
+            steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
+            while True:
+                losses[name].append(step(name))
+                steps += 1
+                elapsed = time.perf_counter() - start
+                if elapsed >= args.min_time and steps >= 3:
+                    break
+            ms[name].append(1000.0 * elapsed / steps)
+            cpu_ms[name].append(1000.0 * (time.process_time() - cpu_start) / steps)
+    med = {n: statistics.median(v) for n, v in ms.items()}
+    # Each torch round and the attn round right after it saw about the same load.
+    paired = [t / a for t, a in zip(ms["torch"], ms["attn"])]
+    print(json.dumps({
+        "shape": dict(B=B, T=T, E=E, H=H, blocks=args.blocks, ffn=args.ffn, dropout=args.dropout),
+        "threads": torch.get_num_threads(), "blas": loaded_blas(), "torch": torch.__version__,
+        "ms_per_step": ms, "median_ms": med, "speedup_median": med["torch"] / med["attn"],
+        "speedup_best": min(ms["torch"]) / min(ms["attn"]),
+        "speedup_per_round": paired, "speedup_paired_median": statistics.median(paired),
+        "cpu_ms_per_step": cpu_ms,
+        "cpu_ratio_median": statistics.median(cpu_ms["torch"]) / statistics.median(cpu_ms["attn"]),
+        "eval_loss": {n: c[0] for n, c in check.items()},
+        "first_grad_max_abs_diff": grad_diff, "first_grad_max_abs": grad_scale,
+        "train_loss_last": {n: v[-1] for n, v in losses.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

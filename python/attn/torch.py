@@ -1,0 +1,467 @@
+"""attn inside PyTorch: attn's fused attention kernels as a torch.autograd.Function and as a
+drop-in replacement for torch.nn.MultiheadAttention (Debian's PyTorch 1.13, CPU).
+
+    import torch, attn.torch
+    out = attn.torch.scaled_dot_product_attention(q, k, v, valid_lens, causal=False,
+                                                  dropout_p=0.1, training=True)
+    mha = attn.torch.MultiheadAttention(256, 8, dropout=0.1, batch_first=True)
+    y, _ = mha(x, x, x, key_padding_mask=pad, need_weights=False)
+
+Vocabulary: B batch, T queries, S keys, H heads, D head width (of q and k), Dv of v, E = H*D.
+
+Tensors cross into C++ without copies: float32/float64 through NumPy (tensor.numpy() shares the
+memory), bfloat16 as its int16 bits (NumPy has no bfloat16); results come back as torch tensors
+over attn's buffers (torch.from_numpy), and the C++ runs with the GIL released. attn's kernels
+run with the Context's thread count when it is set (> 0), else torch.get_num_threads().
+
+Which kernel runs:
+  - float32 and bfloat16 on the default backend: attn's fused (flash) kernels, forward and
+    backward; the backward recomputes the weights from the saved output and logsumexp, so no
+    (B, H, T, S) tensor is ever stored. MultiheadAttention and 4-D inputs whose heads sit in the
+    feature axis (x.view(B, T, H, D).transpose(1, 2), the usual head split) read q, k, v through
+    head strides: no transpose copies.
+  - float64, or a Context with backend='reference': attn's reference loops (double
+    accumulation), forward and backward. torch.autograd.gradcheck runs on this path.
+
+Masks follow d2l: valid_lens None, (B,) or (B, T), integer or float; key s of row (b, t) is kept
+iff s < valid_lens. causal=True also masks keys s > t. A row with no kept key is uniform over all
+keys (masked_rows='uniform', d2l) or zero (masked_rows='zero', PyTorch SDPA's policy). Dropout
+is attn's inverted dropout drawn from the Philox stream of the Context (attn.default_context, or
+the module's own): the backward redraws the forward's mask. It acts only when training and
+dropout_p > 0; the masks differ from torch's dropout (another generator), so a swapped-in module
+trains to the same loss curve only statistically when dropout is on.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from . import _attn
+
+__all__ = ["scaled_dot_product_attention", "reference_attention", "MultiheadAttention"]
+
+
+def _threads(actx):
+    """The Context's thread count when set (> 0), else torch's (torch.set_num_threads)."""
+    t = actx.threads
+    return t if t > 0 else torch.get_num_threads()
+
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _check_tensors(op, *tensors):
+    for x in tensors:
+        if not torch.is_tensor(x):
+            raise TypeError(f"{op}: expected torch tensors, got {type(x).__name__}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{op}: a tensor is on {x.device}; attn.torch runs attn's CPU "
+                             "kernels (move it with .cpu())")
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{op}: a tensor has dtype {x.dtype}, expected torch.float32, "
+                             "torch.float64 or torch.bfloat16")
+
+
+def _unit_feature_stride(t):
+    """t itself if its last axis has stride 1 and no axis of length > 1 has stride 0; else a
+    contiguous copy (gradients from .sum() or .expand() arrive with zero strides)."""
+    if t.stride(-1) == 1 and all(s != 0 or n == 1 for s, n in zip(t.stride(), t.shape)):
+        return t
+    return t.contiguous()
+
+
+def _lens_tensor(valid_lens):
+    if valid_lens is None:
+        return None
+    if not torch.is_tensor(valid_lens):
+        valid_lens = torch.as_tensor(valid_lens)
+    return valid_lens.detach().cpu()
+
+
+class _Attention(torch.autograd.Function):
+    """(B, T, D) q, k, v of one dtype, any strides: attn::scaled_dot_product_attention and its
+    backward (fused for float32/bfloat16, reference loops for float64)."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, valid_lens, lens_repeat, causal, p, training, scale, masked_rows,
+                actx):
+        out, lse, seed, offset = _attn._sdpa_forward(q, k, v, valid_lens, lens_repeat, causal, p,
+                                                     training, scale, masked_rows,
+                                                     _threads(actx), actx)
+        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.args = (valid_lens, lens_repeat, causal, p, training, scale, masked_rows, seed,
+                     offset, actx)
+        fctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # attn has no backward of its backward
+    def backward(fctx, dout, _dlse):
+        q, k, v, out, lse = fctx.saved_tensors
+        lens, repeat, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
+        dq, dk, dv = _attn._sdpa_backward(_unit_feature_stride(dout), q, k, v, out, lse, lens,
+                                          repeat, causal, p, training, scale, masked_rows, seed,
+                                          offset, _threads(actx), actx)
+        return (dq, dk, dv) + (None,) * 8
+
+
+def _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale, masked_rows, actx):
+    out, lse, seed, offset = _attn._heads_forward(q, k, v, heads, valid_lens, causal, p, training,
+                                                  scale, masked_rows, _threads(actx), actx)
+    fctx.args = (heads, valid_lens, causal, p, training, scale, masked_rows, seed, offset, actx)
+    fctx.mark_non_differentiable(lse)
+    return out, lse
+
+
+def _heads_grads(fctx, dout, q, k, v, out, lse, dq, dk, dv):
+    heads, lens, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
+    _attn._heads_backward(_unit_feature_stride(dout), q, k, v, out, lse, heads, lens, causal, p,
+                          training, scale, masked_rows, seed, offset, dq, dk, dv,
+                          _threads(actx), actx)
+
+
+class _HeadsAttention(torch.autograd.Function):
+    """(B, T, H*D) q, k, v with unit feature stride (head h owns features [h*D, (h+1)*D)), float32
+    or bfloat16: the fused kernels through head strides. Output (B, T, H*Dv) contiguous."""
+
+    @staticmethod
+    def forward(fctx, q, k, v, heads, valid_lens, causal, p, training, scale, masked_rows, actx):
+        out, lse = _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale,
+                               masked_rows, actx)
+        fctx.save_for_backward(q, k, v, out, lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # attn has no backward of its backward
+    def backward(fctx, dout, _dlse):
+        q, k, v, out, lse = fctx.saved_tensors
+        dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+        _heads_grads(fctx, dout, q, k, v, out, lse, dq, dk, dv)
+        return (dq, dk, dv) + (None,) * 8
+
+
+class _PackedHeadsAttention(torch.autograd.Function):
+    """Self-attention on one (B, T, 3E) in-projection (q, k, v its column thirds, any row strides,
+    unit feature stride): the gradient is one (B, T, 3E) tensor in the projection's own layout,
+    written by the fused backward in place (no torch.cat of three gradients)."""
+
+    @staticmethod
+    def forward(fctx, qkv, heads, valid_lens, causal, p, training, scale, masked_rows, actx):
+        E = qkv.shape[-1] // 3
+        q, k, v = qkv[..., :E], qkv[..., E:2 * E], qkv[..., 2 * E:]
+        out, lse = _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale,
+                               masked_rows, actx)
+        fctx.save_for_backward(qkv, out, lse)
+        return out, lse
+
+    @staticmethod
+    @once_differentiable  # attn has no backward of its backward
+    def backward(fctx, dout, _dlse):
+        qkv, out, lse = fctx.saved_tensors
+        E = qkv.shape[-1] // 3
+        dqkv = torch.empty_like(qkv)  # keeps qkv's strides (a dense permuted view stays one)
+        thirds = lambda t: (t[..., :E], t[..., E:2 * E], t[..., 2 * E:])  # noqa: E731
+        _heads_grads(fctx, dout, *thirds(qkv), out, lse, *thirds(dqkv))
+        return (dqkv,) + (None,) * 8
+
+
+def _fused_heads_ok(dtype, actx, *tensors):
+    """Whether the head-strided fused kernels take these tensors (empty ones go the (B*H) way,
+    whose op handles every empty shape)."""
+    return dtype in (torch.float32, torch.bfloat16) and all(t.numel() > 0 for t in tensors) and \
+        _attn._heads_supported(_dtype_name_of(dtype), actx)
+
+
+def _dtype_name_of(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _as_heads_view(x):
+    """(B, H, L, D) -> the (B, L, H*D) tensor it is a head split of, as a view, or None when the
+    heads do not sit side by side in one feature axis."""
+    B, H, L, D = x.shape
+    y = x.transpose(1, 2)  # (B, L, H, D)
+    if (y.stride(3) == 1 or D == 1) and (y.stride(2) == D or H == 1):
+        return y.reshape(B, L, H * D)  # a view: the two axes merge
+    return None
+
+
+def scaled_dot_product_attention(query, key, value, valid_lens=None, causal=False, dropout_p=0.0,
+                                 training=True, scale=None, masked_rows="uniform", ctx=None):
+    """out = dropout(masked_softmax(query key^T * scale, valid_lens, causal)) value, with attn's
+    kernels, differentiable in query, key and value (a torch.autograd.Function).
+
+    query (B, T, D) or (B, H, T, D), key (B, [H,] S, D), value (B, [H,] S, Dv): float32, float64
+    or bfloat16 torch tensors of one dtype, any strides. valid_lens: None, (B,) or (B, T) (per
+    batch row; with 4-D inputs every head of row b uses valid_lens[b], as d2l's
+    MultiHeadAttention repeats them). causal: query t sees keys 0..t. scale: default 1/sqrt(D).
+    dropout_p acts only when training (attn's Philox stream of ctx, attn.default_context by
+    default). Returns out (B, [H,] T, Dv) in the inputs' dtype.
+    """
+    _check_tensors("attn.torch.scaled_dot_product_attention", query, key, value)
+    if not query.dtype == key.dtype == value.dtype:
+        raise ValueError(f"attn.torch.scaled_dot_product_attention: query, key, value have dtypes "
+                         f"{query.dtype}, {key.dtype}, {value.dtype}, expected one dtype for all "
+                         "(convert them with .to())")
+    actx = ctx if ctx is not None else _attn.default_context
+    lens = _lens_tensor(valid_lens)
+    p = float(dropout_p)
+    scale = None if scale is None else float(scale)
+    if query.dim() == 3:
+        out, _ = _Attention.apply(query, key, value, lens, 1, bool(causal), p, bool(training),
+                                  scale, masked_rows, actx)
+        return out
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"attn.torch.scaled_dot_product_attention: query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}, value {tuple(value.shape)}: expected all "
+                         "(B, T, D) or all (B, H, T, D)")
+    B, H, T, _ = query.shape
+    Dv = value.shape[-1]
+    if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
+        raise ValueError(f"attn.torch.scaled_dot_product_attention: query {tuple(query.shape)}, "
+                         f"key {tuple(key.shape)}, value {tuple(value.shape)}: expected the same "
+                         "(B, H) leading axes")
+    if query.dtype == key.dtype == value.dtype and _fused_heads_ok(query.dtype, actx, query, key,
+                                                                   value):
+        views = [_as_heads_view(x) for x in (query, key, value)]
+        if all(x is not None for x in views):
+            out, _ = _HeadsAttention.apply(*views, H, lens, bool(causal), p, bool(training), scale,
+                                           masked_rows, actx)
+            return out.view(B, T, H, Dv).transpose(1, 2)
+    # Heads as batch rows b*H + h (d2l's split), copies only where the layout needs them.
+    flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (query, key, value)]
+    out, _ = _Attention.apply(*flat, lens, H, bool(causal), p, bool(training), scale, masked_rows,
+                              actx)
+    return out.view(B, H, T, Dv)
+
+
+def _keep_mask(T, S, valid_lens, causal, batch_shape, device):
+    """Boolean (B, [H,] T, S): key s of row t kept (valid_lens per batch row, causal)."""
+    keep = torch.ones((T, S), dtype=torch.bool, device=device)
+    if causal:
+        keep = keep.tril()
+    B = batch_shape[0]
+    keep = keep.expand(B, T, S)
+    if valid_lens is not None:
+        lens = valid_lens.to(device=device, dtype=torch.float64)
+        lens = lens[:, None].expand(B, T) if lens.dim() == 1 else lens
+        keep = keep & (torch.arange(S, device=device, dtype=torch.float64) < lens[..., None])
+    if len(batch_shape) == 2:
+        keep = keep[:, None]
+    return keep
+
+
+def reference_attention(query, key, value, valid_lens=None, causal=False, scale=None,
+                        masked_rows="uniform", need_weights=False):
+    """The same attention written with torch ops (no dropout): the oracle of the tests and the
+    path of MultiheadAttention's weights. Shapes as scaled_dot_product_attention. Returns out, or
+    (out, weights (B, [H,] T, S)) with need_weights."""
+    D, T, S = query.shape[-1], query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    keep = _keep_mask(T, S, _lens_tensor(valid_lens), causal, query.shape[:-2], query.device)
+    any_kept = keep.any(-1, keepdim=True)
+    scores = scores.masked_fill(~keep, float("-inf")).masked_fill(~any_kept, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    if masked_rows == "zero":
+        weights = weights.masked_fill(~any_kept, 0.0)
+    elif masked_rows != "uniform":
+        raise ValueError(f"masked_rows is {masked_rows!r}, expected 'uniform' or 'zero'")
+    out = torch.matmul(weights, value)
+    return (out, weights) if need_weights else out
+
+
+def _lens_from_key_padding_mask(mask, B, S):
+    """valid_lens (B,) int64 from a right-padding key_padding_mask (B, S), or None when nothing
+    is masked. True (bool) or -inf (float) marks a padded key; the kept keys must be a prefix."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (B, S):
+        raise ValueError(f"attn.torch.MultiheadAttention: key_padding_mask has shape "
+                         f"{tuple(mask.shape)}, expected (batch, source length) = ({B}, {S})")
+    if mask.dtype == torch.bool:
+        pad = mask
+    elif mask.is_floating_point():
+        pad = torch.isneginf(mask)
+        if not bool(((mask == 0) | pad).all()):
+            raise ValueError("attn.torch.MultiheadAttention: a float key_padding_mask must hold "
+                             "only 0 (keep) and -inf (pad); additive biases are not supported")
+    else:
+        raise ValueError(f"attn.torch.MultiheadAttention: key_padding_mask has dtype "
+                         f"{mask.dtype}, expected torch.bool or a float 0/-inf mask")
+    pad = pad.detach().cpu()
+    if not bool(pad.any()):
+        return None
+    lens = (~pad).sum(dim=1)
+    if not torch.equal(pad, torch.arange(S)[None, :] >= lens[:, None]):
+        raise ValueError("attn.torch.MultiheadAttention: key_padding_mask must pad a suffix of "
+                         "each row (keys len..S-1, right padding, as d2l's valid_lens); this mask "
+                         "keeps a key after a padded one")
+    return lens
+
+
+def _causal_from_attn_mask(mask, T, S):
+    """True for the square causal mask (True or -inf strictly above the diagonal, as
+    nn.Transformer.generate_square_subsequent_mask), False for None or an all-keep mask."""
+    if mask is None:
+        return False
+    if mask.dim() != 2 or tuple(mask.shape) != (T, S) or T != S:
+        raise ValueError(f"attn.torch.MultiheadAttention: attn_mask has shape "
+                         f"{tuple(mask.shape)}; only the square (L, L) causal mask is supported "
+                         f"(here L = {T}, S = {S}), no per-batch or per-head masks")
+    mask = mask.detach().cpu()
+    above = torch.ones((T, S), dtype=torch.bool).triu(1)
+    if mask.dtype == torch.bool:
+        masked = mask
+    elif mask.is_floating_point():
+        masked = torch.isneginf(mask)
+        if not bool(((mask == 0) | masked).all()):
+            raise ValueError("attn.torch.MultiheadAttention: a float attn_mask must hold only 0 "
+                             "and -inf (the causal mask); additive biases are not supported")
+    else:
+        raise ValueError(f"attn.torch.MultiheadAttention: attn_mask has dtype {mask.dtype}, "
+                         "expected torch.bool or a float 0/-inf causal mask")
+    if torch.equal(masked, above):
+        return True
+    if not bool(masked.any()):
+        return False
+    raise ValueError("attn.torch.MultiheadAttention: attn_mask is not the causal mask; only the "
+                     "square upper-triangular mask (True or -inf above the diagonal, "
+                     "nn.Transformer.generate_square_subsequent_mask) is supported")
+
+
+def _split_heads(x, H):
+    """(B, L, H*D) -> (B, H, L, D), a view where the layout allows."""
+    B, L, E = x.shape
+    return x.reshape(B, L, H, E // H).transpose(1, 2)
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """torch.nn.MultiheadAttention whose attention core runs attn's fused kernels.
+
+    A subclass: same constructor, parameters (in_proj_weight, in_proj_bias, out_proj.weight,
+    out_proj.bias; q/k/v_proj_weight when kdim or vdim differ from embed_dim), initialisation
+    (same torch random draws) and state dict, so weights load both ways. The projections are
+    torch ops (F.linear); the core is attn.torch's autograd Function. Self-attention (query is
+    key is value) projects once into one (B, T, 3E) tensor whose thirds the kernels read through
+    head strides, and gets its gradient back in the same layout.
+
+    Extra keyword arguments: masked_rows ('zero' by default: a query whose keys are all padded
+    gets a zero output, where torch 1.13 gives NaN; 'uniform' is d2l's policy) and ctx (the
+    attn.Context of the dropout stream; by default one seeded with torch.initial_seed()).
+
+    forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True) as torch's, with these limits (a ValueError says which):
+      - key_padding_mask: bool (True = pad) or float 0/-inf, padding a suffix of each row (right
+        padding: d2l's valid_lens);
+      - attn_mask: None or the square causal mask (True or -inf above the diagonal);
+      - add_bias_kv and add_zero_attn are not supported.
+    need_weights=True (torch's default) still computes the output with the fused kernels, and
+    the weights (B, [T], S) with torch ops from the same projections (differentiable, averaged
+    over heads unless average_attn_weights=False). They are the pre-dropout weights, as d2l
+    returns them; torch 1.13 returns them after dropout (the same in eval mode). Pass
+    need_weights=False for the fast path.
+    """
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False,
+                 add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
+                 dtype=None, *, masked_rows="zero", ctx=None):
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("attn.torch.MultiheadAttention: add_bias_kv and add_zero_attn are "
+                             "not supported (attn's kernels take no extra key)")
+        if masked_rows not in ("uniform", "zero"):
+            raise ValueError(f"attn.torch.MultiheadAttention: masked_rows is {masked_rows!r}, "
+                             "expected 'zero' or 'uniform'")
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, kdim=kdim, vdim=vdim,
+                         batch_first=batch_first, device=device, dtype=dtype)
+        self.masked_rows = masked_rows
+        self.context = ctx if ctx is not None else _attn.Context(seed=torch.initial_seed())
+
+    # copy.deepcopy and pickle: the attn.Context travels as its settings (offset included).
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        c = state.pop("context")
+        state["_context_settings"] = (c.seed, c.threads, c.backend, c.dropout_offset)
+        return state
+
+    def __setstate__(self, state):
+        seed, threads, backend, offset = state.pop("_context_settings")
+        super().__setstate__(state)
+        self.context = _attn.Context(seed=seed, threads=threads, backend=backend)
+        self.context.dropout_offset = offset
+
+    def _projections(self, query, key, value):
+        """q, k, v as (B, L, E) views (unit feature stride), or a packed (B, T, 3E) qkv."""
+        E = self.embed_dim
+        to_btE = (lambda x: x) if self.batch_first else (lambda x: x.transpose(0, 1))
+        if self._qkv_same_embed_dim:
+            w, b = self.in_proj_weight, self.in_proj_bias
+            if query is key and key is value:
+                return None, to_btE(F.linear(query, w, b))
+            wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
+        else:
+            wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+            b = self.in_proj_bias
+        bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+        return (to_btE(F.linear(query, wq, bq)), to_btE(F.linear(key, wk, bk)),
+                to_btE(F.linear(value, wv, bv))), None
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
+                attn_mask=None, average_attn_weights=True):
+        unbatched = query.dim() == 2
+        if unbatched:  # (L, E): one sequence, as torch accepts
+            bdim = 0 if self.batch_first else 1
+            query, key, value = (x.unsqueeze(bdim) for x in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(f"attn.torch.MultiheadAttention: query {tuple(query.shape)}, key "
+                             f"{tuple(key.shape)}, value {tuple(value.shape)}: expected 3-D "
+                             f"({'batch, seq' if self.batch_first else 'seq, batch'}, feature) "
+                             "or unbatched 2-D inputs")
+        if self.batch_first:
+            B, T = query.shape[:2]
+            S = key.shape[1]
+        else:
+            T, B = query.shape[:2]
+            S = key.shape[0]
+        H, E = self.num_heads, self.embed_dim
+        _check_tensors("attn.torch.MultiheadAttention", query, key, value)
+        lens = _lens_from_key_padding_mask(key_padding_mask, B, S)
+        causal = _causal_from_attn_mask(attn_mask, T, S)
+        p = self.dropout if self.training else 0.0
+        separate, qkv = self._projections(query, key, value)
+        if qkv is not None:
+            separate = (qkv[..., :E], qkv[..., E:2 * E], qkv[..., 2 * E:])
+        q, k, v = separate
+        dtype = q.dtype
+        if _fused_heads_ok(dtype, self.context, q, k, v) and q.stride(-1) == 1 and \
+                k.stride(-1) == 1 and v.stride(-1) == 1:
+            if qkv is not None:
+                out, _ = _PackedHeadsAttention.apply(qkv, H, lens, causal, p, self.training, None,
+                                                     self.masked_rows, self.context)
+            else:
+                out, _ = _HeadsAttention.apply(q, k, v, H, lens, causal, p, self.training, None,
+                                               self.masked_rows, self.context)
+        else:  # float64 or the reference backend: heads as batch rows b*H + h
+            out, _ = _Attention.apply(*(_split_heads(x, H).flatten(0, 1) for x in (q, k, v)), lens,
+                                      H, causal, p, self.training, None, self.masked_rows,
+                                      self.context)
+            out = out.view(B, H, T, E // H).transpose(1, 2).reshape(B, T, E)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        weights = None
+        if need_weights:
+            _, weights = reference_attention(*(_split_heads(x, H) for x in (q, k, v)), lens, causal,
+                                             masked_rows=self.masked_rows, need_weights=True)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if unbatched:
+                weights = weights.squeeze(0)
+        if unbatched:
+            out = out.squeeze(0 if self.batch_first else 1)
+        return out, weights

@@ -1,0 +1,236 @@
+// The entry points behind attn.torch (python/attn/torch.py): scaled dot-product attention forward
+// and backward as separate calls, so that a torch.autograd.Function can keep the forward's output
+// and logsumexp and hand them to the fused backward. Private (underscore) names: the supported
+// API is attn.torch's Function and MultiheadAttention.
+//
+// Vocabulary: B batch, T queries, S keys, H heads, D head width of q and k, Dv of v, E = H*D.
+//
+//   _sdpa_forward / _sdpa_backward: q (B, T, D), k (B, S, D), v (B, S, Dv), float32, float64 or
+//     bfloat16, any strides (attn::scaled_dot_product_attention[_backward]). valid_lens are per
+//     group of lens_repeat batch rows (d2l's MultiHeadAttention repeats them per head: a
+//     (B, H, T, D) input reshaped to (B*H, T, D) passes lens_repeat = H).
+//   _heads_forward / _heads_backward: q (B, T, H*D), k (B, S, H*D), v (B, S, H*Dv) with unit
+//     feature stride and any row strides (column slices of one (B, T, 3E) in-projection, or its
+//     (T, B, 3E) transpose), float32 or bfloat16, run by the fused kernel through head strides
+//     (ops/attention_heads.hpp): no transpose copies. valid_lens per batch row b.
+//
+// Tensors come in as torch tensors and go through numpy_tensor.hpp's to_tensor (a view of the
+// tensor's memory, torch.bfloat16 included); results go out as torch tensors over attn's buffers
+// (to_torch). The backward of the heads entry point writes into gradient tensors the caller
+// allocated with torch (so a packed (B, T, 3E) gradient needs no torch.cat); it checks that attn
+// views their memory rather than a copy.
+//
+// Dropout: the forward takes a stream offset from the shared Context (attn.Context) and returns it
+// with the seed; the backward redraws the same mask from that (seed, offset), whatever the
+// context's seed is by then. `threads` (>= 0, 0: all cores) overrides the context's thread count
+// for this call only, so attn.torch can follow torch.get_num_threads().
+#include "bindings.hpp"
+
+#include "attn/core/error.hpp"
+#include "attn/ops/attention.hpp"
+#include "ops/attention_heads.hpp"
+
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace attn::python {
+
+namespace {
+
+// Runs f(local) with the GIL released and the shared context locked, on a copy of the context
+// whose thread count is `threads`; the dropout offsets it takes are written back.
+template <typename F>
+auto run_on_copy(const ContextPtr& shared, int threads, std::optional<uint64_t> seed, F&& f) {
+  check(threads >= 0, "attn.torch", "threads is {}, expected >= 0 (0: all cores)", threads);
+  return without_gil([&] {
+    std::lock_guard lock(shared->mutex);
+    Context local = shared->ctx;
+    local.threads = threads;
+    if (seed) local.seed = *seed;
+    auto result = f(local);
+    shared->ctx.set_dropout_offset(local.dropout_offset());
+    return result;
+  });
+}
+
+ContextPtr context_or_default(const ContextPtr& ctx) {
+  return ctx ? ctx : default_context();
+}
+
+AttentionOptions attention_options(const Input& lens, int64_t lens_repeat, bool causal,
+                                   double dropout, bool training, std::optional<double> scale,
+                                   const std::string& masked_rows, const char* op) {
+  AttentionOptions opts;
+  opts.mask.valid_lens = lens.tensor;
+  opts.mask.lens_repeat = lens_repeat;
+  opts.mask.causal = causal;
+  opts.mask.masked_rows = parse_masked_rows(masked_rows, op);
+  opts.dropout = dropout;
+  opts.training = training;
+  opts.scale = scale;
+  return opts;
+}
+
+// A view of the torch tensor `obj` that the caller's memory backs (results are written there).
+Tensor writable_view(py::handle obj, Input& keep, const char* op, const char* name) {
+  keep = to_tensor(obj, op, name, InputKind::kFloatBF16);
+  const auto expected = obj.attr("data_ptr")().cast<uintptr_t>();
+  check(reinterpret_cast<uintptr_t>(keep.tensor.raw_data()) == expected, op,
+        "{} {} could not be viewed without a copy, expected a float32 or bfloat16 CPU tensor "
+        "with non-negative strides",
+        name, shape_str(keep.tensor.shape()));
+  return keep.tensor;
+}
+
+// Forward results as Python: (out, logsumexp, seed, offset).
+py::tuple forward_tuple(const AttentionResult& r, uint64_t seed) {
+  return py::make_tuple(to_torch(r.output), to_torch(r.logsumexp), seed, r.dropout_offset);
+}
+
+// The forward's result as the backward reads it (output and logsumexp; weights are not needed).
+AttentionResult saved_result(const Input& out, const Input& lse, uint64_t offset) {
+  AttentionResult r;
+  r.output = out.tensor;
+  r.logsumexp = lse.tensor;
+  r.dropout_offset = offset;
+  return r;
+}
+
+}  // namespace
+
+void bind_torch(py::module_& m) {
+  m.def(
+      "_sdpa_forward",
+      [](py::handle q_, py::handle k_, py::handle v_, py::handle valid_lens, int64_t lens_repeat,
+         bool causal, double dropout, bool training, std::optional<double> scale,
+         const std::string& masked_rows, int threads, ContextPtr ctx) {
+        const char* op = "attn.torch.scaled_dot_product_attention";
+        Input q = to_tensor(q_, op, "q", InputKind::kFloatBF16);
+        Input k = to_tensor(k_, op, "k", InputKind::kFloatBF16);
+        Input v = to_tensor(v_, op, "v", InputKind::kFloatBF16);
+        Input lens = to_tensor(valid_lens, op, "valid_lens", InputKind::kLens, true);
+        check_same_dtype(op, {{"q", &q}, {"k", &k}, {"v", &v}});
+        const AttentionOptions opts =
+            attention_options(lens, lens_repeat, causal, dropout, training, scale, masked_rows, op);
+        uint64_t seed = 0;
+        AttentionResult r =
+            run_on_copy(context_or_default(ctx), threads, std::nullopt, [&](Context& c) {
+              seed = c.seed;
+              return scaled_dot_product_attention(c, q.tensor, k.tensor, v.tensor, opts);
+            });
+        return forward_tuple(r, seed);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("valid_lens"), py::arg("lens_repeat"),
+      py::arg("causal"), py::arg("dropout"), py::arg("training"), py::arg("scale"),
+      py::arg("masked_rows"), py::arg("threads"), py::arg("ctx"),
+      "attn.torch's forward on (B, T, D) tensors: (out, logsumexp, seed, dropout_offset).");
+
+  m.def(
+      "_sdpa_backward",
+      [](py::handle dout_, py::handle q_, py::handle k_, py::handle v_, py::handle out_,
+         py::handle lse_, py::handle valid_lens, int64_t lens_repeat, bool causal, double dropout,
+         bool training, std::optional<double> scale, const std::string& masked_rows, uint64_t seed,
+         uint64_t offset, int threads, ContextPtr ctx) {
+        const char* op = "attn.torch.scaled_dot_product_attention backward";
+        Input dout = to_tensor(dout_, op, "grad_output", InputKind::kFloatBF16);
+        Input q = to_tensor(q_, op, "q", InputKind::kFloatBF16);
+        Input k = to_tensor(k_, op, "k", InputKind::kFloatBF16);
+        Input v = to_tensor(v_, op, "v", InputKind::kFloatBF16);
+        Input out = to_tensor(out_, op, "output", InputKind::kFloatBF16);
+        Input lse = to_tensor(lse_, op, "logsumexp", InputKind::kFloat);
+        Input lens = to_tensor(valid_lens, op, "valid_lens", InputKind::kLens, true);
+        const AttentionOptions opts =
+            attention_options(lens, lens_repeat, causal, dropout, training, scale, masked_rows, op);
+        const AttentionResult forward = saved_result(out, lse, offset);
+        AttentionGrads g = run_on_copy(context_or_default(ctx), threads, seed, [&](Context& c) {
+          return scaled_dot_product_attention_backward(c, dout.tensor, q.tensor, k.tensor, v.tensor,
+                                                       forward, opts);
+        });
+        return py::make_tuple(to_torch(g.dq), to_torch(g.dk), to_torch(g.dv));
+      },
+      py::arg("grad_output"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("output"),
+      py::arg("logsumexp"), py::arg("valid_lens"), py::arg("lens_repeat"), py::arg("causal"),
+      py::arg("dropout"), py::arg("training"), py::arg("scale"), py::arg("masked_rows"),
+      py::arg("seed"), py::arg("offset"), py::arg("threads"), py::arg("ctx"),
+      "attn.torch's backward on (B, T, D) tensors: (dq, dk, dv).");
+
+  m.def(
+      "_heads_supported",
+      [](py::handle dtype, ContextPtr ctx) {
+        const DType t = parse_float_dtype(dtype, "attn.torch", /*allow_bf16=*/true);
+        const ContextPtr c = context_or_default(ctx);
+        std::lock_guard lock(c->mutex);
+        return detail::multi_head_fused_supported(c->ctx, t, AttentionOptions{});
+      },
+      py::arg("dtype"), py::arg("ctx"),
+      "Whether the fused head-strided kernels serve this dtype on ctx's backend.");
+
+  m.def(
+      "_heads_forward",
+      [](py::handle q_, py::handle k_, py::handle v_, int64_t heads, py::handle valid_lens,
+         bool causal, double dropout, bool training, std::optional<double> scale,
+         const std::string& masked_rows, int threads, ContextPtr ctx) {
+        const char* op = "attn.torch multi-head attention";
+        Input q = to_tensor(q_, op, "q", InputKind::kFloatBF16);
+        Input k = to_tensor(k_, op, "k", InputKind::kFloatBF16);
+        Input v = to_tensor(v_, op, "v", InputKind::kFloatBF16);
+        Input lens = to_tensor(valid_lens, op, "valid_lens", InputKind::kLens, true);
+        check_same_dtype(op, {{"q", &q}, {"k", &k}, {"v", &v}});
+        const AttentionOptions opts =
+            attention_options(lens, 1, causal, dropout, training, scale, masked_rows, op);
+        uint64_t seed = 0;
+        AttentionResult r =
+            run_on_copy(context_or_default(ctx), threads, std::nullopt, [&](Context& c) {
+              seed = c.seed;
+              return detail::multi_head_attention_forward(c, q.tensor, k.tensor, v.tensor, heads,
+                                                          opts);
+            });
+        return forward_tuple(r, seed);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("heads"), py::arg("valid_lens"),
+      py::arg("causal"), py::arg("dropout"), py::arg("training"), py::arg("scale"),
+      py::arg("masked_rows"), py::arg("threads"), py::arg("ctx"),
+      "attn.torch's fused forward on (B, T, H*D) tensors: (out (B, T, H*Dv), logsumexp (B*H, T), "
+      "seed, dropout_offset).");
+
+  m.def(
+      "_heads_backward",
+      [](py::handle dout_, py::handle q_, py::handle k_, py::handle v_, py::handle out_,
+         py::handle lse_, int64_t heads, py::handle valid_lens, bool causal, double dropout,
+         bool training, std::optional<double> scale, const std::string& masked_rows, uint64_t seed,
+         uint64_t offset, py::handle dq_, py::handle dk_, py::handle dv_, int threads,
+         ContextPtr ctx) {
+        const char* op = "attn.torch multi-head attention backward";
+        Input dout = to_tensor(dout_, op, "grad_output", InputKind::kFloatBF16);
+        Input q = to_tensor(q_, op, "q", InputKind::kFloatBF16);
+        Input k = to_tensor(k_, op, "k", InputKind::kFloatBF16);
+        Input v = to_tensor(v_, op, "v", InputKind::kFloatBF16);
+        Input out = to_tensor(out_, op, "output", InputKind::kFloatBF16);
+        Input lse = to_tensor(lse_, op, "logsumexp", InputKind::kFloat);
+        Input lens = to_tensor(valid_lens, op, "valid_lens", InputKind::kLens, true);
+        Input dq_keep, dk_keep, dv_keep;
+        Tensor dq = writable_view(dq_, dq_keep, op, "dq");
+        Tensor dk = writable_view(dk_, dk_keep, op, "dk");
+        Tensor dv = writable_view(dv_, dv_keep, op, "dv");
+        const AttentionOptions opts =
+            attention_options(lens, 1, causal, dropout, training, scale, masked_rows, op);
+        const AttentionResult forward = saved_result(out, lse, offset);
+        run_on_copy(context_or_default(ctx), threads, seed, [&](Context& c) {
+          detail::multi_head_attention_backward(c, dout.tensor, q.tensor, k.tensor, v.tensor,
+                                                forward, heads, opts, dq, dk, dv);
+          return 0;
+        });
+      },
+      py::arg("grad_output"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("output"),
+      py::arg("logsumexp"), py::arg("heads"), py::arg("valid_lens"), py::arg("causal"),
+      py::arg("dropout"), py::arg("training"), py::arg("scale"), py::arg("masked_rows"),
+      py::arg("seed"), py::arg("offset"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
+      py::arg("threads"), py::arg("ctx"),
+      "attn.torch's fused backward on (B, T, H*D) tensors: writes dq, dk, dv (torch tensors the "
+      "caller allocated, shapes of q, k, v, unit feature stride).");
+}
+
+}  // namespace attn::python
