@@ -109,18 +109,28 @@ class PrefixDecoder {
   Tensor enc_, lens_;
 };
 
-// log_softmax of row r of logits (R, V) into out (V), in double.
-void log_softmax_row(const Tensor& logits, int64_t r, std::vector<double>& out) {
-  const int64_t V = logits.dim(1);
-  out.resize(static_cast<size_t>(V));
-  double m = kNegInf;
-  for (int64_t v = 0; v < V; ++v) {
-    out[static_cast<size_t>(v)] = logits.at({r, v});
-    m = std::max(m, out[static_cast<size_t>(v)]);
+// The logits (R, V) of a step as doubles, row-major (one typed pass, not R*V element lookups:
+// V is the target vocabulary, 10k in a translation model).
+std::vector<double> to_doubles(const Tensor& logits) {
+  const Tensor c = logits.contiguous();
+  std::vector<double> out(static_cast<size_t>(c.numel()));
+  if (c.dtype() == DType::F32) {
+    const float* p = c.data<float>();
+    std::copy(p, p + c.numel(), out.begin());
+  } else {
+    const double* p = c.data<double>();
+    std::copy(p, p + c.numel(), out.begin());
   }
+  return out;
+}
+
+// log_softmax of one row of V logits into out (V), in double.
+void log_softmax_row(const double* row, int64_t V, std::vector<double>& out) {
+  out.assign(row, row + V);
+  const double m = *std::max_element(out.begin(), out.end());
   double sum = 0;
-  for (int64_t v = 0; v < V; ++v)
-    sum += std::exp(out[static_cast<size_t>(v)] - m);
+  for (double x : out)
+    sum += std::exp(x - m);
   const double lse = m + std::log(sum);
   for (double& x : out)
     x -= lse;
@@ -170,6 +180,7 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
   int64_t live = B;
   while (live > 0 && g.steps < o.max_len) {
     const Tensor logits = dec.next_logits(prefixes);  // (B, V)
+    const std::vector<double> rows = to_doubles(logits);
     ++g.steps;
     if (o.keep_logits) step_logits.push_back(logits);
     if (keep_weights)
@@ -182,10 +193,9 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
         continue;
       }
       // argmax, the lowest index on ties (torch.argmax on CPU).
-      int64_t best = 0;
-      for (int64_t v = 1; v < V; ++v)
-        if (logits.at({b, v}) > logits.at({b, best})) best = v;
-      log_softmax_row(logits, b, logp);
+      const double* row = rows.data() + b * V;
+      const int64_t best = std::max_element(row, row + V) - row;
+      log_softmax_row(row, V, logp);
       g.scores[static_cast<size_t>(b)] += logp[static_cast<size_t>(best)];
       prefix.push_back(best);
       if (best == o.eos) {
@@ -259,8 +269,8 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
   Generation g;
   int64_t open = B;
   while (open > 0 && g.steps < o.max_len) {
-    const Tensor logits = dec.next_logits(prefixes);  // (R, V)
-    const int64_t t = g.steps++;                      // the prefixes hold t + 1 tokens
+    const std::vector<double> rows = to_doubles(dec.next_logits(prefixes));  // (R, V)
+    const int64_t t = g.steps++;  // the prefixes hold t + 1 tokens
     std::vector<int64_t> parents(static_cast<size_t>(R));
     std::iota(parents.begin(), parents.end(), 0);
     std::vector<std::vector<int64_t>> next(static_cast<size_t>(R));
@@ -279,7 +289,7 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
       for (int64_t k = 0; k < K; ++k) {
         const size_t r = static_cast<size_t>(b * K + k);
         if (beam_logp[r] == kNegInf) continue;
-        log_softmax_row(logits, b * K + k, logp);
+        log_softmax_row(rows.data() + (b * K + k) * V, V, logp);
         for (int64_t v = 0; v < V; ++v)
           cands.push_back({beam_logp[r] + logp[static_cast<size_t>(v)], k, v});
       }
