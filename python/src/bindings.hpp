@@ -13,5 +13,6 @@ void bind_transformer(py::module_& m);  // the Transformer encoder          (bin
 void bind_train(py::module_& m);        // Linear, cross_entropy                 (bind_train.cpp)
 void bind_optim(py::module_& m);        // SGD, AdamW, clip_grad_norm            (bind_optim.cpp)
 void bind_torch(py::module_& m);        // attn.torch's private entry points     (bind_torch.cpp)
+void bind_decoder(py::module_& m);      // TransformerDecoder, EncoderDecoder   (bind_decoder.cpp)
 
 }  // namespace attn::python
