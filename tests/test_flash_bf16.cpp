@@ -150,23 +150,23 @@ struct Problem {
       }
     }
     p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
-    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
-    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
-    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.q = {q.ptr(), q.sb, 0, q.sn, q.sc};
+    p.k = {k.ptr(), k.sb, 0, k.sn, k.sc};
+    p.v = {v.ptr(), v.sb, 0, v.sn, v.sc};
+    p.out = {out.ptr(), out.sb, 0, out.sn, out.sc};
     p.lse = lse.data();
-    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
-    p.zero_masked_rows = c.zero_rows;
+    p.masked_rows = c.zero_rows ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
     p.scale = float(1.0 / std::sqrt(double(c.D)));
     p.dropout = c.dropout;
     p.seed = 1234;
     p.offset = 5;
     p.threads = 1;
-    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
-    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
-    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
-    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+    g.dout = {dout.ptr(), dout.sb, 0, dout.sn, dout.sc};
+    g.dq = {dq.ptr(), dq.sb, 0, dq.sn, dq.sc};
+    g.dk = {dk.ptr(), dk.sb, 0, dk.sn, dk.sc};
+    g.dv = {dv.ptr(), dv.sb, 0, dv.sn, dv.sc};
   }
 };
 
@@ -325,14 +325,9 @@ double max_abs(const std::vector<double>& x) {
   return m;
 }
 
-// Restores the native path (when the CPU has it) at the end of a scope.
-struct ForceFallback {
-  explicit ForceFallback(bool on) { flash_bf16_force_fallback(on); }
-  ~ForceFallback() { flash_bf16_force_fallback(false); }
-};
-
-std::vector<bool> modes() {  // fallback forced: false (native, if this CPU has it), true
-  flash_bf16_force_fallback(false);
+// The paths to test: p.force_bf16_fallback (Context::force_bf16_fallback in the ops) false
+// (native, if this CPU has it) and true.
+std::vector<bool> modes() {
   if (flash_bf16_native()) return {false, true};
   return {true};
 }
@@ -368,8 +363,8 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     Problem pr(c);
+    pr.p.force_bf16_fallback = fallback;
     flash_attention_forward_bf16(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
     for (int64_t i = 0; i < c.B * c.T; ++i) {
@@ -384,6 +379,7 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
     check_grads(pr, ref, !fallback, 1e-4 * gscale);
 
     Problem pr2(c);  // two threads: the same bits
+    pr2.p.force_bf16_fallback = fallback;
     pr2.p.threads = 2;
     flash_attention_forward_bf16(pr2.p);
     flash_attention_backward_bf16(pr2.p, pr2.g);
@@ -406,10 +402,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, FlashBf16Sweep, ::testing::ValuesIn(sweep()), ca
 // ~1e4 * 2^-24 * D = 1e-2 absolute error, i.e. weights of near-tied keys may move by ~1e-2.
 TEST(FlashBf16, HugeLogitsNeverNaN) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool causal : {false, true}) {
       Case c{2, 70, 150, 16, 16, Lens::k2D, causal, false, 0.0f, 0};
       Problem pr(c, 100.0);
+      pr.p.force_bf16_fallback = fallback;
       const Reference ref = reference(pr);
       flash_attention_forward_bf16(pr.p);
       for (int64_t b = 0; b < c.B; ++b)
@@ -430,9 +426,9 @@ TEST(FlashBf16, HugeLogitsNeverNaN) {
 // rescale factor would compound (a 7.5e-5 bias per tile gave 2e-4 in lse after 3 tiles).
 TEST(FlashBf16, LongRowsKeepLseAccurate) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     Case c{1, 20, 3000, 16, 16, Lens::kNone, false, false, 0.0f, 0};
     Problem pr(c, 2.0);
+    pr.p.force_bf16_fallback = fallback;
     const Reference ref = reference(pr);
     flash_attention_forward_bf16(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
@@ -460,10 +456,10 @@ TEST(FlashBf16, PackLargerThanKeptBuffer) {
 TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
   const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool causal : {false, true}) {
       const Case c{2, 37, 640, 16, 24, Lens::kNone, causal, false, 0.0f, 0};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       for (int64_t b = 0; b < c.B; ++b)
         for (int64_t s = 0; s < c.S; ++s)
           for (int64_t d = 0; d < c.D; ++d)
@@ -477,8 +473,9 @@ TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
         EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-4 + 1e-5 * std::abs(ref.lse[i]))
             << "lse[" << i << "]";
       Problem pr2(c);
+      pr2.p.force_bf16_fallback = fallback;
       pr2.k.buf = pr.k.buf;
-      pr2.p.k = pr2.k.ptr();
+      pr2.p.k.data = pr2.k.ptr();
       pr2.p.threads = 2;
       flash_attention_forward_bf16(pr2.p);
       EXPECT_EQ(pr.out.buf, pr2.out.buf);
@@ -490,10 +487,10 @@ TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
 // PyTorch's gives zeros; lse is -inf; dq and dk are zero.
 TEST(FlashBf16, FullyMaskedRows) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool zero : {false, true}) {
       Case c{2, 9, 75, 16, 24, Lens::k1D, false, zero, 0.2f, 1};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       std::fill(pr.key_limit.begin(), pr.key_limit.end(), 0);
       const Reference ref = reference(pr);
       flash_attention_forward_bf16(pr.p);
@@ -514,10 +511,10 @@ TEST(FlashBf16, FullyMaskedRows) {
 // for the rows t < 20, which must stay finite and exact, while rows t >= 20 keep it.
 TEST(FlashBf16, NonFiniteMaskedKeysStayOut) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (int64_t S : {100, 21}) {  // 21: the poisoned key is also a pair's padded second half
       Case c{1, 40, S, 32, 32, Lens::kNone, true, false, 0.0f, 0};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       pr.v.raw(0, 20, 3) = 0x7fc0;  // NaN
       pr.k.raw(0, 20, 5) = 0x7f80;  // +Inf
       const Reference ref = reference(pr);
@@ -544,12 +541,13 @@ TEST(FlashBf16, LongQueriesBackward) {
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     Problem pr(c);
+    pr.p.force_bf16_fallback = fallback;
     flash_attention_forward_bf16(pr.p);
     flash_attention_backward_bf16(pr.p, pr.g);
     check_grads(pr, ref, !fallback, 1e-4 * gscale);
     Problem pr2(c);
+    pr2.p.force_bf16_fallback = fallback;
     pr2.p.threads = 2;
     flash_attention_forward_bf16(pr2.p);
     flash_attention_backward_bf16(pr2.p, pr2.g);
@@ -568,12 +566,12 @@ TEST(FlashBf16, LongQueriesBackward) {
 TEST(FlashBf16, NonFiniteInputsStayOutOfGradients) {
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     for (int poison : {0, 1})
       for (int64_t T : {200, 201}) {
         SCOPED_TRACE("case " + std::to_string(poison) + " T " + std::to_string(T));
         Case c{1, T, 170, 32, 24, Lens::kNone, true, false, 0.0f, 0};
         Problem pr(c);
+        pr.p.force_bf16_fallback = fallback;
         if (poison == 0) {
           pr.q.raw(0, 5, 3) = 0x7fc0;     // NaN
           pr.dout.raw(0, 7, 2) = 0x7fc0;  // NaN
@@ -638,7 +636,6 @@ TEST(FlashBf16, OpsCpuMatchesReferenceBackend) {
       {1, 200, 200, 128, 128, 0, true, true, false, 0.1},
   };
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (const OpsCase& c : cases) {
       SCOPED_TRACE("B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " S" +
                    std::to_string(c.S) + " D" + std::to_string(c.D) +
@@ -662,6 +659,7 @@ TEST(FlashBf16, OpsCpuMatchesReferenceBackend) {
       o.dropout = c.dropout;
       o.training = c.dropout > 0;
       Context ref_ctx, cpu_ctx;
+      cpu_ctx.force_bf16_fallback = fallback;
       ref_ctx.backend = Backend::kReference;
       cpu_ctx.backend = Backend::kCpu;
       cpu_ctx.threads = 2;

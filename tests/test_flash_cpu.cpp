@@ -130,24 +130,24 @@ struct Problem {
       }
     }
     p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
-    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
-    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
-    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.q = {q.ptr(), q.sb, 0, q.sn, q.sc};
+    p.k = {k.ptr(), k.sb, 0, k.sn, k.sc};
+    p.v = {v.ptr(), v.sb, 0, v.sn, v.sc};
+    p.out = {out.ptr(), out.sb, 0, out.sn, out.sc};
     p.lse = lse.data();
     p.weights = weights.ptr(), p.w_sb = weights.sb, p.w_st = weights.sn;
-    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
-    p.zero_masked_rows = c.zero_rows;
+    p.masked_rows = c.zero_rows ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
     p.scale = float(1.0 / std::sqrt(double(c.D)));
     p.dropout = c.dropout;
     p.seed = 1234;
     p.offset = 5;
     p.threads = 1;
-    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
-    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
-    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
-    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+    g.dout = {dout.ptr(), dout.sb, 0, dout.sn, dout.sc};
+    g.dq = {dq.ptr(), dq.sb, 0, dq.sn, dq.sc};
+    g.dk = {dk.ptr(), dk.sb, 0, dk.sn, dk.sc};
+    g.dv = {dv.ptr(), dv.sb, 0, dv.sn, dv.sc};
   }
 };
 
@@ -286,9 +286,9 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
   const Reference ref = reference(ref_pr, /*backward=*/true);
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (int64_t target : flash_attention_targets()) {
-    flash_attention_set_targets(target);
-    SCOPED_TRACE(std::string("target ") + flash_attention_target());
+    SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
     Problem pr(c);
+    pr.p.simd_targets = target;
     flash_attention_forward(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
     EXPECT_TRUE(close_view("weights", pr.weights, ref.weights, 2e-6, 2e-6));
@@ -306,6 +306,7 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
 
     // Two threads give the same bits (work items do not depend on the thread count).
     Problem pr2(c);
+    pr2.p.simd_targets = target;
     pr2.p.threads = 2;
     pr2.p.weights = nullptr;  // the output must not depend on whether weights are written
     flash_attention_forward(pr2.p);
@@ -316,7 +317,6 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
   }
-  flash_attention_set_targets(0);
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
@@ -442,10 +442,11 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
           ref_pr.k.at(b, s, d) *= 3.0f * gain[(s / 16 + b) % 10];
     const Reference ref = reference(ref_pr, false);
     for (int64_t target : flash_attention_targets()) {
-      flash_attention_set_targets(target);
-      SCOPED_TRACE(std::string("target ") + flash_attention_target() + (causal ? " causal" : ""));
+      SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target) +
+                   (causal ? " causal" : ""));
       for (int threads : {1, 2}) {
         Problem pr(c);
+        pr.p.simd_targets = target;
         std::copy(ref_pr.k.buf.begin(), ref_pr.k.buf.end(), pr.k.buf.begin());
         pr.p.threads = threads;
         flash_attention_forward(pr.p);
@@ -457,7 +458,6 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
       }
     }
   }
-  flash_attention_set_targets(0);
 }
 
 // ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------

@@ -62,8 +62,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-bool g_force_fallback = false;
-
 bool cpu_has_bf16() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") &&
@@ -74,9 +72,7 @@ bool cpu_has_bf16() {
 
 // Keys [0, limit) are kept for row (b, t) (length mask and causal mask both keep a prefix).
 int64_t row_limit(const FlashBf16Params& p, int64_t b, int64_t t) {
-  int64_t lim = p.key_limit ? p.key_limit[b * p.T + t] : p.S;
-  if (p.causal) lim = std::min(lim, t + 1);
-  return std::clamp<int64_t>(lim, 0, p.S);
+  return p.row_limit(b, t);
 }
 
 // Dropout multipliers of elements i0 + k, k < n (kernels/cpu/dropout_simd.hpp).
@@ -85,7 +81,7 @@ void dropout_multipliers(const FlashBf16Params& p, uint64_t i0, int64_t n, float
 }
 
 // Offset of batch row b in a tensor with batch stride sb and head stride sh (heads > 1: b is
-// (batch, head) = (b / heads, b % heads); FlashBf16Params::heads).
+// (batch, head) = (b / heads, b % heads); kernels/attention_problem.hpp).
 inline int64_t head_off(int64_t heads, int64_t b, int64_t sb, int64_t sh) {
   return heads == 1 ? b * sb : b / heads * sb + b % heads * sh;
 }
@@ -95,31 +91,37 @@ inline int64_t head_off(int64_t heads, int64_t b, int64_t sb, int64_t sh) {
 
 // Widens a strided (B, N, C) bf16 view into the contiguous fp32 array dst (rows split over the
 // threads: elementwise, so the result does not depend on the split).
-// Row b starts at head_off(heads, b, sb, sh).
-void to_float(const uint16_t* src, int64_t B, int64_t N, int64_t C, int64_t heads, int64_t sb,
-              int64_t sh, int64_t sn, int64_t sc, int threads, float* dst) {
+template <class U>  // uint16_t or const uint16_t
+void to_float(const kernels::StridedView<U> src, int64_t B, int64_t N, int64_t C, int64_t heads,
+              int threads, float* dst) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
-    const uint16_t* x = src + head_off(heads, bn / N, sb, sh) + bn % N * sn;
+    const uint16_t* x = src.data + head_off(heads, bn / N, src.sb, src.sh) + bn % N * src.st;
     float* y = dst + bn * C;
     for (int64_t c = 0; c < C; ++c)
-      y[c] = bf16_to_float(x[c * sc]);
+      y[c] = bf16_to_float(x[c * src.sd]);
   }
 }
 
 // Rounds a contiguous (B, N, C) fp32 array into a strided bf16 view.
-void to_bf16(const float* src, uint16_t* dst, int64_t B, int64_t N, int64_t C, int64_t heads,
-             int64_t sb, int64_t sh, int64_t sn, int64_t sc, int threads) {
+void to_bf16(const float* src, const kernels::StridedView<uint16_t> dst, int64_t B, int64_t N,
+             int64_t C, int64_t heads, int threads) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
   for (int64_t bn = 0; bn < B * N; ++bn) {
     const float* x = src + bn * C;
-    uint16_t* y = dst + head_off(heads, bn / N, sb, sh) + bn % N * sn;
+    uint16_t* y = dst.data + head_off(heads, bn / N, dst.sb, dst.sh) + bn % N * dst.st;
     for (int64_t c = 0; c < C; ++c)
-      y[c * sc] = float_to_bf16(x[c]);
+      y[c * dst.sd] = float_to_bf16(x[c]);
   }
 }
 
-// fp32 copies of q, k, v and out (converted from p.out with `with_out`, for the backward;
+// A contiguous (B, N, C) view of `data`.
+template <class E>
+kernels::StridedView<E> contiguous_view(E* data, int64_t N, int64_t C) {
+  return {data, N * C, 0, C, 1};
+}
+
+// fp32 copies of q, k, v and out (converted from p.out.data with `with_out`, for the backward;
 // otherwise only room for the fp32 kernel's output), then `extra` more floats for the caller,
 // all in one scratch block (every part is written before it is read: conversions, or the fp32
 // kernels' outputs, which overwrite), and the fp32 kernel's parameters on them.
@@ -137,32 +139,26 @@ void fp32_params(const FlashBf16Params& p, bool with_out, size_t extra, Fp32Copi
   c.arena = Scratch<float>("flash_attention_bf16", nq + nk + nv + no + extra);
   c.q = c.arena.get();
   c.k = c.q + nq, c.v = c.k + nk, c.out = c.v + nv, c.extra = c.out + no;
-  to_float(p.q, B, T, D, p.heads, p.q_sb, p.q_sh, p.q_st, p.q_sd, th, c.q);
-  to_float(p.k, B, S, D, p.heads, p.k_sb, p.k_sh, p.k_ss, p.k_sd, th, c.k);
-  to_float(p.v, B, S, Dv, p.heads, p.v_sb, p.v_sh, p.v_ss, p.v_sd, th, c.v);
-  if (with_out) to_float(p.out, B, T, Dv, p.heads, p.o_sb, p.o_sh, p.o_st, p.o_sd, th, c.out);
+  to_float(p.q, B, T, D, p.heads, th, c.q);
+  to_float(p.k, B, S, D, p.heads, th, c.k);
+  to_float(p.v, B, S, Dv, p.heads, th, c.v);
+  if (with_out) to_float(p.out, B, T, Dv, p.heads, th, c.out);
   FlashParams& f = c.f;
-  f.B = B, f.T = T, f.S = S, f.D = D, f.Dv = Dv;
-  f.q = c.q, f.q_sb = T * D, f.q_st = D, f.q_sd = 1;
-  f.k = c.k, f.k_sb = S * D, f.k_ss = D, f.k_sd = 1;
-  f.v = c.v, f.v_sb = S * Dv, f.v_ss = Dv, f.v_sd = 1;
-  f.out = c.out, f.o_sb = T * Dv, f.o_st = Dv, f.o_sd = 1;
+  static_cast<kernels::AttentionProblem&>(f) = p;  // the same problem, on contiguous copies
+  f.heads = 1;
+  f.q = contiguous_view<const float>(c.q, T, D);
+  f.k = contiguous_view<const float>(c.k, S, D);
+  f.v = contiguous_view<const float>(c.v, S, Dv);
+  f.out = contiguous_view(c.out, T, Dv);
   f.lse = p.lse;
   f.weights = p.weights, f.w_sb = p.w_sb, f.w_st = p.w_st;
-  f.key_limit = p.key_limit;
-  f.causal = p.causal;
-  f.zero_masked_rows = p.zero_masked_rows;
-  f.scale = p.scale;
-  f.dropout = p.dropout;
-  f.seed = p.seed, f.offset = p.offset;
-  f.threads = p.threads;
 }
 
 void forward_fallback(const FlashBf16Params& p) {
   Fp32Copies c;
   fp32_params(p, /*with_out=*/false, /*extra=*/0, c);
   flash_attention_forward(c.f);
-  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.heads, p.o_sb, p.o_sh, p.o_st, p.o_sd, p.threads);
+  to_bf16(c.out, p.out, p.B, p.T, p.Dv, p.heads, p.threads);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -483,17 +479,17 @@ void pack_pairs_rows(const uint16_t* src, int64_t n, int64_t C, int64_t rs, int6
 void pack_batch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
   uint32_t* vt = pk.vt2 + b * S2 * Dv;
-  const uint16_t* vb = p.v + head_off(p.heads, b, p.v_sb, p.v_sh);
+  const uint16_t* vb = p.v.data + head_off(p.heads, b, p.v.sb, p.v.sh);
   uint8_t bad[kBlockK];
   for (int64_t tile = 0; tile < pk.tiles; ++tile) {
     const int64_t s0 = tile * kBlockK, n = std::min(kBlockK, S - s0);
     std::fill(bad, bad + n, uint8_t{0});
-    pack_pairs_rows(vb + s0 * p.v_ss, n, Dv, p.v_ss, p.v_sd, vt + s0 / 2 * Dv, Dv, bad);
+    pack_pairs_rows(vb + s0 * p.v.st, n, Dv, p.v.st, p.v.sd, vt + s0 / 2 * Dv, Dv, bad);
     pk.v_finite[b * pk.tiles + tile] = std::none_of(bad, bad + n, [](uint8_t x) { return x != 0; });
   }
   uint32_t* kt = pk.kt2 + b * pk.D2 * pk.ldk;
   // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
-  pack_pairs_transposed(p.k + head_off(p.heads, b, p.k_sb, p.k_sh), S, p.D, p.k_ss, p.k_sd, kt,
+  pack_pairs_transposed(p.k.data + head_off(p.heads, b, p.k.sb, p.k.sh), S, p.D, p.k.st, p.k.sd, kt,
                         pk.ldk);
 }
 
@@ -506,7 +502,7 @@ size_t scratch_floats(const FlashBf16Params& p, const Packed& pk) {
 // to the 1/S weights, or zeros (PyTorch SDPA).
 void masked_row(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, float* z) {
   std::fill(acc, acc + p.Dv, 0.0f);
-  if (p.zero_masked_rows) return;
+  if (p.zero_masked_rows()) return;
   for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, p.S - s0);
     if (p.dropout > 0.0f) {
@@ -516,9 +512,9 @@ void masked_row(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, floa
     }
     for (int64_t s = 0; s < nk; ++s) {
       const float w = z[s] / static_cast<float>(p.S);
-      const uint16_t* vs = p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + (s0 + s) * p.v_ss;
+      const uint16_t* vs = p.v.data + head_off(p.heads, b, p.v.sb, p.v.sh) + (s0 + s) * p.v.st;
       for (int64_t e = 0; e < p.Dv; ++e)
-        acc[e] += w * bf16_to_float(vs[e * p.v_sd]);
+        acc[e] += w * bf16_to_float(vs[e * p.v.sd]);
     }
   }
 }
@@ -550,8 +546,8 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
-  pack_pairs_transposed(p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + t0 * p.q_st, mq, D, p.q_st,
-                        p.q_sd, qt2, mqp);
+  pack_pairs_transposed(p.q.data + head_off(p.heads, b, p.q.sb, p.q.sh) + t0 * p.q.st, mq, D,
+                        p.q.st, p.q.sd, qt2, mqp);
   for (int64_t j = 0; j < D2; ++j)
     std::fill(qt2 + j * mqp + mq, qt2 + (j + 1) * mqp, 0u);
   std::fill(ot, ot + Dv * mqp, 0.0f);
@@ -660,9 +656,9 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
         for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s) {
           const uint32_t w = pt2[s / 2 * mqp + r];
           const float pw = bf16_to_float(static_cast<uint16_t>(s % 2 == 0 ? w : w >> 16));
-          const uint16_t* vs = p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + (s0 + s) * p.v_ss;
+          const uint16_t* vs = p.v.data + head_off(p.heads, b, p.v.sb, p.v.sh) + (s0 + s) * p.v.st;
           for (int64_t e = 0; e < Dv; ++e)
-            ot[e * mqp + r] += pw * bf16_to_float(vs[e * p.v_sd]);
+            ot[e * mqp + r] += pw * bf16_to_float(vs[e * p.v.sd]);
         }
     }
   }
@@ -675,18 +671,19 @@ void forward_block(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_
     for (int64_t q = 0; q < mq; q += kL) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(ot + e * mqp + q), _mm512_loadu_ps(alpha + q));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o16), (__m256i)_mm512_cvtneps_pbh(x));
-      uint16_t* o = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + (t0 + q) * p.o_st + e * p.o_sd;
+      uint16_t* o = p.out.data + head_off(p.heads, b, p.out.sb, p.out.sh) + (t0 + q) * p.out.st +
+                    e * p.out.sd;
       for (int64_t l = 0; l < std::min(kL, mq - q); ++l)
-        o[l * p.o_st] = o16[l];
+        o[l * p.out.st] = o16[l];
     }
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
     if (lim[r] == 0) {
-      uint16_t* orow = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + t * p.o_st;
+      uint16_t* orow = p.out.data + head_off(p.heads, b, p.out.sb, p.out.sh) + t * p.out.st;
       masked_row(p, b, t, tmp, z);
       p.lse[b * p.T + t] = kNegInf;
       for (int64_t e = 0; e < Dv; ++e)
-        orow[e * p.o_sd] = float_to_bf16(tmp[e]);
+        orow[e * p.out.sd] = float_to_bf16(tmp[e]);
     } else {
       p.lse[b * p.T + t] = (mv[r] + std::log2(lv[r])) * kLn2;
     }
@@ -981,17 +978,17 @@ Scratch<std::byte> bwd_scratch(const FlashBf16Params& p, bool with_part, int thr
 void pack_query_rows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t ta,
                      int64_t tb, BwdBuffers& w) {
   const int64_t n = tb - ta, D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
-  const uint16_t* q = p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + ta * p.q_st;
-  const uint16_t* dout = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + ta * g.do_st;
-  pack_pairs_transposed(q, n, p.D, p.q_st, p.q_sd, w.qt2, w.ldq);
-  pack_pairs_transposed(dout, n, p.Dv, g.do_st, g.do_sd, w.dot2, w.ldq);
+  const uint16_t* q = p.q.data + head_off(p.heads, b, p.q.sb, p.q.sh) + ta * p.q.st;
+  const uint16_t* dout = g.dout.data + head_off(p.heads, b, g.dout.sb, g.dout.sh) + ta * g.dout.st;
+  pack_pairs_transposed(q, n, p.D, p.q.st, p.q.sd, w.qt2, w.ldq);
+  pack_pairs_transposed(dout, n, p.Dv, g.dout.st, g.dout.sd, w.dot2, w.ldq);
   for (int64_t j = 0; j < D2; ++j)
     std::fill(w.qt2 + j * w.ldq + n, w.qt2 + (j + 1) * w.ldq, 0u);
   for (int64_t j = 0; j < Dv2; ++j)
     std::fill(w.dot2 + j * w.ldq + n, w.dot2 + (j + 1) * w.ldq, 0u);
   std::fill(w.bad, w.bad + n, uint8_t{0});
-  pack_pairs_rows(q, n, p.D, p.q_st, p.q_sd, w.qp2, p.D, w.bad);
-  pack_pairs_rows(dout, n, p.Dv, g.do_st, g.do_sd, w.dop2, p.Dv, w.bad);
+  pack_pairs_rows(q, n, p.D, p.q.st, p.q.sd, w.qp2, p.D, w.bad);
+  pack_pairs_rows(dout, n, p.Dv, g.dout.st, g.dout.sd, w.dop2, p.Dv, w.bad);
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch row b, and their share of dQ (unscaled,
@@ -1014,14 +1011,14 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     w.lse2[t] = p.lse[b * T + t] * kLog2e;
-    const uint16_t* o = p.out + head_off(p.heads, b, p.o_sb, p.o_sh) + t * p.o_st;
-    const uint16_t* dout = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
+    const uint16_t* o = p.out.data + head_off(p.heads, b, p.out.sb, p.out.sh) + t * p.out.st;
+    const uint16_t* dout = g.dout.data + head_off(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
     // D_t = dO_t . out_t in fp32, 16 lanes then a fixed reduction: error <= ~(Dv/16 + 4) 2^-24
     // sum |dO| |out|, far below the error of out itself (its bf16 rounding, 2^-8 |out|).
     __m512 acc = _mm512_setzero_ps();
     for (int64_t e = 0; e < Dv; e += kL)
-      acc = _mm512_fmadd_ps(load_bf16(o + e * p.o_sd, Dv - e, p.o_sd),
-                            load_bf16(dout + e * g.do_sd, Dv - e, g.do_sd), acc);
+      acc = _mm512_fmadd_ps(load_bf16(o + e * p.out.sd, Dv - e, p.out.sd),
+                            load_bf16(dout + e * g.dout.sd, Dv - e, g.dout.sd), acc);
     w.drow[t] = _mm512_reduce_add_ps(acc);
   }
   if (whole) pack_query_rows(p, g, b, 0, T, w);
@@ -1036,14 +1033,14 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     std::fill(dv_acc, dv_acc + Dv * kBwdK, 0.0f);
     bool k_finite = true;
     if (nkr > 0) {
-      const uint16_t* kb = p.k + head_off(p.heads, b, p.k_sb, p.k_sh) + s0 * p.k_ss;
+      const uint16_t* kb = p.k.data + head_off(p.heads, b, p.k.sb, p.k.sh) + s0 * p.k.st;
       std::fill(w.kt2, w.kt2 + D2 * kBwdK, 0u);
       std::fill(w.vt2, w.vt2 + Dv2 * kBwdK, 0u);
-      pack_pairs_transposed(kb, nkr, D, p.k_ss, p.k_sd, w.kt2, kBwdK);
-      pack_pairs_transposed(p.v + head_off(p.heads, b, p.v_sb, p.v_sh) + s0 * p.v_ss, nkr, Dv,
-                            p.v_ss, p.v_sd, w.vt2, kBwdK);
+      pack_pairs_transposed(kb, nkr, D, p.k.st, p.k.sd, w.kt2, kBwdK);
+      pack_pairs_transposed(p.v.data + head_off(p.heads, b, p.v.sb, p.v.sh) + s0 * p.v.st, nkr, Dv,
+                            p.v.st, p.v.sd, w.vt2, kBwdK);
       uint8_t kbad[kBwdK] = {};
-      pack_pairs_rows(kb, nkr, D, p.k_ss, p.k_sd, w.kp2, Dp, kbad);
+      pack_pairs_rows(kb, nkr, D, p.k.st, p.k.sd, w.kp2, Dp, kbad);
       for (int64_t s = 0; s < nkr; ++s)
         k_finite &= kbad[s] == 0;
     }
@@ -1137,13 +1134,14 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
       } else {
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
-          const uint16_t* qr = p.q + head_off(p.heads, b, p.q_sb, p.q_sh) + t * p.q_st;
-          const uint16_t* dor = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
+          const uint16_t* qr = p.q.data + head_off(p.heads, b, p.q.sb, p.q.sh) + t * p.q.st;
+          const uint16_t* dor =
+              g.dout.data + head_off(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
           for (int64_t s = 0; s < n; ++s) {
             for (int64_t e = 0; e < Dv; ++e)
-              dv_acc[e * kBwdK + s] += half(pz2, r, s) * bf16_to_float(dor[e * g.do_sd]);
+              dv_acc[e * kBwdK + s] += half(pz2, r, s) * bf16_to_float(dor[e * g.dout.sd]);
             for (int64_t d = 0; d < D; ++d)
-              dk_acc[d * kBwdK + s] += half(ds2, r, s) * bf16_to_float(qr[d * p.q_sd]);
+              dk_acc[d * kBwdK + s] += half(ds2, r, s) * bf16_to_float(qr[d * p.q.sd]);
           }
         }
       }
@@ -1153,16 +1151,17 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
           for (int64_t s = 0; s < n; ++s) {
-            const uint16_t* kr = p.k + head_off(p.heads, b, p.k_sb, p.k_sh) + (s0 + s) * p.k_ss;
+            const uint16_t* kr =
+                p.k.data + head_off(p.heads, b, p.k.sb, p.k.sh) + (s0 + s) * p.k.st;
             for (int64_t d = 0; d < D; ++d)
-              dq_part[t * Dp + d] += half(ds2, r, s) * bf16_to_float(kr[d * p.k_sd]);
+              dq_part[t * Dp + d] += half(ds2, r, s) * bf16_to_float(kr[d * p.k.sd]);
           }
         }
       }
     }
 
     // Rows without a kept key: their weights are the constant 1/S (d2l), so only dV sees them.
-    if (any_masked && !p.zero_masked_rows) {
+    if (any_masked && !p.zero_masked_rows()) {
       for (int64_t t = 0; t < T; ++t) {
         if (w.lim[t] != 0) continue;
         float* z = w.z;
@@ -1171,9 +1170,10 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
         } else {
           std::fill(z, z + nk, 1.0f);
         }
-        const uint16_t* dor = g.dout + head_off(p.heads, b, g.do_sb, g.do_sh) + t * g.do_st;
+        const uint16_t* dor =
+            g.dout.data + head_off(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
         for (int64_t e = 0; e < Dv; ++e) {
-          const float go = bf16_to_float(dor[e * g.do_sd]);
+          const float go = bf16_to_float(dor[e * g.dout.sd]);
           for (int64_t s = 0; s < nk; ++s)
             dv_acc[e * kBwdK + s] += z[s] / static_cast<float>(p.S) * go;
         }
@@ -1184,16 +1184,16 @@ void backward_item(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
     for (int64_t d = 0; d < D; ++d)
       store_bf16_row(dk_acc + d * kBwdK, nk, p.scale, w.out16 + d * kBwdK, 1);
     for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dk = g.dk + head_off(p.heads, b, g.dk_sb, g.dk_sh) + (s0 + s) * g.dk_ss;
+      uint16_t* dk = g.dk.data + head_off(p.heads, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
       for (int64_t d = 0; d < D; ++d)
-        dk[d * g.dk_sd] = w.out16[d * kBwdK + s];
+        dk[d * g.dk.sd] = w.out16[d * kBwdK + s];
     }
     for (int64_t e = 0; e < Dv; ++e)
       store_bf16_row(dv_acc + e * kBwdK, nk, 1.0f, w.out16 + e * kBwdK, 1);
     for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dv = g.dv + head_off(p.heads, b, g.dv_sb, g.dv_sh) + (s0 + s) * g.dv_ss;
+      uint16_t* dv = g.dv.data + head_off(p.heads, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
       for (int64_t e = 0; e < Dv; ++e)
-        dv[e * g.dv_sd] = w.out16[e * kBwdK + s];
+        dv[e * g.dv.sd] = w.out16[e * kBwdK + s];
     }
   }
 }
@@ -1208,9 +1208,9 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
   // dQ row (b, t) from its shares: scale * (0 + part_0 + part_1 + ...), in item order, so the
   // same sum whatever thread made each part; rounded to bf16 once.
   auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows, float* sum) {
-    uint16_t* dq = g.dq + head_off(p.heads, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
+    uint16_t* dq = g.dq.data + head_off(p.heads, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
     if (splits == 1) {
-      store_bf16_row(part_rows[0], p.D, p.scale, dq, g.dq_sd);
+      store_bf16_row(part_rows[0], p.D, p.scale, dq, g.dq.sd);
       return;
     }
     for (int64_t d = 0; d < p.D; d += kL) {
@@ -1219,7 +1219,7 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
         acc = _mm512_add_ps(acc, _mm512_loadu_ps(part_rows[j] + d));
       _mm512_storeu_ps(sum + d, acc);
     }
-    store_bf16_row(sum, p.D, p.scale, dq, g.dq_sd);
+    store_bf16_row(sum, p.D, p.scale, dq, g.dq.sd);
   };
   if (splits == 1) {
     // One item per b: its dQ share is the whole dQ of b, written by the item's own thread.
@@ -1278,18 +1278,14 @@ void backward_native(const FlashBf16Params& p, const FlashBf16Grads& g) {
 }  // namespace
 
 bool flash_bf16_native() {
-  return cpu_has_bf16() && !g_force_fallback;
-}
-
-void flash_bf16_force_fallback(bool on) {
-  g_force_fallback = on;
+  return cpu_has_bf16();
 }
 
 void flash_attention_forward_bf16(const FlashBf16Params& p) {
   if (p.B == 0 || p.T == 0) return;
   // The weights need a second Q K^T pass with the final row statistics, which only the fp32
   // kernel has; a caller that asks for a (B, T, S) matrix is not after the last 2x anyway.
-  if (!flash_bf16_native() || p.weights != nullptr) {
+  if (!cpu_has_bf16() || p.force_bf16_fallback || p.weights != nullptr) {
     forward_fallback(p);
     return;
   }
@@ -1298,7 +1294,7 @@ void flash_attention_forward_bf16(const FlashBf16Params& p) {
 
 void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g) {
   if (p.B == 0) return;
-  if (flash_bf16_native() && p.T > 0 && p.S > 0) {
+  if (cpu_has_bf16() && !p.force_bf16_fallback && p.T > 0 && p.S > 0) {
     backward_native(p, g);
     return;
   }
@@ -1311,16 +1307,16 @@ void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grad
   float* dq = dout + B * T * Dv;
   float* dk = dq + B * T * D;
   float* dv = dk + B * S * D;
-  to_float(g.dout, B, T, Dv, p.heads, g.do_sb, g.do_sh, g.do_st, g.do_sd, p.threads, dout);
+  to_float(g.dout, B, T, Dv, p.heads, p.threads, dout);
   FlashGrads fg;
-  fg.dout = dout, fg.do_sb = T * Dv, fg.do_st = Dv, fg.do_sd = 1;
-  fg.dq = dq, fg.dq_sb = T * D, fg.dq_st = D, fg.dq_sd = 1;
-  fg.dk = dk, fg.dk_sb = S * D, fg.dk_ss = D, fg.dk_sd = 1;
-  fg.dv = dv, fg.dv_sb = S * Dv, fg.dv_ss = Dv, fg.dv_sd = 1;
+  fg.dout = contiguous_view<const float>(dout, T, Dv);
+  fg.dq = contiguous_view(dq, T, D);
+  fg.dk = contiguous_view(dk, S, D);
+  fg.dv = contiguous_view(dv, S, Dv);
   flash_attention_backward(c.f, fg);
-  to_bf16(dq, g.dq, B, T, D, p.heads, g.dq_sb, g.dq_sh, g.dq_st, g.dq_sd, p.threads);
-  to_bf16(dk, g.dk, B, S, D, p.heads, g.dk_sb, g.dk_sh, g.dk_ss, g.dk_sd, p.threads);
-  to_bf16(dv, g.dv, B, S, Dv, p.heads, g.dv_sb, g.dv_sh, g.dv_ss, g.dv_sd, p.threads);
+  to_bf16(dq, g.dq, B, T, D, p.heads, p.threads);
+  to_bf16(dk, g.dk, B, S, D, p.heads, p.threads);
+  to_bf16(dv, g.dv, B, S, Dv, p.heads, p.threads);
 }
 
 }  // namespace attn::cpu
