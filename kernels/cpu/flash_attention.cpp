@@ -160,7 +160,7 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
                hn::Set(du, static_cast<uint32_t>(blk >> 32)), hn::Iota(du, 0), c[0], c[1]);
     c[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
     c[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-    Philox4x32(c, p.seed);
+    Philox4x32(DU(), c, p.seed);
     hn::StoreInterleaved4(DropMultiplier(c[0], p.dropout, keep_scale),
                           DropMultiplier(c[1], p.dropout, keep_scale),
                           DropMultiplier(c[2], p.dropout, keep_scale),
@@ -197,7 +197,7 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
       CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g)), w[0], w[1]);
       w[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
       w[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-      Philox4x32(w, p.seed);
+      Philox4x32(DU(), w, p.seed);
       for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
         float* row = xt + (4 * g + j) * mqp + c;
         hn::StoreU(hn::Mul(hn::LoadU(d, row), DropMultiplier(w[j], p.dropout, keep_scale)), d, row);
