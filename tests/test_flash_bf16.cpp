@@ -33,6 +33,7 @@
 // <= 0.46 and dv <= 0.95 (fallback); native backward: see docs/notes/bf16-kernel.md.
 #include "kernels/cpu/flash_bf16.hpp"
 
+#include "attention_harness.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/ops/attention.hpp"
@@ -52,71 +53,19 @@
 namespace attn::cpu {
 namespace {
 
-constexpr double kU = 1.0 / 256;        // bf16 unit roundoff 2^-8
-constexpr uint16_t kSentinel = 0x7fc1;  // a NaN payload never produced by rounding
+constexpr double kU = 1.0 / 256;                                     // bf16 unit roundoff 2^-8
+constexpr uint16_t kSentinel = testing::kHarnessSentinel<uint16_t>;  // a NaN payload
 
-// A (B, N, C) bf16 tensor at `off` in `buf` with element strides; layouts as in
-// test_flash_cpu.cpp: 0 contiguous, 1 the middle head of a wider row at an odd offset, 2 a
-// feature stride of 2.
-struct View {
-  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
-  std::vector<uint16_t> buf;
-  uint16_t* ptr() { return buf.data() + off; }
-  uint16_t& raw(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
-  double at(int64_t b, int64_t n, int64_t c) const {
-    return bf16_to_float(buf[off + b * sb + n * sn + c * sc]);
-  }
-};
+// Views, guards, cases and key limits: tests/attention_harness.hpp.
+using View = testing::HarnessView<uint16_t>;
+using Case = testing::KernelCase;
+using testing::guard_damage;
+using testing::Lens;
 
 View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
                double range = 1.0) {
-  View v;
-  v.B = B, v.N = N, v.C = C;
-  if (layout == 0) {
-    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
-  } else if (layout == 1) {
-    const int64_t E = 3 * C + 5;
-    v.sc = 1, v.sn = E, v.sb = N * E, v.off = C + 1;
-  } else {
-    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
-  }
-  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kSentinel);
-  Rng rng(seed, 99);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t c = 0; c < C; ++c)
-        v.raw(b, n, c) = float_to_bf16(fill ? float(rng.uniform(-range, range)) : 0.0f);
-  return v;
+  return testing::make_harness_view<uint16_t>(B, N, C, layout, seed, fill, range);
 }
-
-int64_t guard_damage(const View& v) {
-  std::vector<char> is_elem(v.buf.size(), 0);
-  for (int64_t b = 0; b < v.B; ++b)
-    for (int64_t n = 0; n < v.N; ++n)
-      for (int64_t c = 0; c < v.C; ++c)
-        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
-  int64_t bad = 0;
-  for (size_t i = 0; i < v.buf.size(); ++i)
-    bad += !is_elem[i] && v.buf[i] != kSentinel;
-  return bad;
-}
-
-enum class Lens { kNone, k1D, k2D };
-
-struct Case {
-  int64_t B, T, S, D, Dv;
-  Lens lens;
-  bool causal, zero_rows;
-  float dropout;
-  int layout;
-  std::string name() const {
-    static const char* kLens[] = {"none", "lens1d", "lens2d"};
-    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
-           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
-           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
-           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
-  }
-};
 
 struct Problem {
   Case cs;
@@ -137,43 +86,30 @@ struct Problem {
     dk = make_view(c.B, c.S, c.D, L, 0, false);
     dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
     lse.assign(c.B * c.T, 0.0f);
-    if (c.lens != Lens::kNone) {  // as the ops layer passes them: clamped, with 0 and > S
-      Rng rng(7, 1);
-      key_limit.resize(c.B * c.T);
-      for (int64_t b = 0; b < c.B; ++b) {
-        const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
-        for (int64_t t = 0; t < c.T; ++t) {
-          int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
-          if (c.lens == Lens::k2D && t == 1) len = 0;
-          key_limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
-        }
-      }
-    }
+    key_limit = testing::case_key_limits(c);
     p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = {q.ptr(), q.sb, 0, q.sn, q.sc};
-    p.k = {k.ptr(), k.sb, 0, k.sn, k.sc};
-    p.v = {v.ptr(), v.sb, 0, v.sn, v.sc};
-    p.out = {out.ptr(), out.sb, 0, out.sn, out.sc};
+    p.q = q.input_view();
+    p.k = k.input_view();
+    p.v = v.input_view();
+    p.out = out.kernel_view();
     p.lse = lse.data();
     p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
-    p.masked_rows = c.zero_rows ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
+    p.masked_rows = c.masked_rows();
     p.scale = float(1.0 / std::sqrt(double(c.D)));
     p.dropout = c.dropout;
     p.seed = 1234;
     p.offset = 5;
     p.threads = 1;
-    g.dout = {dout.ptr(), dout.sb, 0, dout.sn, dout.sc};
-    g.dq = {dq.ptr(), dq.sb, 0, dq.sn, dq.sc};
-    g.dk = {dk.ptr(), dk.sb, 0, dk.sn, dk.sc};
-    g.dv = {dv.ptr(), dv.sb, 0, dv.sn, dv.sc};
+    g.dout = dout.input_view();
+    g.dq = dq.kernel_view();
+    g.dk = dk.kernel_view();
+    g.dv = dv.kernel_view();
   }
 };
 
 int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
-  int64_t lim = pr.key_limit.empty() ? pr.cs.S : pr.key_limit[b * pr.cs.T + t];
-  if (pr.cs.causal) lim = std::min(lim, t + 1);
-  return std::clamp<int64_t>(lim, 0, pr.cs.S);
+  return testing::case_row_limit(pr.cs, pr.key_limit, b, t);
 }
 
 // The formulas in double on the bf16 values, with the error bounds of the header comment.
