@@ -631,6 +631,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "kernels/cpu/scratch.hpp"
+#include "kernels/cpu/target_scope.hpp"
 
 #include <omp.h>
 
@@ -656,27 +657,6 @@ const char* flash_attention_target_name(int64_t target) {
 std::vector<int64_t> flash_attention_targets() {
   return hwy::SupportedAndGeneratedTargets();
 }
-
-namespace {
-
-// Restricts the dispatch to AttentionProblem::simd_targets for one call (a test switch; nonzero
-// only in tests and benchmarks that compare targets, so not thread-safe, as Highway's switch).
-class TargetScope {
- public:
-  explicit TargetScope(int64_t targets) : on_(targets != 0) {
-    if (on_) hwy::SetSupportedTargetsForTest(targets);
-  }
-  ~TargetScope() {
-    if (on_) hwy::SetSupportedTargetsForTest(0);
-  }
-  TargetScope(const TargetScope&) = delete;
-  TargetScope& operator=(const TargetScope&) = delete;
-
- private:
-  bool on_;
-};
-
-}  // namespace
 
 void flash_attention_forward(const FlashParams& p) {
   if (p.B == 0 || p.T == 0) return;
