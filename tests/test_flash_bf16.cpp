@@ -387,7 +387,7 @@ TEST(FlashBf16, PackLargerThanKeptBuffer) {
 }
 
 // Key tiles scaled up and down by turns: the running max jumps at some tiles and stays put at
-// others, so the online softmax rescales l and O^T (exp2_accurate) by factors far from 1, native
+// others, so the online softmax rescales l and O^T (Exp2Accurate) by factors far from 1, native
 // and fallback; one and two threads give the same bits.
 TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
   const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};

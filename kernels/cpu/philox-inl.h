@@ -1,8 +1,8 @@
 // The SIMD Philox 4x32-10 of the dropout stream (attn/core/rng.hpp, the scalar original, round
 // for round), shared by every Highway kernel that drops: the fused fp32 attention
 // (flash_kernels-inl.h) and the elementwise dropout (dropout_simd.cpp). Included once per SIMD
-// target through hwy/foreach_target.h. The AVX-512 bf16 kernel's philox16 (flash_bf16.cpp) is
-// the same rounds on 16 lanes in intrinsics; test_dropout and the bf16 dropout tests check all
+// target through hwy/foreach_target.h. The AVX-512 bf16 kernel's Philox16 (flash_bf16_shared-inl.h)
+// is the same rounds on 16 lanes in intrinsics; test_dropout and the bf16 dropout tests check all
 // of them against the scalar stream.
 
 // Per-target include guard, the Highway idiom: toggles once per target.
