@@ -88,18 +88,18 @@ struct Buffers {
       dv.assign(BH * S * D, 0.0f);
     }
     p.B = BH, p.T = T, p.S = S, p.D = D, p.Dv = D;
-    p.q = q.data(), p.q_sb = T * D, p.q_st = D;
-    p.k = k.data(), p.k_sb = S * D, p.k_ss = D;
-    p.v = v.data(), p.v_sb = S * D, p.v_ss = D;
-    p.out = out.data(), p.o_sb = T * D, p.o_st = D;
+    p.q = {q.data(), T * D, 0, D, 1};
+    p.k = {k.data(), S * D, 0, D, 1};
+    p.v = {v.data(), S * D, 0, D, 1};
+    p.out = {out.data(), T * D, 0, D, 1};
     p.lse = lse.data();
     p.causal = causal;
     p.scale = 1.0f / std::sqrt(float(D));
     p.threads = bench_threads();
-    g.dout = dout.data(), g.do_sb = T * D, g.do_st = D;
-    g.dq = dq.data(), g.dq_sb = T * D, g.dq_st = D;
-    g.dk = dk.data(), g.dk_sb = S * D, g.dk_ss = D;
-    g.dv = dv.data(), g.dv_sb = S * D, g.dv_ss = D;
+    g.dout = {dout.data(), T * D, 0, D, 1};
+    g.dq = {dq.data(), T * D, 0, D, 1};
+    g.dk = {dk.data(), S * D, 0, D, 1};
+    g.dv = {dv.data(), S * D, 0, D, 1};
   }
 };
 
@@ -173,18 +173,18 @@ struct Bf16Buffers {
     dout = round(f.dout), dq = round(f.dq), dk = round(f.dk), dv = round(f.dv);
     const int64_t T = f.T, S = f.S, D = f.D;
     p.B = f.BH, p.T = T, p.S = S, p.D = D, p.Dv = D;
-    p.q = q.data(), p.q_sb = T * D, p.q_st = D;
-    p.k = k.data(), p.k_sb = S * D, p.k_ss = D;
-    p.v = v.data(), p.v_sb = S * D, p.v_ss = D;
-    p.out = out.data(), p.o_sb = T * D, p.o_st = D;
+    p.q = {q.data(), T * D, 0, D, 1};
+    p.k = {k.data(), S * D, 0, D, 1};
+    p.v = {v.data(), S * D, 0, D, 1};
+    p.out = {out.data(), T * D, 0, D, 1};
     p.lse = lse.data();
     p.causal = causal;
     p.scale = f.p.scale;
     p.threads = f.p.threads;
-    g.dout = dout.data(), g.do_sb = T * D, g.do_st = D;
-    g.dq = dq.data(), g.dq_sb = T * D, g.dq_st = D;
-    g.dk = dk.data(), g.dk_sb = S * D, g.dk_ss = D;
-    g.dv = dv.data(), g.dv_sb = S * D, g.dv_ss = D;
+    g.dout = {dout.data(), T * D, 0, D, 1};
+    g.dq = {dq.data(), T * D, 0, D, 1};
+    g.dk = {dk.data(), S * D, 0, D, 1};
+    g.dv = {dv.data(), S * D, 0, D, 1};
   }
 };
 

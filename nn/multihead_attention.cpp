@@ -26,6 +26,7 @@
 #include "attn/ops/linear.hpp"
 #include "nn/internal.hpp"
 #include "ops/attention_heads.hpp"
+#include "ops/mask.hpp"
 
 #include <algorithm>
 #include <array>
@@ -58,21 +59,8 @@ double checked_dropout(int64_t num_hiddens, int64_t num_heads, double dropout_p)
 Tensor zero_unread_padding(const Tensor& X, const Tensor& valid_lens, bool causal, int64_t T,
                            bool uniform_reads_all) {
   const int64_t B = X.dim(0), S = X.dim(1), E = X.dim(2);
-  const std::vector<double> lens = valid_lens.to_vector();
-  const int64_t per_batch = valid_lens.ndim() == 2 ? valid_lens.dim(1) : 1;
-  std::vector<int64_t> read(static_cast<size_t>(B), 0);
-  for (int64_t b = 0; b < B; ++b) {
-    bool some_row_keeps_nothing = false;
-    for (int64_t i = 0; i < per_batch; ++i) {
-      const double len = lens[static_cast<size_t>(b * per_batch + i)];
-      // kept = #{s : float(s) < len} = clamp(ceil(len), 0, S); NaN keeps nothing.
-      int64_t kept = len > 0 ? static_cast<int64_t>(std::min<double>(std::ceil(len), S)) : 0;
-      if (causal) kept = std::min(kept, per_batch == 1 ? T : i + 1);
-      read[b] = std::max(read[b], kept);
-      some_row_keeps_nothing |= kept == 0;
-    }
-    if (some_row_keeps_nothing && uniform_reads_all) read[b] = S;
-  }
+  const std::vector<int64_t> read =
+      attn::detail::keys_read(valid_lens, causal, B, T, S, uniform_reads_all);
   auto unread_rows_finite = [&] {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t s = read[b]; s < S; ++s)

@@ -1,14 +1,16 @@
-// Scaled dot-product and additive attention: validation, then one dispatch point per op.
-// The reference kernels live in kernels/ref/attention.cpp and kernels/ref/additive.cpp; the
-// math is in docs/ops.md. A fast CPU path plugs in at the `dispatch` comments below.
+// Scaled dot-product and additive attention: validation, mask lowering (ops/mask.hpp), then one
+// dispatch per op. Scaled dot-product attention runs the fused CPU kernels (float32:
+// kernels/cpu/flash_attention, bfloat16: kernels/cpu/flash_bf16; arguments built in
+// ops/attention_kernel.hpp) where use_flash says so, else the reference loops
+// (kernels/ref/attention.cpp); additive attention always runs the reference
+// (kernels/ref/additive.cpp). The math is in docs/ops.md.
 #include "attn/ops/attention.hpp"
 
-#include "kernels/cpu/flash_attention.hpp"
-#include "kernels/cpu/flash_bf16.hpp"
 #include "kernels/ref/additive.hpp"
 #include "kernels/ref/attention.hpp"
-#include "kernels/ref/masked_softmax.hpp"
+#include "ops/attention_kernel.hpp"
 #include "ops/common.hpp"
+#include "ops/mask.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -106,73 +108,61 @@ double attention_scale(const AttentionOptions& opts, int64_t D) {
   return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
 }
 
-// The fused CPU kernels (kernels/cpu/flash_attention) run float32 on Backend::kCpu, and on
-// kAuto unless the caller asks for the weights: then a (B, T, S) tensor exists anyway, so the
-// fused kernel's memory saving is moot, and the reference gives the weights (and the gradients)
-// with double accumulation, as d2l's checks expect. kReference and float64 keep the reference
-// loops. The backward follows the same rule as its forward (same options).
+// The fused CPU kernels (kernels/cpu/flash_attention, and flash_bf16 for bfloat16 inputs) run on
+// Backend::kCpu, and on kAuto unless the caller asks for the weights: then a (B, T, S) tensor
+// exists anyway, so the fused kernel's memory saving is moot, and the reference gives the weights
+// (and the gradients) with double accumulation, as d2l's checks expect. kReference and float64 keep
+// the reference loops. The backward follows the same rule as its forward (same options).
 bool use_flash(const Context& ctx, DType dt, const AttentionOptions& opts) {
   if (dt != DType::F32) return false;
   if (opts.alibi_slopes.defined()) return false;  // the fused kernels have no score bias
   return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
 }
 
-// Kernel parameters for q, k, v views (any strides) and the mask as kept-key counts per row
-// (valid_lens and causal combined, already in [0, S]).
-cpu::FlashParams flash_params(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const ref::AttentionDims& d, const std::vector<int32_t>& key_limit,
-                              const AttentionOptions& opts, const ref::DropoutSpec& drop) {
-  cpu::FlashParams p;
-  p.B = d.B, p.T = d.T, p.S = d.S, p.D = d.D, p.Dv = d.Dv;
-  p.q = q.data<float>(), p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sd = q.stride(2);
-  p.k = k.data<float>(), p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
-  p.v = v.data<float>(), p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
-  p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
-  p.causal = opts.mask.causal;
-  p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
-  p.scale = static_cast<float>(attention_scale(opts, d.D));
-  p.dropout = drop.active ? static_cast<float>(drop.p) : 0.0f;
-  p.seed = drop.seed;
-  p.offset = drop.offset;
-  p.threads = ctx.resolved_threads();
-  return p;
+// The fused kernels on q, k, v views (any strides), element type E (float or bf16 as uint16_t):
+// out, logsumexp (float32) and the weights (float32, when asked for) into result's tensors.
+template <class E>
+void sdpa_fused_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const ref::AttentionDims& d, const AttentionOptions& opts,
+                        AttentionResult& result) {
+  check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
+  const std::vector<int32_t> kept = detail::length_key_counts(opts.mask, d.B, d.T, d.S);
+  kernels::AttentionArgs<E> p =
+      detail::attention_args<E>(ctx, q, k, v, 1, kept, opts, result.dropout_offset);
+  p.out = detail::head_view<E>(result.output, 1);
+  p.lse = result.logsumexp.data<float>();
+  if (opts.need_weights) p.weights = result.weights.data<float>(), p.w_sb = d.T * d.S, p.w_st = d.S;
+  detail::fused_forward(p);
 }
 
-// Kept keys per (b, t) row for the kernels; empty without valid_lens (the kernels then keep S
-// keys, or t + 1 when causal, themselves), which saves building B*T limits on every call.
-std::vector<int32_t> key_limits(const MaskOptions& mask, const ref::AttentionDims& d) {
-  if (!mask.valid_lens.defined()) return {};
-  const std::vector<int64_t> kept = ref::kept_key_counts(mask, d.B, d.T, d.S);
-  return std::vector<int32_t>(kept.begin(), kept.end());  // each in [0, S], S < 2^31 (checked)
+// The fused backward serves a forward that ran the fused kernel (output of the input dtype,
+// float32 logsumexp): it recomputes the weights from them.
+bool fused_backward_fits(const AttentionResult& forward, const ref::AttentionDims& d, DType dt) {
+  const Tensor& fo = forward.output;
+  const Tensor& fl = forward.logsumexp;
+  return fo.defined() && fl.defined() && fo.dtype() == dt && fl.dtype() == DType::F32 &&
+         fo.shape() == Shape{d.B, d.T, d.Dv} && fl.shape() == Shape{d.B, d.T} &&
+         d.S < (int64_t{1} << 31);
+}
+
+template <class E>
+void sdpa_fused_backward(Context& ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
+                         const Tensor& v, const AttentionResult& forward,
+                         const ref::AttentionDims& d, const AttentionOptions& opts,
+                         AttentionGrads& grads) {
+  const std::vector<int32_t> kept = detail::length_key_counts(opts.mask, d.B, d.T, d.S);
+  kernels::AttentionArgs<E> p =
+      detail::attention_args<E>(ctx, q, k, v, 1, kept, opts, forward.dropout_offset);
+  const Tensor lse = forward.logsumexp.contiguous();
+  p.out = detail::head_view<E>(forward.output, 1);  // read only by the backward
+  p.lse = lse.data<float>();
+  detail::fused_backward(p, detail::attention_grad_args<E>(dout, grads.dq, grads.dk, grads.dv, 1));
 }
 
 // bfloat16 q, k, v (kernels/cpu/flash_bf16): output BF16, logsumexp and weights F32, gradients
 // BF16. The fused bf16 kernels run where use_flash would run the fp32 ones; otherwise (kReference,
 // kAuto with need_weights, ALiBi) the inputs are widened to float64 exactly, the reference runs,
 // and the results are rounded.
-cpu::FlashBf16Params flash_bf16_params(const Context& ctx, const Tensor& q, const Tensor& k,
-                                       const Tensor& v, const ref::AttentionDims& d,
-                                       const std::vector<int32_t>& key_limit,
-                                       const AttentionOptions& opts, const ref::DropoutSpec& drop) {
-  cpu::FlashBf16Params p;
-  p.B = d.B, p.T = d.T, p.S = d.S, p.D = d.D, p.Dv = d.Dv;
-  p.q = static_cast<const uint16_t*>(q.raw_data());
-  p.q_sb = q.stride(0), p.q_st = q.stride(1), p.q_sd = q.stride(2);
-  p.k = static_cast<const uint16_t*>(k.raw_data());
-  p.k_sb = k.stride(0), p.k_ss = k.stride(1), p.k_sd = k.stride(2);
-  p.v = static_cast<const uint16_t*>(v.raw_data());
-  p.v_sb = v.stride(0), p.v_ss = v.stride(1), p.v_sd = v.stride(2);
-  p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
-  p.causal = opts.mask.causal;
-  p.zero_masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero;
-  p.scale = static_cast<float>(attention_scale(opts, d.D));
-  p.dropout = drop.active ? static_cast<float>(drop.p) : 0.0f;
-  p.seed = drop.seed;
-  p.offset = drop.offset;
-  p.threads = ctx.resolved_threads();
-  return p;
-}
-
 void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                        const ref::AttentionDims& d, const AttentionOptions& opts,
                        const ref::DropoutSpec& drop, AttentionResult& result) {
@@ -180,27 +170,19 @@ void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Ten
   result.logsumexp = Tensor::empty({d.B, d.T}, DType::F32);
   if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, DType::F32);
   if (use_flash(ctx, DType::F32, opts)) {
-    check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
-    const std::vector<int32_t> limits = key_limits(opts.mask, d);
-    cpu::FlashBf16Params p = flash_bf16_params(ctx, q, k, v, d, limits, opts, drop);
-    p.out = static_cast<uint16_t*>(result.output.raw_data());
-    p.o_sb = d.T * d.Dv, p.o_st = d.Dv, p.o_sd = 1;
-    p.lse = result.logsumexp.data<float>();
-    if (opts.need_weights)
-      p.weights = result.weights.data<float>(), p.w_sb = d.T * d.S, p.w_st = d.S;
-    cpu::flash_attention_forward_bf16(p);
+    sdpa_fused_forward<uint16_t>(ctx, q, k, v, d, opts, result);
     return;
   }
   const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
   Tensor out = Tensor::empty({d.B, d.T, d.Dv}, DType::F64);
   Tensor lse = Tensor::empty({d.B, d.T}, DType::F64);
   Tensor weights = opts.need_weights ? Tensor::empty({d.B, d.T, d.S}, DType::F64) : Tensor();
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
   const std::vector<double> alibi = alibi_of(opts);
   ref::sdpa_forward<double>(
       qc.data<double>(), kc.data<double>(), vc.data<double>(), out.data<double>(),
       opts.need_weights ? weights.data<double>() : nullptr, lse.data<double>(), kept.data(),
-      opts.mask.masked_rows, attention_scale(opts, d.D), d, drop,
+      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
       alibi.empty() ? nullptr : alibi.data(),
       std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   result.output.copy_from(out);
@@ -214,37 +196,21 @@ AttentionGrads sdpa_backward_bf16(Context& ctx, const Tensor& dout, const Tensor
                                   const ref::DropoutSpec& drop) {
   AttentionGrads grads{Tensor::empty(q.shape(), DType::BF16), Tensor::empty(k.shape(), DType::BF16),
                        Tensor::empty(v.shape(), DType::BF16)};
-  const Tensor& fo = forward.output;
-  const Tensor& fl = forward.logsumexp;
-  if (use_flash(ctx, DType::F32, opts) && fo.defined() && fl.defined() &&
-      fo.dtype() == DType::BF16 && fl.dtype() == DType::F32 &&
-      fo.shape() == Shape{d.B, d.T, d.Dv} && fl.shape() == Shape{d.B, d.T} &&
-      d.S < (int64_t{1} << 31)) {
-    const std::vector<int32_t> limits = key_limits(opts.mask, d);
-    cpu::FlashBf16Params p = flash_bf16_params(ctx, q, k, v, d, limits, opts, drop);
-    const Tensor lse = fl.contiguous();
-    p.out = static_cast<uint16_t*>(fo.raw_data());
-    p.o_sb = fo.stride(0), p.o_st = fo.stride(1), p.o_sd = fo.stride(2);
-    p.lse = lse.data<float>();
-    cpu::FlashBf16Grads g;
-    g.dout = static_cast<const uint16_t*>(dout.raw_data());
-    g.do_sb = dout.stride(0), g.do_st = dout.stride(1), g.do_sd = dout.stride(2);
-    g.dq = static_cast<uint16_t*>(grads.dq.raw_data()), g.dq_sb = d.T * d.D, g.dq_st = d.D;
-    g.dk = static_cast<uint16_t*>(grads.dk.raw_data()), g.dk_sb = d.S * d.D, g.dk_ss = d.D;
-    g.dv = static_cast<uint16_t*>(grads.dv.raw_data()), g.dv_sb = d.S * d.Dv, g.dv_ss = d.Dv;
-    cpu::flash_attention_backward_bf16(p, g);
+  if (use_flash(ctx, DType::F32, opts) && fused_backward_fits(forward, d, DType::BF16)) {
+    sdpa_fused_backward<uint16_t>(ctx, dout, q, k, v, forward, d, opts, grads);
     return grads;
   }
   const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
   const Tensor gc = dout.to(DType::F64);
   Tensor dq = Tensor::empty(q.shape(), DType::F64), dk = Tensor::empty(k.shape(), DType::F64),
          dv = Tensor::empty(v.shape(), DType::F64);
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
   const std::vector<double> alibi = alibi_of(opts);
   ref::sdpa_backward<double>(
       gc.data<double>(), qc.data<double>(), kc.data<double>(), vc.data<double>(), dq.data<double>(),
-      dk.data<double>(), dv.data<double>(), kept.data(), opts.mask.masked_rows,
-      attention_scale(opts, d.D), d, drop, alibi.empty() ? nullptr : alibi.data(),
+      dk.data<double>(), dv.data<double>(), kept.data(),
+      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
+      alibi.empty() ? nullptr : alibi.data(),
       std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   grads.dq.copy_from(dq);
   grads.dk.copy_from(dk);
@@ -271,27 +237,20 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   const ref::DropoutSpec drop = forward_dropout(ctx, opts);
   result.dropout_offset = drop.offset;
   if (use_flash(ctx, dt, opts)) {
-    check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
-    const std::vector<int32_t> limits = key_limits(opts.mask, d);
-    cpu::FlashParams p = flash_params(ctx, q, k, v, d, limits, opts, drop);
-    p.out = result.output.data<float>(), p.o_sb = d.T * d.Dv, p.o_st = d.Dv, p.o_sd = 1;
-    p.lse = result.logsumexp.data<float>();
-    if (opts.need_weights)
-      p.weights = result.weights.data<float>(), p.w_sb = d.T * d.S, p.w_st = d.S;
-    cpu::flash_attention_forward(p);
+    sdpa_fused_forward<float>(ctx, q, k, v, d, opts, result);
     return result;
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
   const std::vector<double> alibi = alibi_of(opts);
-  // dispatch: every Backend runs the reference until kernels/cpu has an attention kernel.
+  // The reference: kReference, float64, need_weights on kAuto, ALiBi.
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     F* weights = opts.need_weights ? result.weights.data<F>() : nullptr;
     ref::sdpa_forward<F>(qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
-                         result.logsumexp.data<F>(), kept.data(), opts.mask.masked_rows,
-                         attention_scale(opts, d.D), d, drop,
-                         alibi.empty() ? nullptr : alibi.data(),
+                         result.logsumexp.data<F>(), kept.data(),
+                         detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d,
+                         drop, alibi.empty() ? nullptr : alibi.data(),
                          std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return result;
@@ -311,37 +270,21 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
                        Tensor::empty(v.shape(), dt)};
   const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
-  // The fused backward recomputes the weights from the forward's output and logsumexp.
-  const Tensor& fo = forward.output;
-  const Tensor& fl = forward.logsumexp;
-  if (use_flash(ctx, dt, opts) && fo.defined() && fl.defined() && fo.dtype() == DType::F32 &&
-      fl.dtype() == DType::F32 && fo.shape() == Shape{d.B, d.T, d.Dv} &&
-      fl.shape() == Shape{d.B, d.T} && d.S < (int64_t{1} << 31)) {
-    const std::vector<int32_t> limits = key_limits(opts.mask, d);
-    cpu::FlashParams p = flash_params(ctx, q, k, v, d, limits, opts, drop);
-    const Tensor lse = fl.contiguous();
-    p.out = fo.data<float>(), p.o_sb = fo.stride(0), p.o_st = fo.stride(1), p.o_sd = fo.stride(2);
-    p.lse = lse.data<float>();
-    cpu::FlashGrads g;
-    g.dout = dout.data<float>();
-    g.do_sb = dout.stride(0), g.do_st = dout.stride(1), g.do_sd = dout.stride(2);
-    g.dq = grads.dq.data<float>(), g.dq_sb = d.T * d.D, g.dq_st = d.D;
-    g.dk = grads.dk.data<float>(), g.dk_sb = d.S * d.D, g.dk_ss = d.D;
-    g.dv = grads.dv.data<float>(), g.dv_sb = d.S * d.Dv, g.dv_ss = d.Dv;
-    cpu::flash_attention_backward(p, g);
+  if (use_flash(ctx, dt, opts) && fused_backward_fits(forward, d, dt)) {
+    sdpa_fused_backward<float>(ctx, dout, q, k, v, forward, d, opts, grads);
     return grads;
   }
   const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   const Tensor gc = dout.contiguous();
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
   const std::vector<double> alibi = alibi_of(opts);
-  // dispatch: the reference recomputes the weights, so it needs neither output nor logsumexp.
+  // The reference recomputes the weights, so it needs neither output nor logsumexp.
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     ref::sdpa_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), vc.data<F>(),
                           grads.dq.data<F>(), grads.dk.data<F>(), grads.dv.data<F>(), kept.data(),
-                          opts.mask.masked_rows, attention_scale(opts, d.D), d, drop,
-                          alibi.empty() ? nullptr : alibi.data(),
+                          detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D),
+                          d, drop, alibi.empty() ? nullptr : alibi.data(),
                           std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return grads;
@@ -397,13 +340,13 @@ AdditiveResult additive_attention(Context& ctx, const Tensor& qp, const Tensor& 
   result.dropout_offset = drop.offset;
   const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
                vc = v.contiguous();
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
-  // dispatch: reference only.
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  // Reference only (no fused additive kernel).
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     ref::additive_forward<F>(qc.data<F>(), kc.data<F>(), wc.data<F>(), vc.data<F>(),
                              result.output.data<F>(), result.weights.data<F>(), kept.data(),
-                             opts.mask.masked_rows, d, drop);
+                             detail::lower_policy(opts.mask.masked_rows), d, drop);
   });
   return result;
 }
@@ -420,12 +363,13 @@ AdditiveGrads additive_attention_backward(Context& ctx, const Tensor& dout, cons
   const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
   const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
                vc = v.contiguous(), gc = dout.contiguous();
-  const std::vector<int64_t> kept = ref::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     ref::additive_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), wc.data<F>(), vc.data<F>(),
                               grads.dqp.data<F>(), grads.dkp.data<F>(), grads.dw_v.data<F>(),
-                              grads.dv.data<F>(), kept.data(), opts.mask.masked_rows, d, drop);
+                              grads.dv.data<F>(), kept.data(),
+                              detail::lower_policy(opts.mask.masked_rows), d, drop);
   });
   return grads;
 }

@@ -10,8 +10,8 @@
 // Same numbers as d2l's transpose_qkv -> scaled_dot_product_attention on (B*H, ., D) with batch
 // index b*H + h (valid_lens per batch b, lens_repeat = H) -> transpose_output, and bitwise equal
 // to that path on the fused CPU kernel: the kernel reads the same values through head strides
-// (cpu::FlashParams::heads, cpu::FlashBf16Params::heads) instead of from copies. The dropout stream
-// index is the (B*H) one.
+// (kernels::AttentionProblem::heads, kernels/attention_problem.hpp) instead of from copies. The
+// dropout stream index is the (B*H) one.
 #pragma once
 
 #include "attn/core/context.hpp"

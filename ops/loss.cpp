@@ -3,8 +3,8 @@
 #include "attn/ops/loss.hpp"
 
 #include "kernels/ref/loss.hpp"
-#include "kernels/ref/masked_softmax.hpp"
 #include "ops/common.hpp"
+#include "ops/mask.hpp"
 
 #include <limits>
 #include <vector>
@@ -46,7 +46,7 @@ std::vector<uint8_t> keep_mask(const char* op, const Tensor& logits, const Tenso
           shape_str(vl.shape()), B);
     // d2l's sequence mask: t counts iff float(t) < len (as masked_softmax's keys).
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t kept = ref::keys_kept_by_length(vl.flat(b), T);
+      const int64_t kept = detail::keys_kept_by_length(vl.flat(b), T);
       for (int64_t t = kept; t < T; ++t)
         keep[static_cast<size_t>(b * T + t)] = 0;
     }

@@ -4,6 +4,7 @@
 
 #include "kernels/ref/masked_softmax.hpp"
 #include "ops/common.hpp"
+#include "ops/mask.hpp"
 
 namespace attn {
 
@@ -40,11 +41,12 @@ Tensor masked_softmax(Context& ctx, const Tensor& X, const MaskOptions& mask) {
   (void)ctx;  // one backend so far: every Backend value runs the reference
   const Tensor x = X.contiguous();
   Tensor y = Tensor::empty(X.shape(), X.dtype());
-  const std::vector<int64_t> kept = ref::kept_key_counts(mask, B, T, S);
+  check(S < (int64_t{1} << 31), op, "X {} has more than 2^31 keys", shape_str(X.shape()));
+  const std::vector<int32_t> kept = detail::kept_key_counts(mask, B, T, S);
   detail::dispatch_float(X.dtype(), [&](auto zero) {
     using F = decltype(zero);
-    ref::masked_softmax_forward<F>(x.data<F>(), y.data<F>(), kept.data(), mask.masked_rows, B * T,
-                                   S);
+    ref::masked_softmax_forward<F>(x.data<F>(), y.data<F>(), kept.data(),
+                                   detail::lower_policy(mask.masked_rows), B * T, S);
   });
   return y;
 }
@@ -69,7 +71,8 @@ Tensor masked_softmax_backward(Context& ctx, const Tensor& dY, const Tensor& Y,
   (void)ctx;
   const Tensor dy = dY.contiguous(), y = Y.contiguous();
   Tensor dx = Tensor::empty(Y.shape(), Y.dtype());
-  const std::vector<int64_t> kept = ref::kept_key_counts(mask, B, T, S);
+  check(S < (int64_t{1} << 31), op, "Y {} has more than 2^31 keys", shape_str(Y.shape()));
+  const std::vector<int32_t> kept = detail::kept_key_counts(mask, B, T, S);
   detail::dispatch_float(Y.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::masked_softmax_backward<F>(dy.data<F>(), y.data<F>(), dx.data<F>(), kept.data(), B * T, S);

@@ -33,6 +33,7 @@
 // <= 0.46 and dv <= 0.95 (fallback); native backward: see docs/notes/bf16-kernel.md.
 #include "kernels/cpu/flash_bf16.hpp"
 
+#include "attention_harness.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/ops/attention.hpp"
@@ -52,71 +53,19 @@
 namespace attn::cpu {
 namespace {
 
-constexpr double kU = 1.0 / 256;        // bf16 unit roundoff 2^-8
-constexpr uint16_t kSentinel = 0x7fc1;  // a NaN payload never produced by rounding
+constexpr double kU = 1.0 / 256;                                     // bf16 unit roundoff 2^-8
+constexpr uint16_t kSentinel = testing::kHarnessSentinel<uint16_t>;  // a NaN payload
 
-// A (B, N, C) bf16 tensor at `off` in `buf` with element strides; layouts as in
-// test_flash_cpu.cpp: 0 contiguous, 1 the middle head of a wider row at an odd offset, 2 a
-// feature stride of 2.
-struct View {
-  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
-  std::vector<uint16_t> buf;
-  uint16_t* ptr() { return buf.data() + off; }
-  uint16_t& raw(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
-  double at(int64_t b, int64_t n, int64_t c) const {
-    return bf16_to_float(buf[off + b * sb + n * sn + c * sc]);
-  }
-};
+// Views, guards, cases and key limits: tests/attention_harness.hpp.
+using View = testing::HarnessView<uint16_t>;
+using Case = testing::KernelCase;
+using testing::guard_damage;
+using testing::Lens;
 
 View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
                double range = 1.0) {
-  View v;
-  v.B = B, v.N = N, v.C = C;
-  if (layout == 0) {
-    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
-  } else if (layout == 1) {
-    const int64_t E = 3 * C + 5;
-    v.sc = 1, v.sn = E, v.sb = N * E, v.off = C + 1;
-  } else {
-    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
-  }
-  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kSentinel);
-  Rng rng(seed, 99);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t c = 0; c < C; ++c)
-        v.raw(b, n, c) = float_to_bf16(fill ? float(rng.uniform(-range, range)) : 0.0f);
-  return v;
+  return testing::make_harness_view<uint16_t>(B, N, C, layout, seed, fill, range);
 }
-
-int64_t guard_damage(const View& v) {
-  std::vector<char> is_elem(v.buf.size(), 0);
-  for (int64_t b = 0; b < v.B; ++b)
-    for (int64_t n = 0; n < v.N; ++n)
-      for (int64_t c = 0; c < v.C; ++c)
-        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
-  int64_t bad = 0;
-  for (size_t i = 0; i < v.buf.size(); ++i)
-    bad += !is_elem[i] && v.buf[i] != kSentinel;
-  return bad;
-}
-
-enum class Lens { kNone, k1D, k2D };
-
-struct Case {
-  int64_t B, T, S, D, Dv;
-  Lens lens;
-  bool causal, zero_rows;
-  float dropout;
-  int layout;
-  std::string name() const {
-    static const char* kLens[] = {"none", "lens1d", "lens2d"};
-    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
-           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
-           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
-           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
-  }
-};
 
 struct Problem {
   Case cs;
@@ -137,43 +86,30 @@ struct Problem {
     dk = make_view(c.B, c.S, c.D, L, 0, false);
     dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
     lse.assign(c.B * c.T, 0.0f);
-    if (c.lens != Lens::kNone) {  // as the ops layer passes them: clamped, with 0 and > S
-      Rng rng(7, 1);
-      key_limit.resize(c.B * c.T);
-      for (int64_t b = 0; b < c.B; ++b) {
-        const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
-        for (int64_t t = 0; t < c.T; ++t) {
-          int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
-          if (c.lens == Lens::k2D && t == 1) len = 0;
-          key_limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
-        }
-      }
-    }
+    key_limit = testing::case_key_limits(c);
     p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
-    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
-    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
-    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.q = q.input_view();
+    p.k = k.input_view();
+    p.v = v.input_view();
+    p.out = out.kernel_view();
     p.lse = lse.data();
-    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
-    p.zero_masked_rows = c.zero_rows;
+    p.masked_rows = c.masked_rows();
     p.scale = float(1.0 / std::sqrt(double(c.D)));
     p.dropout = c.dropout;
     p.seed = 1234;
     p.offset = 5;
     p.threads = 1;
-    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
-    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
-    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
-    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+    g.dout = dout.input_view();
+    g.dq = dq.kernel_view();
+    g.dk = dk.kernel_view();
+    g.dv = dv.kernel_view();
   }
 };
 
 int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
-  int64_t lim = pr.key_limit.empty() ? pr.cs.S : pr.key_limit[b * pr.cs.T + t];
-  if (pr.cs.causal) lim = std::min(lim, t + 1);
-  return std::clamp<int64_t>(lim, 0, pr.cs.S);
+  return testing::case_row_limit(pr.cs, pr.key_limit, b, t);
 }
 
 // The formulas in double on the bf16 values, with the error bounds of the header comment.
@@ -325,14 +261,9 @@ double max_abs(const std::vector<double>& x) {
   return m;
 }
 
-// Restores the native path (when the CPU has it) at the end of a scope.
-struct ForceFallback {
-  explicit ForceFallback(bool on) { flash_bf16_force_fallback(on); }
-  ~ForceFallback() { flash_bf16_force_fallback(false); }
-};
-
-std::vector<bool> modes() {  // fallback forced: false (native, if this CPU has it), true
-  flash_bf16_force_fallback(false);
+// The paths to test: p.force_bf16_fallback (Context::force_bf16_fallback in the ops) false
+// (native, if this CPU has it) and true.
+std::vector<bool> modes() {
   if (flash_bf16_native()) return {false, true};
   return {true};
 }
@@ -368,8 +299,8 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     Problem pr(c);
+    pr.p.force_bf16_fallback = fallback;
     flash_attention_forward_bf16(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
     for (int64_t i = 0; i < c.B * c.T; ++i) {
@@ -384,6 +315,7 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
     check_grads(pr, ref, !fallback, 1e-4 * gscale);
 
     Problem pr2(c);  // two threads: the same bits
+    pr2.p.force_bf16_fallback = fallback;
     pr2.p.threads = 2;
     flash_attention_forward_bf16(pr2.p);
     flash_attention_backward_bf16(pr2.p, pr2.g);
@@ -406,10 +338,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, FlashBf16Sweep, ::testing::ValuesIn(sweep()), ca
 // ~1e4 * 2^-24 * D = 1e-2 absolute error, i.e. weights of near-tied keys may move by ~1e-2.
 TEST(FlashBf16, HugeLogitsNeverNaN) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool causal : {false, true}) {
       Case c{2, 70, 150, 16, 16, Lens::k2D, causal, false, 0.0f, 0};
       Problem pr(c, 100.0);
+      pr.p.force_bf16_fallback = fallback;
       const Reference ref = reference(pr);
       flash_attention_forward_bf16(pr.p);
       for (int64_t b = 0; b < c.B; ++b)
@@ -430,9 +362,9 @@ TEST(FlashBf16, HugeLogitsNeverNaN) {
 // rescale factor would compound (a 7.5e-5 bias per tile gave 2e-4 in lse after 3 tiles).
 TEST(FlashBf16, LongRowsKeepLseAccurate) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     Case c{1, 20, 3000, 16, 16, Lens::kNone, false, false, 0.0f, 0};
     Problem pr(c, 2.0);
+    pr.p.force_bf16_fallback = fallback;
     const Reference ref = reference(pr);
     flash_attention_forward_bf16(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
@@ -455,15 +387,15 @@ TEST(FlashBf16, PackLargerThanKeptBuffer) {
 }
 
 // Key tiles scaled up and down by turns: the running max jumps at some tiles and stays put at
-// others, so the online softmax rescales l and O^T (exp2_accurate) by factors far from 1, native
+// others, so the online softmax rescales l and O^T (Exp2Accurate) by factors far from 1, native
 // and fallback; one and two threads give the same bits.
 TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
   const float gain[] = {1.0f, 1.5f, 6.0f, 0.5f, 1.0f, 12.0f, 2.0f, 0.1f, 20.0f, 1.0f};
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool causal : {false, true}) {
       const Case c{2, 37, 640, 16, 24, Lens::kNone, causal, false, 0.0f, 0};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       for (int64_t b = 0; b < c.B; ++b)
         for (int64_t s = 0; s < c.S; ++s)
           for (int64_t d = 0; d < c.D; ++d)
@@ -477,8 +409,9 @@ TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
         EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-4 + 1e-5 * std::abs(ref.lse[i]))
             << "lse[" << i << "]";
       Problem pr2(c);
+      pr2.p.force_bf16_fallback = fallback;
       pr2.k.buf = pr.k.buf;
-      pr2.p.k = pr2.k.ptr();
+      pr2.p.k.data = pr2.k.ptr();
       pr2.p.threads = 2;
       flash_attention_forward_bf16(pr2.p);
       EXPECT_EQ(pr.out.buf, pr2.out.buf);
@@ -490,10 +423,10 @@ TEST(FlashBf16, RisingAndFallingScoresMatchReference) {
 // PyTorch's gives zeros; lse is -inf; dq and dk are zero.
 TEST(FlashBf16, FullyMaskedRows) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (bool zero : {false, true}) {
       Case c{2, 9, 75, 16, 24, Lens::k1D, false, zero, 0.2f, 1};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       std::fill(pr.key_limit.begin(), pr.key_limit.end(), 0);
       const Reference ref = reference(pr);
       flash_attention_forward_bf16(pr.p);
@@ -514,10 +447,10 @@ TEST(FlashBf16, FullyMaskedRows) {
 // for the rows t < 20, which must stay finite and exact, while rows t >= 20 keep it.
 TEST(FlashBf16, NonFiniteMaskedKeysStayOut) {
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (int64_t S : {100, 21}) {  // 21: the poisoned key is also a pair's padded second half
       Case c{1, 40, S, 32, 32, Lens::kNone, true, false, 0.0f, 0};
       Problem pr(c);
+      pr.p.force_bf16_fallback = fallback;
       pr.v.raw(0, 20, 3) = 0x7fc0;  // NaN
       pr.k.raw(0, 20, 5) = 0x7f80;  // +Inf
       const Reference ref = reference(pr);
@@ -544,12 +477,13 @@ TEST(FlashBf16, LongQueriesBackward) {
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     Problem pr(c);
+    pr.p.force_bf16_fallback = fallback;
     flash_attention_forward_bf16(pr.p);
     flash_attention_backward_bf16(pr.p, pr.g);
     check_grads(pr, ref, !fallback, 1e-4 * gscale);
     Problem pr2(c);
+    pr2.p.force_bf16_fallback = fallback;
     pr2.p.threads = 2;
     flash_attention_forward_bf16(pr2.p);
     flash_attention_backward_bf16(pr2.p, pr2.g);
@@ -568,12 +502,12 @@ TEST(FlashBf16, LongQueriesBackward) {
 TEST(FlashBf16, NonFiniteInputsStayOutOfGradients) {
   for (bool fallback : modes()) {
     SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    ForceFallback force(fallback);
     for (int poison : {0, 1})
       for (int64_t T : {200, 201}) {
         SCOPED_TRACE("case " + std::to_string(poison) + " T " + std::to_string(T));
         Case c{1, T, 170, 32, 24, Lens::kNone, true, false, 0.0f, 0};
         Problem pr(c);
+        pr.p.force_bf16_fallback = fallback;
         if (poison == 0) {
           pr.q.raw(0, 5, 3) = 0x7fc0;     // NaN
           pr.dout.raw(0, 7, 2) = 0x7fc0;  // NaN
@@ -638,7 +572,6 @@ TEST(FlashBf16, OpsCpuMatchesReferenceBackend) {
       {1, 200, 200, 128, 128, 0, true, true, false, 0.1},
   };
   for (bool fallback : modes()) {
-    ForceFallback force(fallback);
     for (const OpsCase& c : cases) {
       SCOPED_TRACE("B" + std::to_string(c.B) + " T" + std::to_string(c.T) + " S" +
                    std::to_string(c.S) + " D" + std::to_string(c.D) +
@@ -662,6 +595,7 @@ TEST(FlashBf16, OpsCpuMatchesReferenceBackend) {
       o.dropout = c.dropout;
       o.training = c.dropout > 0;
       Context ref_ctx, cpu_ctx;
+      cpu_ctx.force_bf16_fallback = fallback;
       ref_ctx.backend = Backend::kReference;
       cpu_ctx.backend = Backend::kCpu;
       cpu_ctx.threads = 2;

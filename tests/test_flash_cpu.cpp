@@ -11,6 +11,7 @@
 // (observed max 7e-7).
 #include "kernels/cpu/flash_attention.hpp"
 
+#include "attention_harness.hpp"
 #include "attn/ops/attention.hpp"
 #include "testing.hpp"
 
@@ -28,73 +29,19 @@
 namespace attn::cpu {
 namespace {
 
-constexpr float kSentinel = -12345.0f;  // fills every buffer slot that is not a tensor element
+constexpr float kSentinel = testing::kHarnessSentinel<float>;  // every non-element slot
 
-// A (B, N, C) float tensor at `off` in `buf` with element strides. Layouts: 0 contiguous; 1 the
-// middle head of a (B, N, 3C+5) activation at an odd offset (misaligned rows); 2 a feature
-// stride of 2 (non-unit last stride).
-struct View {
-  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
-  std::vector<float> buf;
-  float* ptr() { return buf.data() + off; }
-  const float* ptr() const { return buf.data() + off; }
-  float& at(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
-  float at(int64_t b, int64_t n, int64_t c) const { return buf[off + b * sb + n * sn + c * sc]; }
-};
+// Views, guards, cases and key limits: tests/attention_harness.hpp.
+using View = testing::HarnessView<float>;
+using Case = testing::KernelCase;
+using testing::guard_damage;
+using testing::Lens;
 
-View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill) {
-  View v;
-  v.B = B, v.N = N, v.C = C;
-  if (layout == 0) {
-    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
-  } else if (layout == 1) {
-    const int64_t E = 3 * C + 5;
-    v.sc = 1, v.sn = E, v.sb = N * E, v.off = C + 1;
-  } else {
-    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
-  }
-  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kSentinel);
-  Rng rng(seed, 99);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t c = 0; c < C; ++c)
-        v.at(b, n, c) = fill ? float(rng.uniform(-1, 1)) : 0.0f;
-  return v;
+View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
+               double range = 1.0) {
+  return testing::make_harness_view<float>(B, N, C, layout, seed, fill, range);
 }
 
-// Number of buffer slots outside the tensor that no longer hold the sentinel (out-of-bounds
-// writes).
-int64_t guard_damage(const View& v) {
-  std::vector<char> is_elem(v.buf.size(), 0);
-  for (int64_t b = 0; b < v.B; ++b)
-    for (int64_t n = 0; n < v.N; ++n)
-      for (int64_t c = 0; c < v.C; ++c)
-        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
-  int64_t bad = 0;
-  for (size_t i = 0; i < v.buf.size(); ++i)
-    bad += !is_elem[i] && v.buf[i] != kSentinel;
-  return bad;
-}
-
-enum class Lens { kNone, k1D, k2D };
-
-struct Case {
-  int64_t B, T, S, D, Dv;
-  Lens lens;
-  bool causal;
-  bool zero_rows;
-  float dropout;
-  int layout;
-  std::string name() const {
-    static const char* kLens[] = {"none", "lens1d", "lens2d"};
-    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
-           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
-           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
-           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
-  }
-};
-
-// Everything one case needs: inputs, outputs, parameters.
 struct Problem {
   Case cs;
   View q, k, v, out, dout, dq, dk, dv, weights;
@@ -115,46 +62,31 @@ struct Problem {
     dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
     weights = make_view(c.B, c.T, c.S, L % 2, 0, false);  // unit stride along S
     lse.assign(c.B * c.T, 0.0f);
-    // Lengths as the ops layer passes them: per row, clamped to [0, S]. They include 0 (a fully
-    // masked row) and values past S; 1-D lengths repeat over the rows of a batch.
-    if (c.lens != Lens::kNone) {
-      Rng rng(7, 1);
-      key_limit.resize(c.B * c.T);
-      for (int64_t b = 0; b < c.B; ++b) {
-        const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
-        for (int64_t t = 0; t < c.T; ++t) {
-          int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
-          if (c.lens == Lens::k2D && t == 1) len = 0;
-          key_limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
-        }
-      }
-    }
+    key_limit = testing::case_key_limits(c);
     p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.ptr(), p.q_sb = q.sb, p.q_st = q.sn, p.q_sd = q.sc;
-    p.k = k.ptr(), p.k_sb = k.sb, p.k_ss = k.sn, p.k_sd = k.sc;
-    p.v = v.ptr(), p.v_sb = v.sb, p.v_ss = v.sn, p.v_sd = v.sc;
-    p.out = out.ptr(), p.o_sb = out.sb, p.o_st = out.sn, p.o_sd = out.sc;
+    p.q = q.input_view();
+    p.k = k.input_view();
+    p.v = v.input_view();
+    p.out = out.kernel_view();
     p.lse = lse.data();
     p.weights = weights.ptr(), p.w_sb = weights.sb, p.w_st = weights.sn;
-    p.key_limit = key_limit.empty() ? nullptr : key_limit.data();
+    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
     p.causal = c.causal;
-    p.zero_masked_rows = c.zero_rows;
+    p.masked_rows = c.masked_rows();
     p.scale = float(1.0 / std::sqrt(double(c.D)));
     p.dropout = c.dropout;
     p.seed = 1234;
     p.offset = 5;
     p.threads = 1;
-    g.dout = dout.ptr(), g.do_sb = dout.sb, g.do_st = dout.sn, g.do_sd = dout.sc;
-    g.dq = dq.ptr(), g.dq_sb = dq.sb, g.dq_st = dq.sn, g.dq_sd = dq.sc;
-    g.dk = dk.ptr(), g.dk_sb = dk.sb, g.dk_ss = dk.sn, g.dk_sd = dk.sc;
-    g.dv = dv.ptr(), g.dv_sb = dv.sb, g.dv_ss = dv.sn, g.dv_sd = dv.sc;
+    g.dout = dout.input_view();
+    g.dq = dq.kernel_view();
+    g.dk = dk.kernel_view();
+    g.dv = dv.kernel_view();
   }
 };
 
 int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
-  int64_t lim = pr.key_limit.empty() ? pr.cs.S : pr.key_limit[b * pr.cs.T + t];
-  if (pr.cs.causal) lim = std::min(lim, t + 1);
-  return std::clamp<int64_t>(lim, 0, pr.cs.S);
+  return testing::case_row_limit(pr.cs, pr.key_limit, b, t);
 }
 
 // The reference, in double, straight from the formulas (full T x S matrices).
@@ -286,9 +218,9 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
   const Reference ref = reference(ref_pr, /*backward=*/true);
   const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
   for (int64_t target : flash_attention_targets()) {
-    flash_attention_set_targets(target);
-    SCOPED_TRACE(std::string("target ") + flash_attention_target());
+    SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
     Problem pr(c);
+    pr.p.simd_targets = target;
     flash_attention_forward(pr.p);
     EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
     EXPECT_TRUE(close_view("weights", pr.weights, ref.weights, 2e-6, 2e-6));
@@ -306,6 +238,7 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
 
     // Two threads give the same bits (work items do not depend on the thread count).
     Problem pr2(c);
+    pr2.p.simd_targets = target;
     pr2.p.threads = 2;
     pr2.p.weights = nullptr;  // the output must not depend on whether weights are written
     flash_attention_forward(pr2.p);
@@ -316,7 +249,6 @@ TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
   }
-  flash_attention_set_targets(0);
 }
 
 std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
@@ -442,10 +374,11 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
           ref_pr.k.at(b, s, d) *= 3.0f * gain[(s / 16 + b) % 10];
     const Reference ref = reference(ref_pr, false);
     for (int64_t target : flash_attention_targets()) {
-      flash_attention_set_targets(target);
-      SCOPED_TRACE(std::string("target ") + flash_attention_target() + (causal ? " causal" : ""));
+      SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target) +
+                   (causal ? " causal" : ""));
       for (int threads : {1, 2}) {
         Problem pr(c);
+        pr.p.simd_targets = target;
         std::copy(ref_pr.k.buf.begin(), ref_pr.k.buf.end(), pr.k.buf.begin());
         pr.p.threads = threads;
         flash_attention_forward(pr.p);
@@ -457,7 +390,6 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
       }
     }
   }
-  flash_attention_set_targets(0);
 }
 
 // ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------

@@ -1,5 +1,5 @@
 // MultiHeadAttention's fast path: the fused kernel on (B, T, H*D) projections with head strides
-// (cpu::FlashParams::heads, ops/attention_heads.hpp) instead of d2l's (B*H, T, D) copies.
+// (kernels::AttentionProblem::heads, ops/attention_heads.hpp) instead of d2l's (B*H, T, D) copies.
 //
 // 1. Op level, bitwise: the head-strided kernel reads exactly the values the copying path reads
 //    (d2l's transpose_qkv -> scaled_dot_product_attention on Backend::kCpu -> transpose_output),
@@ -109,12 +109,26 @@ struct Outcome {
   Tensor out, lse, dq, dk, dv;
 };
 
-// The fused op on column slices of one (B, L, 3 * width + 3) buffer per input (offset 1, so every
-// row is misaligned), gradients into slices of a sentinel-filled buffer.
-Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DType dt = DType::F32) {
+// Kernel switches of a run (Context::kernel_targets, Context::force_bf16_fallback).
+struct Switches {
+  int64_t targets = 0;
+  bool bf16_fallback = false;
+};
+
+Context make_context(int threads, const Switches& sw) {
   Context ctx;
   ctx.threads = threads;
   ctx.seed = 99;
+  ctx.kernel_targets = sw.targets;
+  ctx.force_bf16_fallback = sw.bf16_fallback;
+  return ctx;
+}
+
+// The fused op on column slices of one (B, L, 3 * width + 3) buffer per input (offset 1, so every
+// row is misaligned), gradients into slices of a sentinel-filled buffer.
+Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DType dt = DType::F32,
+                  const Switches& sw = {}) {
+  Context ctx = make_context(threads, sw);
   const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
   const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
   const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
@@ -139,10 +153,8 @@ Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DTyp
 
 // The copying path on the same values: split, sdpa on kCpu (the fused kernel), merge.
 Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts,
-                  DType dt = DType::F32) {
-  Context ctx;
-  ctx.threads = threads;
-  ctx.seed = 99;
+                  DType dt = DType::F32, const Switches& sw = {}) {
+  Context ctx = make_context(threads, sw);
   ctx.backend = Backend::kCpu;
   const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
   const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
@@ -175,12 +187,12 @@ TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
   const Case c = GetParam();
   const AttentionOptions opts = case_options(c);
   for (int64_t target : cpu::flash_attention_targets()) {
-    cpu::flash_attention_set_targets(target);
-    const Outcome want = run_split(c, 1, opts);
+    const Switches sw{target, false};
+    const Outcome want = run_split(c, 1, opts, DType::F32, sw);
     for (int threads : {1, 2}) {
-      SCOPED_TRACE(std::string(cpu::flash_attention_target()) + " threads " +
+      SCOPED_TRACE(std::string(cpu::flash_attention_target_name(target)) + " threads " +
                    std::to_string(threads));
-      const Outcome got = run_heads(c, threads, opts);
+      const Outcome got = run_heads(c, threads, opts, DType::F32, sw);
       EXPECT_TRUE(bitwise_equal(got.out, want.out)) << max_abs_diff(got.out, want.out);
       EXPECT_TRUE(bitwise_equal(got.lse, want.lse));
       EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << max_abs_diff(got.dq, want.dq);
@@ -188,7 +200,6 @@ TEST_P(MhaHeadsOp, BitwiseEqualToCopyingPathOnEveryTargetAndThreadCount) {
       EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << max_abs_diff(got.dv, want.dv);
     }
   }
-  cpu::flash_attention_set_targets(0);
 }
 
 // bfloat16 q, k, v (kernels/cpu/flash_bf16 with head strides): the native AVX512-BF16 kernels
@@ -197,12 +208,12 @@ TEST_P(MhaHeadsOp, Bf16BitwiseEqualToCopyingPath) {
   const Case c = GetParam();
   const AttentionOptions opts = case_options(c);
   for (bool fallback : {false, true}) {
-    cpu::flash_bf16_force_fallback(fallback);
-    const Outcome want = run_split(c, 1, opts, DType::BF16);
+    const Switches sw{0, fallback};
+    const Outcome want = run_split(c, 1, opts, DType::BF16, sw);
     for (int threads : {1, 2}) {
       SCOPED_TRACE(std::string(fallback ? "fallback" : "native if available") + " threads " +
                    std::to_string(threads));
-      const Outcome got = run_heads(c, threads, opts, DType::BF16);
+      const Outcome got = run_heads(c, threads, opts, DType::BF16, sw);
       EXPECT_EQ(got.out.dtype(), DType::BF16);
       EXPECT_TRUE(bitwise_equal(got.out, want.out)) << max_abs_diff(got.out, want.out);
       EXPECT_TRUE(bitwise_equal(got.lse, want.lse));
@@ -211,7 +222,6 @@ TEST_P(MhaHeadsOp, Bf16BitwiseEqualToCopyingPath) {
       EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << max_abs_diff(got.dv, want.dv);
     }
   }
-  cpu::flash_bf16_force_fallback(false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),

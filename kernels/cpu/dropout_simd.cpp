@@ -12,6 +12,7 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "hwy/highway.h"
+#include "kernels/cpu/philox-inl.h"
 
 #include "attn/core/rng.hpp"
 
@@ -26,19 +27,6 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DU = hn::ScalableTag<uint32_t>;
 using VU = hn::Vec<DU>;
 constexpr size_t kMaxLanes = HWY_MAX_BYTES / sizeof(uint32_t);
-
-// x * m as 64-bit products, split into the high and low 32 bits per lane: MulEven gives the even
-// lanes' products; the odd lanes are shifted into even position first; OddEven merges the two.
-HWY_INLINE void MulWide(VU x, uint32_t m, VU& hi, VU& lo) {
-  const DU du;
-  const hn::RepartitionToWide<DU> dw;
-  const VU vm = hn::Set(du, m);
-  lo = hn::Mul(x, vm);
-  const VU even_hi = hn::BitCast(du, hn::ShiftRight<32>(hn::MulEven(x, vm)));
-  const VU x_odd = hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, x)));
-  const VU odd_hi = hn::BitCast(du, hn::MulEven(x_odd, vm));  // high half sits in odd lanes
-  hi = hn::OddEven(odd_hi, even_hi);
-}
 #endif
 
 // Elements [begin, end) of one dropout call; begin is a multiple of 4. `threshold` is the
@@ -67,26 +55,11 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
       lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
       hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
     }
-    // Philox 4x32-10, word w of every lane's counter in c[w] (attn/core/rng.hpp, round for round).
-    VU c0 = hn::Load(du, lo), c1 = hn::Load(du, hi), c2 = off_lo, c3 = off_hi;
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      VU hi0, lo0, hi1, lo1;
-      MulWide(c0, 0xD2511F53u, hi0, lo0);
-      MulWide(c2, 0xCD9E8D57u, hi1, lo1);
-      const VU n0 = hn::Xor(hn::Xor(hi1, c1), hn::Set(du, k0));
-      const VU n2 = hn::Xor(hn::Xor(hi0, c3), hn::Set(du, k1));
-      c0 = n0;
-      c1 = lo1;
-      c2 = n2;
-      c3 = lo0;
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    hn::Store(c0, du, words[0]);
-    hn::Store(c1, du, words[1]);
-    hn::Store(c2, du, words[2]);
-    hn::Store(c3, du, words[3]);
+    // Philox 4x32-10, word w of every lane's counter in c[w] (philox-inl.h).
+    VU c[4] = {hn::Load(du, lo), hn::Load(du, hi), off_lo, off_hi};
+    Philox4x32(du, c, seed);
+    for (int w = 0; w < 4; ++w)
+      hn::Store(c[w], du, words[w]);
     // Element i0 + e takes word e % 4 of lane e / 4: put the words in element order, then
     // decide and scale Ld elements at a time, the product in double as the reference.
     for (int64_t k = 0; k < L; ++k)

@@ -62,29 +62,27 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Keys [0, limit) are kept for row (b, t): the length mask and the causal mask both keep a prefix.
-// Offset of batch row b of a tensor with batch stride sb and head stride sh: with p.heads > 1,
-// b = batch * heads + head (see FlashParams); with heads = 1 it is b * sb.
+// Offset of batch row b of a tensor with batch stride sb and head stride sh (see
+// kernels/attention_problem.hpp: b = batch * heads + head).
 inline int64_t HeadOffset(const FlashParams& p, int64_t b, int64_t sb, int64_t sh) {
-  return p.heads == 1 ? b * sb : (b / p.heads) * sb + (b % p.heads) * sh;
+  return p.row_offset(b, sb, sh);
 }
 inline int64_t QOff(const FlashParams& p, int64_t b) {
-  return HeadOffset(p, b, p.q_sb, p.q_sh);
+  return HeadOffset(p, b, p.q.sb, p.q.sh);
 }
 inline int64_t KOff(const FlashParams& p, int64_t b) {
-  return HeadOffset(p, b, p.k_sb, p.k_sh);
+  return HeadOffset(p, b, p.k.sb, p.k.sh);
 }
 inline int64_t VOff(const FlashParams& p, int64_t b) {
-  return HeadOffset(p, b, p.v_sb, p.v_sh);
+  return HeadOffset(p, b, p.v.sb, p.v.sh);
 }
 inline int64_t OOff(const FlashParams& p, int64_t b) {
-  return HeadOffset(p, b, p.o_sb, p.o_sh);
+  return HeadOffset(p, b, p.out.sb, p.out.sh);
 }
 
+// Keys [0, limit) are kept for row (b, t): the length mask and the causal mask both keep a prefix.
 inline int64_t RowLimit(const FlashParams& p, int64_t b, int64_t t) {
-  int64_t lim = p.key_limit ? p.key_limit[b * p.T + t] : p.S;
-  if (p.causal) lim = std::min(lim, t + 1);
-  return std::clamp<int64_t>(lim, 0, p.S);
+  return p.row_limit(b, t);
 }
 
 // Dropout multipliers of elements i0 + k, k < n (kernels/cpu/dropout_simd.hpp).
@@ -162,7 +160,7 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
                hn::Set(du, static_cast<uint32_t>(blk >> 32)), hn::Iota(du, 0), c[0], c[1]);
     c[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
     c[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-    Philox4x32(c, p.seed);
+    Philox4x32(DU(), c, p.seed);
     hn::StoreInterleaved4(DropMultiplier(c[0], p.dropout, keep_scale),
                           DropMultiplier(c[1], p.dropout, keep_scale),
                           DropMultiplier(c[2], p.dropout, keep_scale),
@@ -199,7 +197,7 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
       CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g)), w[0], w[1]);
       w[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
       w[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-      Philox4x32(w, p.seed);
+      Philox4x32(DU(), w, p.seed);
       for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
         float* row = xt + (4 * g + j) * mqp + c;
         hn::StoreU(hn::Mul(hn::LoadU(d, row), DropMultiplier(w[j], p.dropout, keep_scale)), d, row);
@@ -218,7 +216,7 @@ size_t ForwardScratchFloats(const FlashParams& p) {
 // 1/S weights, or zeros (PyTorch SDPA). acc holds Dvp floats.
 void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z) {
   std::fill(acc, acc + RoundUpLanes(p.Dv), 0.0f);
-  if (p.zero_masked_rows) return;
+  if (p.zero_masked_rows()) return;
   for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, p.S - s0);
     if (p.dropout > 0.0f) {
@@ -228,9 +226,9 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
     }
     for (int64_t s = 0; s < nk; ++s) {
       const float w = z[s] / static_cast<float>(p.S);
-      const float* vs = p.v + VOff(p, b) + (s0 + s) * p.v_ss;
+      const float* vs = p.v.data + VOff(p, b) + (s0 + s) * p.v.st;
       for (int64_t c = 0; c < p.Dv; ++c)
-        acc[c] += w * vs[c * p.v_sd];
+        acc[c] += w * vs[c * p.v.sd];
     }
   }
 }
@@ -244,7 +242,7 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
   const DF d;
   for (int64_t r = 0; r < mq; ++r) {
     float* w = p.weights + b * p.w_sb + (t0 + r) * p.w_st;
-    const float fill = lim[r] == 0 && !p.zero_masked_rows ? 1.0f / static_cast<float>(p.S) : 0.0f;
+    const float fill = lim[r] == 0 && !p.zero_masked_rows() ? 1.0f / static_cast<float>(p.S) : 0.0f;
     std::fill(w + lim[r], w + p.S, fill);
   }
   for (int64_t r = 0; r < mqp; ++r)
@@ -254,7 +252,8 @@ void WriteWeights(const FlashParams& p, int64_t b, int64_t t0, int64_t mq, int64
     max_lim = std::max(max_lim, lim[r]);
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
-    GemmFwd(nk, mqp, p.D, p.k + KOff(p, b) + s0 * p.k_ss, p.k_ss, p.k_sd, qt, mqp, xt, mqp, false);
+    GemmFwd(nk, mqp, p.D, p.k.data + KOff(p, b) + s0 * p.k.st, p.k.st, p.k.sd, qt, mqp, xt, mqp,
+            false);
     for (int64_t s = 0; s < nk; ++s)
       for (int64_t c = 0; c < mqp; c += kL) {
         float* x = xt + s * mqp + c;
@@ -340,16 +339,19 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: independent junk columns, never stored
-  PackTransposed(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, p.scale * kLog2e, qt, mqp);
+  PackTransposed(p.q.data + QOff(p, b) + t0 * p.q.st, mq, D, p.q.st, p.q.sd, p.scale * kLog2e, qt,
+                 mqp);
   std::fill(ot, ot + Dv * mqp, 0.0f);
   std::fill(mv, mv + mqp, kNegInf);
   std::fill(lv, lv + mqp, 0.0f);
 
   // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
-  const bool prefetch = p.q_sd == 1 && p.o_sd == 1;
-  RowPrefetch next_q(prefetch && next_b >= 0 ? p.q + QOff(p, next_b) + next_t0 * p.q_st : nullptr,
-                     std::min(kBlockQ, p.T - next_t0), D, p.q_st);
-  RowPrefetch this_out(prefetch ? p.out + OOff(p, b) + t0 * p.o_st : nullptr, mq, Dv, p.o_st);
+  const bool prefetch = p.q.sd == 1 && p.out.sd == 1;
+  RowPrefetch next_q(
+      prefetch && next_b >= 0 ? p.q.data + QOff(p, next_b) + next_t0 * p.q.st : nullptr,
+      std::min(kBlockQ, p.T - next_t0), D, p.q.st);
+  RowPrefetch this_out(prefetch ? p.out.data + OOff(p, b) + t0 * p.out.st : nullptr, mq, Dv,
+                       p.out.st);
   const int64_t tiles = (max_lim + kBlockK - 1) / kBlockK;
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
@@ -365,11 +367,11 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     for (int64_t r = c0; r < mq; ++r)
       min_lim = std::min(min_lim, lim[r]);
 
-    const float* kb = p.k + KOff(p, b) + s0 * p.k_ss;
-    const float* vb = p.v + VOff(p, b) + s0 * p.v_ss;
+    const float* kb = p.k.data + KOff(p, b) + s0 * p.k.st;
+    const float* vb = p.v.data + VOff(p, b) + s0 * p.v.st;
     const bool full = min_lim >= s0 + nk;  // every query from c0 keeps every key of the tile
     // A non-finite v of a key that some queries mask must reach only the queries that keep it.
-    const bool v_finite = full || AllFinite(vb, nk, Dv, p.v_ss, p.v_sd);
+    const bool v_finite = full || AllFinite(vb, nk, Dv, p.v.st, p.v.sd);
 
     // One panel of kPanel query columns at a time through all the steps, so that its scores,
     // weights and O^T columns stay in L1 between the two products.
@@ -378,9 +380,9 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
       // X^T = K (Q^T scaled): (nk, w), and mn = max(m, column maxima of X^T).
       std::copy(mv + c1, mv + c2, mn + c1);
       if (full) {  // the maximum comes out of the product
-        GemmFwdColMax(nk, w, D, kb, p.k_ss, p.k_sd, qt + c1, mqp, xt + c1, mqp, mn + c1);
+        GemmFwdColMax(nk, w, D, kb, p.k.st, p.k.sd, qt + c1, mqp, xt + c1, mqp, mn + c1);
       } else {  // some kept prefix ends inside this tile: key s0+s >= limit masked in the product
-        GemmFwdMaskColMax(nk, w, D, kb, p.k_ss, p.k_sd, qt + c1, mqp, xt + c1, mqp, mn + c1,
+        GemmFwdMaskColMax(nk, w, D, kb, p.k.st, p.k.sd, qt + c1, mqp, xt + c1, mqp, mn + c1,
                           limv + c1, s0);
       }
 
@@ -401,14 +403,14 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
       }
       // O^T = O^T diag(alpha) + V^T P^T: (Dv, w)
       if (v_finite) {
-        GemmFwdScaleC(Dv, w, nk, vb, p.v_sd, p.v_ss, xt + c1, mqp, ot + c1, mqp, alpha + c1);
+        GemmFwdScaleC(Dv, w, nk, vb, p.v.sd, p.v.st, xt + c1, mqp, ot + c1, mqp, alpha + c1);
       } else {  // add only the kept terms
         for (int64_t e = 0; e < Dv; ++e)
           MulRow(ot + e * mqp + c1, alpha + c1, w);
         for (int64_t r = std::max(r_first, c1); r < std::min(mq, c2); ++r)
           for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s)
             for (int64_t e = 0; e < Dv; ++e)
-              ot[e * mqp + r] += xt[s * mqp + r] * vb[s * p.v_ss + e * p.v_sd];
+              ot[e * mqp + r] += xt[s * mqp + r] * vb[s * p.v.st + e * p.v.sd];
       }
     }
   }
@@ -422,13 +424,13 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     inv[r] = lim[r] == 0 ? 0.0f : 1.0f / lv[r];
     p.lse[b * p.T + t0 + r] = lim[r] == 0 ? kNegInf : (mv[r] + std::log2(lv[r])) * kLn2;
   }
-  float* out = p.out + OOff(p, b) + t0 * p.o_st;
-  UnpackTransposed(ot, mqp, mq, Dv, inv, out, p.o_st, p.o_sd);
+  float* out = p.out.data + OOff(p, b) + t0 * p.out.st;
+  UnpackTransposed(ot, mqp, mq, Dv, inv, out, p.out.st, p.out.sd);
   for (int64_t r = 0; r < mq; ++r) {
     if (lim[r] != 0) continue;
     MaskedRow(p, b, t0 + r, tmp, z);
     for (int64_t e = 0; e < Dv; ++e)
-      out[r * p.o_st + e * p.o_sd] = tmp[e];
+      out[r * p.out.st + e * p.out.sd] = tmp[e];
   }
 }
 
@@ -480,9 +482,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   // common case: then no query tile needs its own check below).
   bool q_do_finite = false;
   if (whole) {
-    PackRows(p.q + QOff(p, b), T, D, p.q_st, p.q_sd, c, q_all, Dp);
-    PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh), T, Dv, g.do_st, g.do_sd, 1.0f, do_all,
-             Dvp);
+    PackRows(p.q.data + QOff(p, b), T, D, p.q.st, p.q.sd, c, q_all, Dp);
+    PackRows(g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh), T, Dv, g.dout.st, g.dout.sd,
+             1.0f, do_all, Dvp);
     q_do_finite = AllFinite(q_all, T, D, Dp, 1) && AllFinite(do_all, T, Dv, Dvp, 1);
   }
 
@@ -495,11 +497,11 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     lse2[t] = p.lse[b * T + t] * kLog2e;
-    const float* o = p.out + OOff(p, b) + t * p.o_st;
-    const float* dout = g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t * g.do_st;
+    const float* o = p.out.data + OOff(p, b) + t * p.out.st;
+    const float* dout = g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
     double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
     for (int64_t k = 0; k < Dv; ++k)
-      acc += double(o[k * p.o_sd]) * dout[k * g.do_sd];
+      acc += double(o[k * p.out.sd]) * dout[k * g.dout.sd];
     drow[t] = static_cast<float>(acc);
   }
 
@@ -508,9 +510,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
     // masked-row term of dV below).
     const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
-    PackTransposed(p.k + KOff(p, b) + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kt, nkp);
-    PackRows(p.k + KOff(p, b) + s0 * p.k_ss, nkr, D, p.k_ss, p.k_sd, 1.0f, kp, Dp);
-    PackTransposed(p.v + VOff(p, b) + s0 * p.v_ss, nkr, Dv, p.v_ss, p.v_sd, 1.0f, vt, nkp);
+    PackTransposed(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kt, nkp);
+    PackRows(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kp, Dp);
+    PackTransposed(p.v.data + VOff(p, b) + s0 * p.v.st, nkr, Dv, p.v.st, p.v.sd, 1.0f, vt, nkp);
     std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
     std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
     const bool k_finite = AllFinite(kp, nkr, D, Dp, 1);
@@ -527,9 +529,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
       const float* qp = whole ? q_all + t0 * Dp : q_tile;      // (mq, Dp)  c Q of the tile
       const float* dop = whole ? do_all + t0 * Dvp : do_tile;  // (mq, Dvp) dO of the tile
       if (!whole) {
-        PackRows(p.q + QOff(p, b) + t0 * p.q_st, mq, D, p.q_st, p.q_sd, c, q_tile, Dp);
-        PackRows(g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t0 * g.do_st, mq, Dv, g.do_st,
-                 g.do_sd, 1.0f, do_tile, Dvp);
+        PackRows(p.q.data + QOff(p, b) + t0 * p.q.st, mq, D, p.q.st, p.q.sd, c, q_tile, Dp);
+        PackRows(g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t0 * g.dout.st, mq, Dv,
+                 g.dout.st, g.dout.sd, 1.0f, do_tile, Dvp);
       }
       Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
       Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
@@ -592,7 +594,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     }
 
     // Rows without a kept key: their weights are the constant 1/S (d2l), so only dV sees them.
-    if (any_masked && !p.zero_masked_rows) {
+    if (any_masked && !p.zero_masked_rows()) {
       for (int64_t t = 0; t < T; ++t) {
         if (limf[t] != 0.0f) continue;
         if (dropout) {
@@ -600,23 +602,23 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         } else {
           std::fill(z, z + nk, 1.0f);
         }
-        const float* dout = g.dout + HeadOffset(p, b, g.do_sb, g.do_sh) + t * g.do_st;
+        const float* dout = g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
         for (int64_t s = 0; s < nk; ++s) {
           const float w = z[s] / static_cast<float>(p.S);
           for (int64_t k = 0; k < Dv; ++k)
-            dv_acc[s * Dvp + k] += w * dout[k * g.do_sd];
+            dv_acc[s * Dvp + k] += w * dout[k * g.dout.sd];
         }
       }
     }
 
     // dK = scale sum dS Q = ln 2 * sum dS (c Q), since c = scale log2 e.
     for (int64_t s = 0; s < nk; ++s) {
-      float* dk = g.dk + HeadOffset(p, b, g.dk_sb, g.dk_sh) + (s0 + s) * g.dk_ss;
-      float* dv = g.dv + HeadOffset(p, b, g.dv_sb, g.dv_sh) + (s0 + s) * g.dv_ss;
+      float* dk = g.dk.data + HeadOffset(p, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
+      float* dv = g.dv.data + HeadOffset(p, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
       for (int64_t k = 0; k < D; ++k)
-        dk[k * g.dk_sd] = kLn2 * dk_acc[s * Dp + k];
+        dk[k * g.dk.sd] = kLn2 * dk_acc[s * Dp + k];
       for (int64_t k = 0; k < Dv; ++k)
-        dv[k * g.dv_sd] = dv_acc[s * Dvp + k];
+        dv[k * g.dv.sd] = dv_acc[s * Dvp + k];
     }
   }
 }
@@ -629,6 +631,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "kernels/cpu/scratch.hpp"
+#include "kernels/cpu/target_scope.hpp"
 
 #include <omp.h>
 
@@ -647,16 +650,17 @@ const char* flash_attention_target() {
   return HWY_DYNAMIC_DISPATCH(TargetName)();
 }
 
+const char* flash_attention_target_name(int64_t target) {
+  return hwy::TargetName(target);
+}
+
 std::vector<int64_t> flash_attention_targets() {
   return hwy::SupportedAndGeneratedTargets();
 }
 
-void flash_attention_set_targets(int64_t mask) {
-  hwy::SetSupportedTargetsForTest(mask);
-}
-
 void flash_attention_forward(const FlashParams& p) {
   if (p.B == 0 || p.T == 0) return;
+  const TargetScope targets(p.simd_targets);
   const int64_t bq = HWY_DYNAMIC_DISPATCH(QueryBlockRows)();
   const int64_t blocks = (p.T + bq - 1) / bq, items = p.B * blocks;
   const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p);
@@ -712,6 +716,7 @@ std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool c
 
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   if (p.B == 0) return;
+  const TargetScope targets(p.simd_targets);
   const int64_t Dp = (p.D + 15) / 16 * 16;  // >= every target's padded D; dq_part row stride
   const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
   const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
@@ -722,12 +727,12 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   // dQ row (b, t) from its shares: dq = scale * (0 + part_0 + part_1 + ...), in j order, so the
   // same sum whatever thread made each part (the leading 0 + keeps -0 shares as the sum did).
   auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
-    float* dq = g.dq + HeadOffset(p, b, g.dq_sb, g.dq_sh) + t * g.dq_st;
+    float* dq = g.dq.data + HeadOffset(p, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
     for (int64_t k = 0; k < p.D; ++k) {
       float acc = 0.0f;
       for (int64_t j = 0; j < splits; ++j)
         acc += part_rows[j][k];
-      dq[k * g.dq_sd] = p.scale * acc;
+      dq[k * g.dq.sd] = p.scale * acc;
     }
   };
   if (splits == 1) {

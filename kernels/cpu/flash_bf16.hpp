@@ -1,7 +1,7 @@
 // Fused ("flash") scaled dot-product attention on the CPU with bfloat16 inputs and outputs and
 // float32 accumulation. Internal to the library: ops/attention.cpp validates and calls these.
 //
-// Same contract as the float32 kernels (kernels/cpu/flash_attention.hpp: shapes, the key_limit /
+// Same contract as the float32 kernels (kernels/attention_problem.hpp: shapes, the kept-key /
 // causal prefix mask, the masked-row policies, the Philox dropout stream with element index
 // (b*T + t)*S + s, lse in natural log, bitwise identical results for any thread count); only
 // the element type of q, k, v, out, dout and the gradients differs: bf16 stored as uint16_t
@@ -14,7 +14,8 @@
 // docs/kernels-cpu.md ("bfloat16"), docs/notes/bf16-kernel.md.
 // The native forward packs k and v of all B rows as pairs once per call (4 B (S D + S Dv) bytes)
 // into scratch from attn's block cache (kernels/cpu/scratch.hpp), not faulted in on every call.
-// Without AVX512-BF16, when weights are requested, or when forced (tests), the forward converts
+// Without AVX512-BF16, when weights are requested, or when forced (force_bf16_fallback, for
+// tests), the forward converts
 // q, k, v to fp32 and runs cpu::flash_attention_forward, then rounds out to bf16.
 //
 // Backward. With AVX512-BF16 (and T, S > 0) the native kernel: FlashAttention-2's backward as the
@@ -30,64 +31,23 @@
 // from a per-thread arena kept between calls up to 64 MiB, as the fallback forward's copies).
 #pragma once
 
+#include "kernels/attention_problem.hpp"
+
 #include <cstdint>
 
 namespace attn::cpu {
 
-struct FlashBf16Params {
-  int64_t B = 0, T = 0, S = 0, D = 0, Dv = 0;
-  // Element strides (not bytes) of each tensor's three axes; the last may be any value >= 1.
-  const uint16_t* q = nullptr;
-  int64_t q_sb = 0, q_st = 0, q_sd = 1;
-  const uint16_t* k = nullptr;
-  int64_t k_sb = 0, k_ss = 0, k_sd = 1;
-  const uint16_t* v = nullptr;
-  int64_t v_sb = 0, v_ss = 0, v_sd = 1;
-  uint16_t* out = nullptr;  // forward output (backward input)
-  int64_t o_sb = 0, o_st = 0, o_sd = 1;
-  // Head split, as FlashParams::heads: with heads > 1 row b of q starts at
-  // (b / heads) * q_sb + (b % heads) * q_sh (likewise k, v, out and the gradients), so q, k, v
-  // may be (B', T, heads * D) projections read in place. lse, key_limit and weights stay (B, ...).
-  int64_t heads = 1;
-  int64_t q_sh = 0, k_sh = 0, v_sh = 0, o_sh = 0;
-  float* lse = nullptr;  // (B, T) contiguous, float32; forward output (backward input)
-  // Optional forward output: pre-dropout weights (B, T, S) in float32, unit stride along S.
-  float* weights = nullptr;
-  int64_t w_sb = 0, w_st = 0;
-
-  const int32_t* key_limit = nullptr;  // B*T entries in [0, S], or null: no length mask
-  bool causal = false;
-  bool zero_masked_rows = false;
-  float scale = 1.0f;
-
-  float dropout = 0.0f;
-  uint64_t seed = 0, offset = 0;
-
-  int threads = 1;
-};
-
-struct FlashBf16Grads {
-  const uint16_t* dout = nullptr;  // (B, T, Dv)
-  int64_t do_sb = 0, do_st = 0, do_sd = 1;
-  uint16_t* dq = nullptr;  // (B, T, D)
-  int64_t dq_sb = 0, dq_st = 0, dq_sd = 1;
-  uint16_t* dk = nullptr;  // (B, S, D)
-  int64_t dk_sb = 0, dk_ss = 0, dk_sd = 1;
-  uint16_t* dv = nullptr;  // (B, S, Dv)
-  int64_t dv_sb = 0, dv_ss = 0, dv_sd = 1;
-  int64_t do_sh = 0, dq_sh = 0, dk_sh = 0, dv_sh = 0;  // head strides, as FlashBf16Params::heads
-};
+using FlashBf16Params = kernels::AttentionArgs<uint16_t>;
+using FlashBf16Grads = kernels::AttentionGradArgs<uint16_t>;
 
 // Fills p.out and p.lse (and p.weights when set).
 void flash_attention_forward_bf16(const FlashBf16Params& p);
 // Reads p.q, p.k, p.v, p.out, p.lse and g.dout; overwrites g.dq, g.dk, g.dv.
 void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grads& g);
 
-// True when the forward and backward run the native AVX512-BF16 kernels on this CPU (and they
-// are not forced off). For tests and benchmarks: force_fallback(true) makes every forward and
-// backward take the fp32 conversion path, so both paths can be tested on one machine; not
-// thread-safe.
+// True when this CPU runs the native AVX512-BF16 kernels (a call still takes the fp32 conversion
+// path with AttentionProblem::force_bf16_fallback, from Context::force_bf16_fallback, so tests
+// cover both paths on one machine).
 bool flash_bf16_native();
-void flash_bf16_force_fallback(bool on);
 
 }  // namespace attn::cpu

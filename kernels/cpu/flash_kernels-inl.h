@@ -13,6 +13,7 @@
 #endif
 
 #include "hwy/highway.h"
+#include "kernels/cpu/philox-inl.h"
 #include "kernels/cpu/transpose16.hpp"
 
 #include <algorithm>
@@ -390,40 +391,8 @@ HWY_INLINE void AxpyRow(float s, const float* x, float* y, int64_t n) {
 }
 
 #if HWY_TARGET != HWY_SCALAR
-// Philox 4x32-10 (attn/core/rng.hpp) on L counters at once: c[0..3] hold word w of every
-// lane's counter on entry and word w of its output on exit. The 32 x 32 -> 64-bit products come
-// from MulEven on the even lanes and on the odd lanes shifted down, merged by OddEven.
 using DU = hn::RebindToUnsigned<DF>;
 using VU = hn::Vec<DU>;
-
-HWY_INLINE void MulHiLo(VU x, uint32_t m, VU& hi, VU& lo) {
-  const DU du;
-  const hn::RepartitionToWide<DU> dw;
-  const VU vm = hn::Set(du, m);
-  lo = hn::Mul(x, vm);
-  const VU even = hn::BitCast(du, hn::ShiftRight<32>(hn::MulEven(x, vm)));  // hi in even lanes
-  const VU x_odd = hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, x)));
-  const VU odd = hn::BitCast(du, hn::MulEven(x_odd, vm));  // hi in odd lanes
-  hi = hn::OddEven(odd, even);
-}
-
-HWY_INLINE void Philox4x32(VU c[4], uint64_t seed) {
-  const DU du;
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    VU hi0, lo0, hi1, lo1;
-    MulHiLo(c[0], 0xD2511F53u, hi0, lo0);
-    MulHiLo(c[2], 0xCD9E8D57u, hi1, lo1);
-    const VU n0 = hn::Xor(hn::Xor(hi1, c[1]), hn::Set(du, k0));
-    const VU n2 = hn::Xor(hn::Xor(hi0, c[3]), hn::Set(du, k1));
-    c[0] = n0;
-    c[1] = lo1;
-    c[2] = n2;
-    c[3] = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-}
 
 // Counter words 0 and 1 of the 64-bit block index (hi:lo) + g, per lane: lo + g with the carry
 // into hi (an unsigned compare via the sign flip).

@@ -29,7 +29,7 @@ void additive_scores(const T* qt, const T* kb, const T* w_v, double* score, int6
 
 template <typename T>
 void additive_forward(const T* qp, const T* kp, const T* w_v, const T* v, T* out, T* weights,
-                      const int64_t* kept, MaskedRowPolicy policy, const AttentionDims& dims,
+                      const int32_t* kept, kernels::MaskedRows policy, const AttentionDims& dims,
                       const DropoutSpec& drop) {
   const auto [B, Tq, S, H, Dv] = dims;
   std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
@@ -60,7 +60,7 @@ void additive_forward(const T* qp, const T* kp, const T* w_v, const T* v, T* out
 
 template <typename T>
 void additive_backward(const T* dout, const T* qp, const T* kp, const T* w_v, const T* v, T* dqp,
-                       T* dkp, T* dw_v, T* dv, const int64_t* kept, MaskedRowPolicy policy,
+                       T* dkp, T* dw_v, T* dv, const int32_t* kept, kernels::MaskedRows policy,
                        const AttentionDims& dims, const DropoutSpec& drop) {
   const auto [B, Tq, S, H, Dv] = dims;
   std::vector<double> dkp_acc(static_cast<size_t>(B * S * H), 0.0);
@@ -125,17 +125,18 @@ void additive_backward(const T* dout, const T* qp, const T* kp, const T* w_v, co
 }
 
 template void additive_forward<float>(const float*, const float*, const float*, const float*,
-                                      float*, float*, const int64_t*, MaskedRowPolicy,
+                                      float*, float*, const int32_t*, kernels::MaskedRows,
                                       const AttentionDims&, const DropoutSpec&);
 template void additive_forward<double>(const double*, const double*, const double*, const double*,
-                                       double*, double*, const int64_t*, MaskedRowPolicy,
+                                       double*, double*, const int32_t*, kernels::MaskedRows,
                                        const AttentionDims&, const DropoutSpec&);
 template void additive_backward<float>(const float*, const float*, const float*, const float*,
-                                       const float*, float*, float*, float*, float*, const int64_t*,
-                                       MaskedRowPolicy, const AttentionDims&, const DropoutSpec&);
+                                       const float*, float*, float*, float*, float*, const int32_t*,
+                                       kernels::MaskedRows, const AttentionDims&,
+                                       const DropoutSpec&);
 template void additive_backward<double>(const double*, const double*, const double*, const double*,
                                         const double*, double*, double*, double*, double*,
-                                        const int64_t*, MaskedRowPolicy, const AttentionDims&,
+                                        const int32_t*, kernels::MaskedRows, const AttentionDims&,
                                         const DropoutSpec&);
 
 }  // namespace attn::ref

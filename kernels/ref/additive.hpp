@@ -13,13 +13,13 @@ namespace attn::ref {
 //   w = masked softmax(score);  out[t] = sum_s w[s] f[s] v[s]
 template <typename T>
 void additive_forward(const T* qp, const T* kp, const T* w_v, const T* v, T* out, T* weights,
-                      const int64_t* kept, MaskedRowPolicy policy, const AttentionDims& dims,
+                      const int32_t* kept, kernels::MaskedRows policy, const AttentionDims& dims,
                       const DropoutSpec& drop);
 
 // Gradients dqp (B, T, H), dkp (B, S, H), dw_v (H), dv (B, S, Dv); recomputes the scores.
 template <typename T>
 void additive_backward(const T* dout, const T* qp, const T* kp, const T* w_v, const T* v, T* dqp,
-                       T* dkp, T* dw_v, T* dv, const int64_t* kept, MaskedRowPolicy policy,
+                       T* dkp, T* dw_v, T* dv, const int32_t* kept, kernels::MaskedRows policy,
                        const AttentionDims& dims, const DropoutSpec& drop);
 
 }  // namespace attn::ref

@@ -36,7 +36,7 @@ void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, do
 
 template <typename T>
 void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
-                  const int64_t* kept, MaskedRowPolicy policy, double scale,
+                  const int32_t* kept, kernels::MaskedRows policy, double scale,
                   const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
                   int64_t alibi_heads) {
   const auto [B, Tq, S, D, Dv] = dims;
@@ -74,7 +74,7 @@ void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse
 
 template <typename T>
 void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
-                   const int64_t* kept, MaskedRowPolicy policy, double scale,
+                   const int32_t* kept, kernels::MaskedRows policy, double scale,
                    const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
                    int64_t alibi_heads) {
   const auto [B, Tq, S, D, Dv] = dims;
@@ -137,18 +137,18 @@ void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* 
 }
 
 template void sdpa_forward<float>(const float*, const float*, const float*, float*, float*, float*,
-                                  const int64_t*, MaskedRowPolicy, double, const AttentionDims&,
+                                  const int32_t*, kernels::MaskedRows, double, const AttentionDims&,
                                   const DropoutSpec&, const double*, int64_t);
 template void sdpa_forward<double>(const double*, const double*, const double*, double*, double*,
-                                   double*, const int64_t*, MaskedRowPolicy, double,
+                                   double*, const int32_t*, kernels::MaskedRows, double,
                                    const AttentionDims&, const DropoutSpec&, const double*,
                                    int64_t);
 template void sdpa_backward<float>(const float*, const float*, const float*, const float*, float*,
-                                   float*, float*, const int64_t*, MaskedRowPolicy, double,
+                                   float*, float*, const int32_t*, kernels::MaskedRows, double,
                                    const AttentionDims&, const DropoutSpec&, const double*,
                                    int64_t);
 template void sdpa_backward<double>(const double*, const double*, const double*, const double*,
-                                    double*, double*, double*, const int64_t*, MaskedRowPolicy,
+                                    double*, double*, double*, const int32_t*, kernels::MaskedRows,
                                     double, const AttentionDims&, const DropoutSpec&, const double*,
                                     int64_t);
 

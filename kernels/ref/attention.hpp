@@ -5,7 +5,7 @@
 // Glossary: B batch, T queries, S keys/values, D query/key width, Dv value width.
 #pragma once
 
-#include "attn/ops/masked_softmax.hpp"
+#include "kernels/attention_problem.hpp"
 #include "kernels/ref/dropout.hpp"
 
 #include <cstdint>
@@ -24,14 +24,14 @@ struct AttentionDims {
 //   out[t]   = sum_s w[s] * drop(b, t, s) * v[s]        drop = dropout factor of index (bT+t)S+s
 template <typename T>
 void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
-                  const int64_t* kept, MaskedRowPolicy policy, double scale,
+                  const int32_t* kept, kernels::MaskedRows policy, double scale,
                   const AttentionDims& dims, const DropoutSpec& drop, const double* alibi = nullptr,
                   int64_t alibi_heads = 1);
 
 // Gradients of sdpa_forward given dout (B, T, Dv); recomputes the scores and weights.
 template <typename T>
 void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
-                   const int64_t* kept, MaskedRowPolicy policy, double scale,
+                   const int32_t* kept, kernels::MaskedRows policy, double scale,
                    const AttentionDims& dims, const DropoutSpec& drop,
                    const double* alibi = nullptr, int64_t alibi_heads = 1);
 

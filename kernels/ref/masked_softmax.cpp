@@ -4,45 +4,16 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace attn::ref {
 
-int64_t keys_kept_by_length(double len, int64_t S) {
-  // s < len for integer s <=> s < ceil(len); `!(len > 0)` also catches NaN.
-  if (!(len > 0)) return 0;
-  if (len >= static_cast<double>(S)) return S;
-  return std::min<int64_t>(S, static_cast<int64_t>(std::ceil(len)));
-}
-
-std::vector<int64_t> kept_key_counts(const MaskOptions& mask, int64_t B, int64_t T, int64_t S) {
-  std::vector<int64_t> kept(static_cast<size_t>(B * T), S);
-  // Lengths as contiguous doubles (int and float lengths alike; NaN stays NaN).
-  const Tensor lens =
-      mask.valid_lens.defined() ? mask.valid_lens.to(DType::F64).contiguous() : Tensor();
-  const double* len_data = lens.defined() ? lens.data<double>() : nullptr;
-  const bool per_query = lens.defined() && lens.ndim() == 2;
-  const int64_t r = mask.lens_repeat;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) {
-      int64_t n = S;
-      if (len_data != nullptr) {
-        // 1-D (B/r,): one length per batch (d2l's repeat_interleave over queries);
-        // 2-D (B/r, T): one per (batch, query). Row b of the scores reads lens row b / r.
-        const double len = per_query ? len_data[(b / r) * T + t] : len_data[b / r];
-        n = keys_kept_by_length(len, S);
-      }
-      if (mask.causal) n = std::min(n, t + 1);  // query t sees keys 0..t
-      kept[static_cast<size_t>(b * T + t)] = n;
-    }
-  }
-  return kept;
-}
-
 double softmax_row(const double* score, double* w, int64_t kept, int64_t S,
-                   MaskedRowPolicy policy) {
+                   kernels::MaskedRows policy) {
   if (kept == 0) {
     // d2l writes -1e6 into every slot, so all scores tie: 1/S over all keys, padding included.
-    const double fill = policy == MaskedRowPolicy::kUniform ? 1.0 / static_cast<double>(S) : 0.0;
+    const double fill =
+        policy == kernels::MaskedRows::kUniform ? 1.0 / static_cast<double>(S) : 0.0;
     for (int64_t s = 0; s < S; ++s)
       w[s] = fill;
     return -std::numeric_limits<double>::infinity();
@@ -66,7 +37,7 @@ double softmax_row(const double* score, double* w, int64_t kept, int64_t S,
 }
 
 template <typename T>
-void masked_softmax_forward(const T* X, T* Y, const int64_t* kept, MaskedRowPolicy policy,
+void masked_softmax_forward(const T* X, T* Y, const int32_t* kept, kernels::MaskedRows policy,
                             int64_t rows, int64_t S) {
   std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S));
   for (int64_t r = 0; r < rows; ++r) {
@@ -81,7 +52,7 @@ void masked_softmax_forward(const T* X, T* Y, const int64_t* kept, MaskedRowPoli
 }
 
 template <typename T>
-void masked_softmax_backward(const T* dY, const T* Y, T* dX, const int64_t* kept, int64_t rows,
+void masked_softmax_backward(const T* dY, const T* Y, T* dX, const int32_t* kept, int64_t rows,
                              int64_t S) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* dy = dY + r * S;
@@ -101,13 +72,13 @@ void masked_softmax_backward(const T* dY, const T* Y, T* dX, const int64_t* kept
   }
 }
 
-template void masked_softmax_forward<float>(const float*, float*, const int64_t*, MaskedRowPolicy,
-                                            int64_t, int64_t);
-template void masked_softmax_forward<double>(const double*, double*, const int64_t*,
-                                             MaskedRowPolicy, int64_t, int64_t);
-template void masked_softmax_backward<float>(const float*, const float*, float*, const int64_t*,
+template void masked_softmax_forward<float>(const float*, float*, const int32_t*,
+                                            kernels::MaskedRows, int64_t, int64_t);
+template void masked_softmax_forward<double>(const double*, double*, const int32_t*,
+                                             kernels::MaskedRows, int64_t, int64_t);
+template void masked_softmax_backward<float>(const float*, const float*, float*, const int32_t*,
                                              int64_t, int64_t);
-template void masked_softmax_backward<double>(const double*, const double*, double*, const int64_t*,
+template void masked_softmax_backward<double>(const double*, const double*, double*, const int32_t*,
                                               int64_t, int64_t);
 
 }  // namespace attn::ref

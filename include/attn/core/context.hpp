@@ -25,6 +25,13 @@ struct Context {
   uint64_t seed = 0;  // seeds the dropout stream and parameter initialisation
   Backend backend = Backend::kAuto;
 
+  // Test and benchmark switches of the fused CPU attention kernels, so that one machine tests
+  // every path: restrict their SIMD dispatch to these Highway target bits (0: the best this CPU
+  // supports; the list comes from cpu::flash_attention_targets()), and run the bfloat16 kernels
+  // through their float32 conversion path even on a CPU with AVX512-BF16.
+  int64_t kernel_targets = 0;
+  bool force_bf16_fallback = false;
+
   // Each dropout site takes a fresh stream offset per call, so two calls never reuse a mask while
   // a run stays reproducible from `seed` alone. See attn/core/rng.hpp for the stream.
   uint64_t next_dropout_offset() { return dropout_offset_++; }

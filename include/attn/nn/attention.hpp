@@ -88,7 +88,8 @@ class AdditiveAttention : public Module {
 // dtype F32, F64 or BF16. BF16 is the PyTorch module after .to(torch.bfloat16): inputs, output,
 // input gradients, parameters and their gradients BF16 (attention_weights() F32); the
 // projections run the bf16 linear (f32 accumulation, one rounding per output) and the core the
-// bf16 attention op (its fused kernel when need_weights is false), on head copies.
+// fused bf16 kernel on the projections' head strides (as float32 below), or, where the fused
+// path does not apply, the bf16 attention op on d2l's head copies.
 class MultiHeadAttention : public Module {
  public:
   MultiHeadAttention(int64_t num_hiddens, int64_t num_heads, double dropout, bool bias = false,
@@ -119,9 +120,9 @@ class MultiHeadAttention : public Module {
  private:
   int64_t num_hiddens_, num_heads_;
   int64_t B_ = 0, T_ = 0, S_ = 0;
-  // Fast path (float32, no need_weights, no RoPE/ALiBi): attention runs on the (B, T, E)
-  // projections with head strides instead of d2l's (B*H, T, D) copies; see
-  // nn/multihead_attention.cpp.
+  // Fast path (float32 or bfloat16, no need_weights, no RoPE/ALiBi, Backend kAuto or kCpu):
+  // attention runs on the (B, T, E) projections with head strides instead of d2l's (B*H, T, D)
+  // copies; see nn/multihead_attention.cpp.
   bool fused_ = false;
   bool packed_ = false;  // self-attention: Q, K, V are slices of one (B, T, 3E) projection
   Tensor Q_, K_, V_, X_;

@@ -1,0 +1,64 @@
+// The SIMD Philox 4x32-10 of the dropout stream (attn/core/rng.hpp, the scalar original, round
+// for round), shared by every Highway kernel that drops: the fused fp32 attention
+// (flash_kernels-inl.h) and the elementwise dropout (dropout_simd.cpp). Included once per SIMD
+// target through hwy/foreach_target.h. The AVX-512 bf16 kernel's Philox16 (flash_bf16_shared-inl.h)
+// is the same rounds on 16 lanes in intrinsics; test_dropout and the bf16 dropout tests check all
+// of them against the scalar stream.
+
+// Per-target include guard, the Highway idiom: toggles once per target.
+#if defined(ATTN_PHILOX_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef ATTN_PHILOX_INL_H_
+#undef ATTN_PHILOX_INL_H_
+#else
+#define ATTN_PHILOX_INL_H_
+#endif
+
+#include "hwy/highway.h"
+
+#include <cstdint>
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+#if HWY_TARGET != HWY_SCALAR
+// x * m as 64-bit products, split into the high and low 32 bits per lane: MulEven gives the
+// even lanes' products; the odd lanes are shifted into even position first; OddEven merges them.
+template <class DU>
+HWY_INLINE void PhiloxMulHiLo(DU du, hn::Vec<DU> x, uint32_t m, hn::Vec<DU>& hi, hn::Vec<DU>& lo) {
+  using VU = hn::Vec<DU>;
+  const hn::RepartitionToWide<DU> dw;
+  const VU vm = hn::Set(du, m);
+  lo = hn::Mul(x, vm);
+  const VU even = hn::BitCast(du, hn::ShiftRight<32>(hn::MulEven(x, vm)));  // hi in even lanes
+  const VU x_odd = hn::BitCast(du, hn::ShiftRight<32>(hn::BitCast(dw, x)));
+  const VU odd = hn::BitCast(du, hn::MulEven(x_odd, vm));  // hi in odd lanes
+  hi = hn::OddEven(odd, even);
+}
+
+// Philox 4x32-10 with key (lo32(seed), hi32(seed)) on Lanes(du) counters at once: c[w] holds
+// word w of every lane's counter on entry and word w of its output on exit.
+template <class DU>
+HWY_INLINE void Philox4x32(DU du, hn::Vec<DU> c[4], uint64_t seed) {
+  using VU = hn::Vec<DU>;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    VU hi0, lo0, hi1, lo1;
+    PhiloxMulHiLo(du, c[0], 0xD2511F53u, hi0, lo0);
+    PhiloxMulHiLo(du, c[2], 0xCD9E8D57u, hi1, lo1);
+    const VU n0 = hn::Xor(hn::Xor(hi1, c[1]), hn::Set(du, k0));
+    const VU n2 = hn::Xor(hn::Xor(hi0, c[3]), hn::Set(du, k1));
+    c[0] = n0;
+    c[1] = lo1;
+    c[2] = n2;
+    c[3] = lo0;
+    k0 += 0x9E3779B9u;  // Weyl key increments
+    k1 += 0xBB67AE85u;
+  }
+}
+#endif  // HWY_TARGET != HWY_SCALAR
+
+}  // namespace attn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // per-target include guard

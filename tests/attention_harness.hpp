@@ -1,0 +1,149 @@
+// Shared pieces of the fused-attention kernel tests (test_flash_cpu.cpp for float32,
+// test_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers (misaligned and
+// non-unit strides, out-of-bounds writes detected), the case struct with its printable name,
+// and the per-row key limits that the ops layer would pass (kernels/attention_problem.hpp). A new
+// kernel (decode, ring step, CUDA) joins by building its arguments from these.
+#pragma once
+
+#include "kernels/attention_problem.hpp"
+
+#include "attn/core/dtype.hpp"
+#include "attn/core/rng.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace attn::testing {
+
+// float elements are themselves; bf16 elements are uint16_t bit patterns.
+template <class E>
+constexpr E kHarnessSentinel = std::is_same_v<E, float> ? E(-12345.0f) : E(0x7fc1);
+
+// A (B, N, C) tensor of element type E at `off` in `buf` with element strides; every other slot
+// of buf holds the sentinel (for float -12345, for bf16 a NaN payload never produced by
+// rounding). Layouts: 0 contiguous; 1 the middle head of a (B, N, 3C+5) activation at an odd
+// offset (misaligned rows); 2 a feature stride of 2 (non-unit last stride).
+template <class E>
+struct HarnessView {
+  int64_t B = 0, N = 0, C = 0, off = 0, sb = 0, sn = 0, sc = 1;
+  std::vector<E> buf;
+  E* ptr() { return buf.data() + off; }
+  const E* ptr() const { return buf.data() + off; }
+  E& raw(int64_t b, int64_t n, int64_t c) { return buf[off + b * sb + n * sn + c * sc]; }
+  E raw(int64_t b, int64_t n, int64_t c) const { return buf[off + b * sb + n * sn + c * sc]; }
+  // float: the element itself (assignable); bf16: its value as a double.
+  decltype(auto) at(int64_t b, int64_t n, int64_t c) {
+    if constexpr (std::is_same_v<E, float>) {
+      return raw(b, n, c);
+    } else {
+      return static_cast<double>(bf16_to_float(raw(b, n, c)));
+    }
+  }
+  auto at(int64_t b, int64_t n, int64_t c) const {
+    if constexpr (std::is_same_v<E, float>) {
+      return raw(b, n, c);
+    } else {
+      return static_cast<double>(bf16_to_float(raw(b, n, c)));
+    }
+  }
+  // The kernels' view of it (no head stride: one head per batch row), as an output or an input.
+  kernels::StridedView<E> kernel_view() { return {ptr(), sb, 0, sn, sc}; }
+  kernels::StridedView<const E> input_view() const { return {ptr(), sb, 0, sn, sc}; }
+};
+
+// Fills with uniform [-range, range) from Rng(seed, 99) when `fill`, else zeros.
+template <class E>
+HarnessView<E> make_harness_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed,
+                                 bool fill, double range = 1.0) {
+  HarnessView<E> v;
+  v.B = B, v.N = N, v.C = C;
+  if (layout == 0) {
+    v.sc = 1, v.sn = C, v.sb = N * C, v.off = 0;
+  } else if (layout == 1) {
+    const int64_t E3 = 3 * C + 5;
+    v.sc = 1, v.sn = E3, v.sb = N * E3, v.off = C + 1;
+  } else {
+    v.sc = 2, v.sn = 2 * C + 1, v.sb = N * (2 * C + 1), v.off = 3;
+  }
+  v.buf.assign(static_cast<size_t>(v.off + B * v.sb + 8), kHarnessSentinel<E>);
+  Rng rng(seed, 99);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        const float x = fill ? float(rng.uniform(-range, range)) : 0.0f;
+        if constexpr (std::is_same_v<E, float>)
+          v.raw(b, n, c) = x;
+        else
+          v.raw(b, n, c) = float_to_bf16(x);
+      }
+  return v;
+}
+
+// Number of buffer slots outside the tensor that no longer hold the sentinel (out-of-bounds
+// writes).
+template <class E>
+int64_t guard_damage(const HarnessView<E>& v) {
+  std::vector<char> is_elem(v.buf.size(), 0);
+  for (int64_t b = 0; b < v.B; ++b)
+    for (int64_t n = 0; n < v.N; ++n)
+      for (int64_t c = 0; c < v.C; ++c)
+        is_elem[v.off + b * v.sb + n * v.sn + c * v.sc] = 1;
+  int64_t bad = 0;
+  for (size_t i = 0; i < v.buf.size(); ++i)
+    bad += !is_elem[i] && v.buf[i] != kHarnessSentinel<E>;
+  return bad;
+}
+
+enum class Lens { kNone, k1D, k2D };
+
+// One case of a kernel sweep; the name is what GoogleTest prints.
+struct KernelCase {
+  int64_t B, T, S, D, Dv;
+  Lens lens;
+  bool causal;
+  bool zero_rows;
+  float dropout;
+  int layout;
+  std::string name() const {
+    static const char* kLens[] = {"none", "lens1d", "lens2d"};
+    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
+           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
+           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
+           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
+  }
+  kernels::MaskedRows masked_rows() const {
+    return zero_rows ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
+  }
+};
+
+// Kept-key counts per (b, t) row as the ops layer passes them: clamped to [0, S], including 0
+// (a fully masked row: batch 0 with 1-D lengths, query 1 with 2-D ones) and lengths past S; 1-D
+// lengths repeat over the rows of a batch. Empty without lengths.
+inline std::vector<int32_t> case_key_limits(const KernelCase& c) {
+  std::vector<int32_t> limit;
+  if (c.lens == Lens::kNone) return limit;
+  Rng rng(7, 1);
+  limit.resize(c.B * c.T);
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
+    for (int64_t t = 0; t < c.T; ++t) {
+      int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
+      if (c.lens == Lens::k2D && t == 1) len = 0;
+      limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
+    }
+  }
+  return limit;
+}
+
+// Keys [0, limit) kept by row (b, t): the lengths and the causal mask.
+inline int64_t case_row_limit(const KernelCase& c, const std::vector<int32_t>& limit, int64_t b,
+                              int64_t t) {
+  int64_t lim = limit.empty() ? c.S : limit[b * c.T + t];
+  if (c.causal) lim = std::min(lim, t + 1);
+  return std::clamp<int64_t>(lim, 0, c.S);
+}
+
+}  // namespace attn::testing
