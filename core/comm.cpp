@@ -134,9 +134,9 @@ void Communicator::check_same(const char* op, const std::string& what,
       std::string mine;
       for (size_t j = 0; j < m; ++j)
         mine += (j ? ", " : "") + std::to_string(values[j]);
-      throw Error(op, fmt::format("{} differs across ranks: value {} lies between {} and {} over "
-                                  "the {} ranks; rank {} has ({})",
-                                  what, i, lo, hi, size(), rank(), mine));
+      throw Error(op, fmt::format("{} differs across ranks: value {} of {} lies between {} and {} "
+                                  "over the {} ranks; rank {} has ({})",
+                                  what, i, m, lo, hi, size(), rank(), mine));
     }
   }
 }

@@ -196,17 +196,20 @@ Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm
   optimizer_ = std::make_unique<nn::AdamW>(model_->named_parameters(), options.adamw);
   if (comm_->size() == 1) return;
 
-  // Every rank must build the same model: same options (their hash) and parameter shapes.
-  std::vector<int64_t> signature = {
+  // Every rank must build the same model: the same options (a hash of their JSON; threads are
+  // not in it) and the same parameter shapes.
+  const std::vector<int64_t> options_hash = {
       static_cast<int64_t>(std::hash<std::string>{}(to_json(options_)) & 0x7fffffffffffffff)};
+  comm_->check_same(op, "the training options (a hash of their JSON)", options_hash);
+  std::vector<int64_t> sizes;
   for (const auto& [name, p] : optimizer_->parameters()) {
-    signature.push_back(p->value.numel());
+    sizes.push_back(p->value.numel());
     check(p->grad.dtype() == DType::F32, op,
           "parameter {} is {}, data-parallel training reduces "
           "float32 gradients",
           name, dtype_name(p->grad.dtype()));
   }
-  comm_->check_same(op, "the options or the parameter shapes (hash, numel of each)", signature);
+  comm_->check_same(op, "the parameter sizes (numel of each, in order)", sizes);
   // Masks are drawn from each rank's local tensor index, not the global sample's: refuse rather
   // than train a model that differs from the 1-rank one (see trainer.hpp).
   check(options_.model.dropout == 0.0, op,

@@ -154,8 +154,9 @@ TEST(MpiComm, MismatchedShapesAreReportedOnEveryRank) {
     ADD_FAILURE() << "rank " << c.rank() << ": mismatch not detected";
   } catch (const Error& e) {
     const std::string what = e.what();
-    EXPECT_NE(what.find("the batch shape differs across ranks: value 1 lies between 16 and 17"),
-              std::string::npos)
+    EXPECT_NE(
+        what.find("the batch shape differs across ranks: value 1 of 3 lies between 16 and 17"),
+        std::string::npos)
         << what;
   }
   // A different number of values (rank 0 has 2 dims, the others 3) is reported too.
