@@ -57,7 +57,7 @@ std::vector<Row> run_bench_comm(const BenchCommArgs& a, Communicator& c) {
   for (int64_t bytes = 8; bytes <= a.max_bytes; bytes *= 4) {
     const std::span<std::byte> msg(buffer.data(), static_cast<size_t>(bytes));
     // Fewer repeats for the big messages (each moves up to 16 MiB twice).
-    const int repeats = bytes >= (1 << 20) ? std::max(3, a.repeats / 5) : a.repeats;
+    const int repeats = bytes >= (1 << 20) ? std::max(3, a.repeats / 2) : a.repeats;
     std::vector<double> trips;
     for (int i = -2; i < repeats; ++i) {  // two untimed round trips first
       c.barrier();
