@@ -122,21 +122,47 @@ void Communicator::check_same(const char* op, const std::string& what,
         "{} differs across ranks: {} values on rank {}, between {} and {} on "
         "the others",
         what, values.size(), rank(), -n[1], n[0]);
-  // [min..., -max...] in one call: min(-x) = -max(x).
+  SameCheck(*this, op, what, values).finish();
+}
+
+namespace {
+
+// [min..., -max...] of `values` after an allreduce(min) of [values..., -values...]:
+// min(-x) = -max(x), so one reduction gives both.
+std::vector<int64_t> with_negatives(std::span<const int64_t> values) {
   std::vector<int64_t> v(values.begin(), values.end());
   for (int64_t x : values)
     v.push_back(-x);
-  allreduce(v.data(), static_cast<int64_t>(v.size()), CommType::kI64, ReduceOp::kMin);
-  const size_t m = values.size();
+  return v;
+}
+
+}  // namespace
+
+SameCheck::SameCheck(Communicator& comm, const char* op, std::string what,
+                     std::span<const int64_t> values)
+    : comm_(&comm),
+      op_(op),
+      what_(std::move(what)),
+      values_(values.begin(), values.end()),
+      extremes_(with_negatives(values)) {
+  if (comm.size() > 1)
+    request_ = comm.iallreduce(extremes_.data(), static_cast<int64_t>(extremes_.size()),
+                               CommType::kI64, ReduceOp::kMin);
+}
+
+void SameCheck::finish() {
+  if (comm_->size() == 1) return;
+  request_.wait();
+  const size_t m = values_.size();
   for (size_t i = 0; i < m; ++i) {
-    const int64_t lo = v[i], hi = -v[m + i];
+    const int64_t lo = extremes_[i], hi = -extremes_[m + i];
     if (lo != hi) {
       std::string mine;
       for (size_t j = 0; j < m; ++j)
-        mine += (j ? ", " : "") + std::to_string(values[j]);
-      throw Error(op, fmt::format("{} differs across ranks: value {} of {} lies between {} and {} "
-                                  "over the {} ranks; rank {} has ({})",
-                                  what, i, m, lo, hi, size(), rank(), mine));
+        mine += (j ? ", " : "") + std::to_string(values_[j]);
+      throw Error(op_, fmt::format("{} differs across ranks: value {} of {} lies between {} and "
+                                   "{} over the {} ranks; rank {} has ({})",
+                                   what_, i, m, lo, hi, comm_->size(), comm_->rank(), mine));
     }
   }
 }

@@ -265,11 +265,13 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
   const int64_t B = batch.size();
   check(B >= N, op, "the global batch has {} sequences, fewer than the {} ranks", B, N);
   const int64_t T = batch.ids.dim(1);
-  // The same step and global batch everywhere, or the gradients would be mixed nonsense.
+  // The same step and global batch everywhere, or the summed gradients would be nonsense. The
+  // check travels while the step computes (the buckets have the same sizes on every rank
+  // whatever the batch, so a mismatch cannot deadlock them) and is decided before the update.
   const std::vector<int64_t> agree = {step_, B, T, batch.tokens,
                                       static_cast<int64_t>(ctx_.dropout_offset())};
-  comm_->check_same(op, "the step or the global batch (step, B, T, tokens, dropout offset)", agree);
-
+  SameCheck same_batch(*comm_, op,
+                       "the step or the global batch (step, B, T, tokens, dropout offset)", agree);
   // This rank's rows; padded to the global T so positions mean the same on every rank.
   const int64_t lo = B * r / N, hi = B * (r + 1) / N;
   const Tensor ids = batch.ids.slice(0, lo, hi), valid_lens = batch.valid_lens.slice(0, lo, hi),
@@ -299,8 +301,10 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
                        buckets_[static_cast<size_t>(s)].request.test();
                    });
   loss_request.wait();
-  for (Bucket& b : buckets_) {
+  for (Bucket& b : buckets_)
     b.request.wait();
+  same_batch.finish();  // throws with nothing in flight and no parameter changed
+  for (Bucket& b : buckets_) {
     const float* in = b.buffer.data();
     for (nn::Parameter* p : b.params) {
       check(p->grad.is_contiguous(), op, "a gradient is not contiguous");

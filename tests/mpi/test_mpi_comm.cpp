@@ -159,6 +159,12 @@ TEST(MpiComm, MismatchedShapesAreReportedOnEveryRank) {
         std::string::npos)
         << what;
   }
+  // The non-blocking form: started, work in between, decided at finish().
+  const std::vector<int64_t> step = {42, c.rank() == c.size() - 1 ? 8 : 9};
+  SameCheck pending(c, "test", "the step", step);
+  std::vector<double> work(1000, 1.0);
+  c.allreduce(std::span<double>(work));  // other collectives may run meanwhile
+  EXPECT_THROW(pending.finish(), Error);
   // A different number of values (rank 0 has 2 dims, the others 3) is reported too.
   const std::vector<int64_t> ragged(c.rank() == 0 ? 2 : 3, 1);
   EXPECT_THROW(c.check_same("test", "rank of the tensor", ragged), Error);

@@ -106,6 +106,25 @@ class Communicator {
   void check_same(const char* op, const std::string& what, std::span<const int64_t> values);
 };
 
+// check_same without its own round trip, for a number of values every rank's code fixes (the
+// fields of a struct, not a shape's rank): the constructor starts the reduction (non-blocking),
+// finish() waits for it and throws as check_same does. Collective: every rank constructs one.
+// The trainer checks each step's batch this way, while the step computes, and before the update.
+class SameCheck {
+ public:
+  SameCheck(Communicator& comm, const char* op, std::string what, std::span<const int64_t> values);
+  SameCheck(const SameCheck&) = delete;
+  SameCheck& operator=(const SameCheck&) = delete;
+  void finish();
+
+ private:
+  Communicator* comm_;
+  const char* op_;
+  std::string what_;
+  std::vector<int64_t> values_, extremes_;
+  Request request_;
+};
+
 // The process's communicator for the whole run: MPI_COMM_WORLD when attn was built with MPI and
 // the process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE / PMI_SIZE /
 // PMIX_RANK), else the single-process one. Created on first call (MPI_Init_thread then; MPI is
