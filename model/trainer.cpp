@@ -9,7 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <span>
 
 namespace attn::model {
 
@@ -147,14 +150,35 @@ Tensor SequenceModel::forward(Context& ctx, const Tensor& ids, const Tensor& val
 }
 
 void SequenceModel::backward(Context& ctx, const Tensor& dlogits) {
+  backward(ctx, dlogits, {});
+}
+
+void SequenceModel::backward(Context& ctx, const Tensor& dlogits,
+                             const std::function<void(int64_t)>& stage_done) {
   Tensor dX = classifier ? classifier->backward(ctx, dlogits) : tagger->backward(ctx, dlogits);
-  encoder.backward(ctx, dX);
+  if (stage_done) stage_done(0);
+  const int64_t n = encoder.num_blks();
+  std::function<void(int64_t)> block_done;
+  if (stage_done) block_done = [&](int64_t blk) { stage_done(n - blk); };
+  encoder.backward(ctx, dX, block_done);
+  if (stage_done) stage_done(n + 1);
+}
+
+int64_t SequenceModel::stage_of(const std::string& name) const {
+  if (starts_with(name, "head.")) return 0;
+  constexpr const char* kBlock = "encoder.blks.block";
+  if (starts_with(name, kBlock)) {
+    const int64_t blk = std::stoll(name.substr(std::string(kBlock).size()));
+    return encoder.num_blks() - blk;
+  }
+  return encoder.num_blks() + 1;  // encoder.embedding.*, encoder.pos_encoding.*
 }
 
 // ----------------------------------------------------------------------------------------------
 // Trainer
 
-Trainer::Trainer(const TrainOptions& options) : options_(options) {
+Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm)
+    : options_(options), comm_(comm ? std::move(comm) : single_process_communicator()) {
   const char* op = "Trainer";
   check(options.clip_norm >= 0.0 && std::isfinite(options.clip_norm), op,
         "clip_norm must be finite and >= 0, got {}", options.clip_norm);
@@ -170,9 +194,41 @@ Trainer::Trainer(const TrainOptions& options) : options_(options) {
                   Tensor::from_vector(std::vector<int64_t>{1}, {1}));
   model_->train();
   optimizer_ = std::make_unique<nn::AdamW>(model_->named_parameters(), options.adamw);
+  if (comm_->size() == 1) return;
+
+  // Every rank must build the same model: the same options (a hash of their JSON; threads are
+  // not in it) and the same parameter shapes.
+  const std::vector<int64_t> options_hash = {
+      static_cast<int64_t>(std::hash<std::string>{}(to_json(options_)) & 0x7fffffffffffffff)};
+  comm_->check_same(op, "the training options (a hash of their JSON)", options_hash);
+  std::vector<int64_t> sizes;
+  for (const auto& [name, p] : optimizer_->parameters()) {
+    sizes.push_back(p->value.numel());
+    check(p->grad.dtype() == DType::F32, op,
+          "parameter {} is {}, data-parallel training reduces "
+          "float32 gradients",
+          name, dtype_name(p->grad.dtype()));
+  }
+  comm_->check_same(op, "the parameter sizes (numel of each, in order)", sizes);
+  // Masks are drawn from each rank's local tensor index, not the global sample's: refuse rather
+  // than train a model that differs from the 1-rank one (see trainer.hpp).
+  check(options_.model.dropout == 0.0, op,
+        "dropout {} with {} ranks: data-parallel training supports dropout 0 only (the dropout "
+        "stream indexes the local shard, so masks would differ from a 1-rank run)",
+        options_.model.dropout, comm_->size());
+  buckets_.resize(static_cast<size_t>(model_->num_stages()));
+  for (const auto& [name, p] : optimizer_->parameters())
+    buckets_[static_cast<size_t>(model_->stage_of(name))].params.push_back(p);
+  for (Bucket& b : buckets_) {
+    size_t n = 0;
+    for (const nn::Parameter* p : b.params)
+      n += static_cast<size_t>(p->grad.numel());
+    b.buffer.resize(n);
+  }
 }
 
 StepStats Trainer::train_step(const Batch& batch) {
+  if (comm_->size() > 1) return train_step_parallel(batch);
   model_->train();
   optimizer_->zero_grad();
   CrossEntropyOptions ce;  // ignore_index = kIgnoreTag: padding and untargeted positions
@@ -190,6 +246,82 @@ StepStats Trainer::train_step(const Batch& batch) {
   optimizer_->step();
   ++step_;
   return {step_, loss.loss, norm, batch.tokens};
+}
+
+// Packs the stage's gradients into its buffer and starts their sum over the ranks.
+void Trainer::start_bucket(Bucket& bucket) {
+  float* out = bucket.buffer.data();
+  for (const nn::Parameter* p : bucket.params) {
+    const Tensor g = p->grad.contiguous();
+    std::copy_n(g.data<float>(), g.numel(), out);
+    out += g.numel();
+  }
+  if (!bucket.buffer.empty()) bucket.request = comm_->iallreduce(std::span<float>(bucket.buffer));
+}
+
+StepStats Trainer::train_step_parallel(const Batch& batch) {
+  const char* op = "train";
+  const int N = comm_->size(), r = comm_->rank();
+  const int64_t B = batch.size();
+  check(B >= N, op, "the global batch has {} sequences, fewer than the {} ranks", B, N);
+  const int64_t T = batch.ids.dim(1);
+  // The same step and global batch everywhere, or the summed gradients would be nonsense. The
+  // check travels while the step computes (the buckets have the same sizes on every rank
+  // whatever the batch, so a mismatch cannot deadlock them) and is decided before the update.
+  const std::vector<int64_t> agree = {step_, B, T, batch.tokens,
+                                      static_cast<int64_t>(ctx_.dropout_offset())};
+  SameCheck same_batch(*comm_, op,
+                       "the step or the global batch (step, B, T, tokens, dropout offset)", agree);
+  // This rank's rows; padded to the global T so positions mean the same on every rank.
+  const int64_t lo = B * r / N, hi = B * (r + 1) / N;
+  const Tensor ids = batch.ids.slice(0, lo, hi), valid_lens = batch.valid_lens.slice(0, lo, hi),
+               targets = batch.targets.slice(0, lo, hi);
+  // The 1-rank loss is the mean over the global batch's kept positions; each rank sums its own
+  // and divides by that global count, so the ranks' gradients add up to the 1-rank gradient.
+  const Tensor all_targets = batch.targets.contiguous();
+  int64_t kept = 0;
+  for (int64_t i = 0; i < all_targets.numel(); ++i)
+    kept += all_targets.data<int64_t>()[i] != kIgnoreTag;
+
+  model_->train();
+  optimizer_->zero_grad();
+  CrossEntropyOptions ce;
+  ce.reduction = Reduction::kSum;
+  Tensor logits = model_->forward(ctx_, ids, valid_lens);
+  const CrossEntropyResult local = softmax_cross_entropy(ctx_, logits, targets, ce);
+  double loss_sum[1] = {local.loss};
+  Request loss_request = comm_->iallreduce(std::span<double>(loss_sum));
+  const double scale = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
+  // Each stage's bucket starts as soon as its gradients are final; testing the earlier ones
+  // between stages lets MPI progress them while backward computes.
+  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, targets, ce, scale),
+                   [&](int64_t stage) {
+                     start_bucket(buckets_[static_cast<size_t>(stage)]);
+                     for (int64_t s = 0; s < stage; ++s)
+                       buckets_[static_cast<size_t>(s)].request.test();
+                   });
+  loss_request.wait();
+  for (Bucket& b : buckets_)
+    b.request.wait();
+  same_batch.finish();  // throws with nothing in flight and no parameter changed
+  for (Bucket& b : buckets_) {
+    const float* in = b.buffer.data();
+    for (nn::Parameter* p : b.params) {
+      check(p->grad.is_contiguous(), op, "a gradient is not contiguous");
+      std::copy_n(in, p->grad.numel(), p->grad.data<float>());
+      in += p->grad.numel();
+    }
+  }
+  const double loss = kept > 0 ? loss_sum[0] / static_cast<double>(kept) : std::nan("");
+  check(std::isfinite(loss), op, "loss is {} at step {} (the learning rate {} may be too high)",
+        loss, step_ + 1, options_.adamw.lr);
+  const auto& params = optimizer_->parameters();
+  const double norm = options_.clip_norm > 0.0
+                          ? nn::clip_grad_norm(params, options_.clip_norm)
+                          : nn::clip_grad_norm(params, std::numeric_limits<double>::infinity());
+  optimizer_->step();
+  ++step_;
+  return {step_, loss, norm, batch.tokens};
 }
 
 namespace {
@@ -234,7 +366,9 @@ EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
   double loss_sum = 0;
   CrossEntropyOptions ce;
   ce.reduction = Reduction::kSum;
-  for (const Batch& b : batches) {
+  const size_t ranks = static_cast<size_t>(comm_->size());
+  for (size_t i = static_cast<size_t>(comm_->rank()); i < batches.size(); i += ranks) {
+    const Batch& b = batches[i];
     Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
     const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
     loss_sum += r.loss;
@@ -254,6 +388,14 @@ EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
   }
   model_->train(was_training);
   ctx_.set_dropout_offset(offset);
+  if (ranks > 1) {
+    // Sums of up to 2^53 counts are exact in double.
+    double sums[3] = {loss_sum, static_cast<double>(s.correct), static_cast<double>(s.count)};
+    comm_->allreduce(std::span<double>(sums));
+    loss_sum = sums[0];
+    s.correct = static_cast<int64_t>(sums[1]);
+    s.count = static_cast<int64_t>(sums[2]);
+  }
   if (s.count > 0) {
     s.loss = loss_sum / static_cast<double>(s.count);
     s.accuracy = static_cast<double>(s.correct) / static_cast<double>(s.count);
@@ -264,8 +406,63 @@ EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
 // ----------------------------------------------------------------------------------------------
 // Checkpoints
 
+namespace {
+
+// Runs `fn` on rank 0 only, then hands its outcome to every rank: all return, or all throw rank
+// 0's Error (so a failed write stops every rank, not just the writer).
+template <typename F>
+void on_rank0_collectively(Communicator& comm, const char* op, F&& fn) {
+  std::string message;
+  if (comm.rank() == 0) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      message = e.what();
+      if (message.empty()) message = "failed";
+    }
+  }
+  if (comm.size() == 1) {
+    if (!message.empty()) throw Error(op, message);
+    return;
+  }
+  int64_t length = static_cast<int64_t>(message.size());
+  comm.broadcast(&length, sizeof length, 0);
+  message.resize(static_cast<size_t>(length));
+  comm.broadcast(message.data(), length, 0);
+  if (length > 0) throw Error(op, fmt::format("on rank 0: {}", message));
+}
+
+// Runs `fn` on every rank; when it fails on any, every rank throws (its own error, or one naming
+// how many ranks failed), so no rank goes on alone into the next collective.
+template <typename F>
+auto on_every_rank_collectively(Communicator& comm, const char* op, F&& fn) {
+  std::exception_ptr error;
+  decltype(fn()) result{};
+  try {
+    result = fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  if (comm.size() > 1) {
+    int64_t failed[1] = {error ? 1 : 0};
+    comm.allreduce(std::span<int64_t>(failed));
+    if (!error && failed[0] > 0)
+      throw Error(op, fmt::format("failed on {} of the {} ranks (see their messages)", failed[0],
+                                  comm.size()));
+  }
+  if (error) std::rethrow_exception(error);
+  return result;
+}
+
+}  // namespace
+
 void Trainer::save_checkpoint(const std::string& path,
                               const std::map<std::string, std::string>& extra) const {
+  on_rank0_collectively(*comm_, "save_checkpoint", [&] { save_checkpoint_local(path, extra); });
+}
+
+void Trainer::save_checkpoint_local(const std::string& path,
+                                    const std::map<std::string, std::string>& extra) const {
   std::map<std::string, Tensor> tensors;
   for (auto& [name, t] : model_->state_dict())
     tensors.emplace(kModelPrefix + name, t);
@@ -334,6 +531,15 @@ TrainOptions Trainer::checkpoint_options(const std::string& path) {
 }
 
 std::map<std::string, std::string> Trainer::load_checkpoint(const std::string& path) {
+  auto extra = on_every_rank_collectively(*comm_, "load_checkpoint",
+                                          [&] { return load_checkpoint_local(path); });
+  const std::vector<int64_t> state = {step_, static_cast<int64_t>(ctx_.dropout_offset())};
+  comm_->check_same("load_checkpoint",
+                    fmt::format("the step and dropout offset read from {}", path), state);
+  return extra;
+}
+
+std::map<std::string, std::string> Trainer::load_checkpoint_local(const std::string& path) {
   const char* op = "load_checkpoint";
   const SafetensorsFile f = load_checked(path);
   const TrainOptions saved = train_options_from_json(meta_at(f, path, "attn.options"));

@@ -216,10 +216,13 @@ Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor
   return X;
 }
 
-void TransformerEncoder::backward(Context& ctx, const Tensor& dout) {
+void TransformerEncoder::backward(Context& ctx, const Tensor& dout,
+                                  const std::function<void(int64_t)>& block_done) {
   Tensor dX = dout;
-  for (auto it = blks.rbegin(); it != blks.rend(); ++it)
-    dX = (*it)->backward(ctx, dX);
+  for (int64_t i = num_blks() - 1; i >= 0; --i) {
+    dX = blks[static_cast<size_t>(i)]->backward(ctx, dX);
+    if (block_done) block_done(i);
+  }
   switch (positional_) {
     case PositionalKind::kSinusoidal:
       dX = pos_encoding.backward(ctx, dX);

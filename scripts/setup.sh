@@ -29,6 +29,7 @@ test=(
   python3-torch                                # the oracle (tests/fixtures, parity, bench)
   libopenblas0-pthread                         # PyTorch's BLAS in bench/run_*.sh (not the reference)
   clang libclang-rt-14-dev libomp-14-dev       # fuzzers (libFuzzer; the library uses OpenMP)
+  openmpi-bin libopenmpi-dev                   # -DATTN_WITH_MPI=ON: mpirun + MPI for the tests
 )
 docs=(doxygen python3)
 fresh=(debootstrap)

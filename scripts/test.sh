@@ -14,8 +14,10 @@ start=$SECONDS
 stamp() { echo "   ($((SECONDS - start)) s so far)"; }
 
 echo "== 1. build and test (RelWithDebInfo, warnings as errors)"
+# MPI on: the communicator's and data-parallel training's tests run under mpirun (2 and 4
+# ranks, shared memory and TCP loopback); the library without it is the main job's build.
 cmake --preset default -DATTN_BUILD_CLI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_BENCH=ON \
-  -DATTN_BUILD_PYTHON=ON >/dev/null  # all on, whatever scripts/tour.sh configured
+  -DATTN_BUILD_PYTHON=ON -DATTN_WITH_MPI=ON >/dev/null  # all on, whatever tour.sh configured
 cmake --build --preset default
 ctest --preset default
 # The README's set-up makes `/usr/bin/python3 -c "import attn"` work.
@@ -38,7 +40,8 @@ bash scripts/fuzz.sh "${FUZZ_SECONDS:-30}"
 stamp
 
 echo "== 5. build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
-cmake --preset asan >/dev/null
+# MPI on here too: its tests run with leak detection off (tests/mpi/CMakeLists.txt says why).
+cmake --preset asan -DATTN_WITH_MPI=ON >/dev/null
 cmake --build --preset asan
 ctest --preset asan
 stamp

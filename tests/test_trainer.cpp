@@ -4,12 +4,14 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
+#include "attn/ops/loss.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <sstream>
 
@@ -237,6 +239,48 @@ TEST(Trainer, RefusesACheckpointOfOtherOptionsAndChangesNothing) {
   EXPECT_THROW(u.load_checkpoint(plain.string()), Error);
   fs::remove(path);
   fs::remove(plain);
+}
+
+// The backward hook data-parallel training reduces gradients at: stages 0 (head), 1..n (blocks,
+// last first), n + 1 (embeddings) are reported in order, each once; when stage s is reported,
+// the gradients of its parameters are final (the full backward does not change them after).
+TEST(Trainer, BackwardStagesReportFinalGradientsInOrder) {
+  Tiny tiny(GeneratedTask::kShift, 0.0);
+  tiny.options.model.num_blks = 3;
+  Trainer t(tiny.options);
+  SequenceModel& m = t.model();
+  const auto params = m.named_parameters();
+  std::vector<int> per_stage(static_cast<size_t>(m.num_stages()), 0);
+  for (const auto& [name, p] : params) {
+    const int64_t s = m.stage_of(name);
+    ASSERT_GE(s, 0) << name;
+    ASSERT_LT(s, m.num_stages()) << name;
+    ++per_stage[static_cast<size_t>(s)];
+  }
+  for (int n : per_stage)
+    EXPECT_GT(n, 0);  // no empty bucket
+  EXPECT_EQ(m.stage_of("head.dense.weight"), 0);
+  EXPECT_EQ(m.stage_of("encoder.blks.block2.ffn.dense1.weight"), 1);
+  EXPECT_EQ(m.stage_of("encoder.blks.block0.attention.W_q.weight"), 3);
+  EXPECT_EQ(m.stage_of("encoder.embedding.weight"), 4);
+
+  const Batch b = tiny.batch(0);
+  m.train();
+  for (auto& [name, p] : params)
+    p->grad.fill(0.0);
+  Tensor logits = m.forward(t.context(), b.ids, b.valid_lens);
+  CrossEntropyOptions ce;
+  const Tensor dlogits = softmax_cross_entropy_backward(t.context(), logits, b.targets, ce);
+  std::vector<int64_t> order;
+  std::map<std::string, std::vector<double>> at_report;
+  m.backward(t.context(), dlogits, [&](int64_t stage) {
+    order.push_back(stage);
+    for (const auto& [name, p] : params)
+      if (m.stage_of(name) == stage) at_report[name] = p->grad.to_vector();
+  });
+  EXPECT_EQ(order, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  for (const auto& [name, p] : params)
+    EXPECT_EQ(p->grad.to_vector(), at_report.at(name)) << name << " changed after its stage";
 }
 
 }  // namespace

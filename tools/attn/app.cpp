@@ -3,6 +3,7 @@
 //
 // Exit status: 0 on success (and for --help), 2 for a bad flag or value (one line on stderr,
 // "attn: <what is wrong>"), 1 for an unexpected internal failure.
+#include "attn/core/comm.hpp"
 #include "attn/core/error.hpp"
 #include "tools/attn/commands.hpp"
 
@@ -24,8 +25,12 @@ std::string one_line(std::string text) {
   return text;
 }
 
+// Under mpirun with N > 1 ranks (attn train), a failing rank ends the whole run: the others may
+// be waiting in a collective for it.
 int fail(int status, const std::string& message) {
   std::fprintf(stderr, "attn: %s\n", one_line(message).c_str());
+  std::fflush(stderr);
+  abort_world_if_parallel(status);
   return status;
 }
 

@@ -278,7 +278,11 @@ std::vector<Command> add_bench_command(CLI::App& app) {
     const BenchResult r = run_bench(*args);
     print(args->json ? bench_json(r) + "\n" : bench_text(r));
   };
-  return {{sub, run}, {bench, [] {}}};
+  std::vector<Command> commands = {{sub, run}};
+  for (auto& c : add_bench_comm_command(*bench))
+    commands.push_back(std::move(c));
+  commands.push_back({bench, [] {}});
+  return commands;
 }
 
 }  // namespace attn::cli

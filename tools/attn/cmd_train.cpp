@@ -6,6 +6,12 @@
 // Resume: the checkpoint stores the run's arguments (train.args). Every argument that changes
 // results is taken from it unless given again on the command line, where it must agree; so
 // `attn train --resume ck.safetensors --steps 2000` continues a run where it stopped.
+//
+// Data parallel: under `mpirun -np N` (attn built with -DATTN_WITH_MPI=ON), every rank draws the
+// same global batch of --batch-size sequences and trains on its shard (model/trainer.hpp); rank
+// 0 prints the progress and writes the metrics, the curve and the checkpoint, every rank reads
+// --resume. --threads is per rank. See docs/scale-out.md.
+#include "attn/core/comm.hpp"
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/model/tasks.hpp"
@@ -283,9 +289,11 @@ std::string clock(double seconds) {
 // Redrawn in place (\r) at most 10 times a second; on a pipe or file nothing but whole lines.
 class Progress {
  public:
-  explicit Progress(int64_t total) : total_(total), tty_(isatty(fileno(stderr)) != 0) {}
+  // `enabled` false (ranks other than 0 of a data-parallel run): prints nothing.
+  Progress(int64_t total, bool enabled)
+      : total_(total), tty_(isatty(fileno(stderr)) != 0), enabled_(enabled) {}
   void update(int64_t step, double loss, double tokens_per_second, double eta) {
-    if (!tty_) return;
+    if (!tty_ || !enabled_) return;
     const auto now = std::chrono::steady_clock::now();
     if (step != total_ && now - last_ < std::chrono::milliseconds(100)) return;
     last_ = now;
@@ -300,6 +308,7 @@ class Progress {
   }
   // A whole line (evaluation results), above the bar on a terminal.
   void line(const std::string& text) {
+    if (!enabled_) return;
     std::fprintf(stderr, "%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());
     std::fflush(stderr);
   }
@@ -311,7 +320,7 @@ class Progress {
 
  private:
   int64_t total_;
-  bool tty_;
+  bool tty_, enabled_;
   std::chrono::steady_clock::time_point last_{};
 };
 
@@ -362,7 +371,9 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
   o.clip_norm = a.clip;
   o.seed = a.seed;
   o.threads = a.threads;
-  model::Trainer trainer(o);
+  const std::shared_ptr<Communicator> comm = world_communicator();
+  const bool rank0 = comm->rank() == 0;
+  model::Trainer trainer(o, comm);
 
   std::vector<Record> history;
   if (!a.resume.empty()) {
@@ -389,8 +400,14 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
                                    {"train.labels", src.labels.dump()}});
   };
 
-  Progress progress(a.steps);
+  Progress progress(a.steps, rank0);
   progress.line(fmt::format("attn train: {}", src.summary));
+  if (comm->size() > 1)
+    progress.line(
+        fmt::format("data parallel: {} ranks ({}), {} sequences of each global batch of "
+                    "{} per rank, {} threads each",
+                    comm->size(), comm->name(), a.batch_size / comm->size(), a.batch_size,
+                    a.threads == 0 ? std::string("all") : std::to_string(a.threads)));
   progress.line(fmt::format(
       "model: E={} F={} H={} blocks={} pe={} dropout={}, {} parameters; AdamW lr={} wd={}, clip "
       "{}; seed {}{}",
@@ -445,7 +462,8 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       "attn train --task {} --pe {}: {} steps, eval accuracy "
       "{:.3f}",
       a.task, a.pe, trainer.step(), history.back().eval_accuracy);
-  if (!a.checkpoint.empty()) save(a.checkpoint);
+  if (!a.checkpoint.empty()) save(a.checkpoint);  // collective: rank 0 writes
+  if (!rank0) return;
   if (!a.metrics.empty()) {
     const std::string text = a.metrics.ends_with(".csv")
                                  ? metrics_csv(history)

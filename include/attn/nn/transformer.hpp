@@ -27,6 +27,7 @@
 #include "attn/ops/layer_norm.hpp"
 #include "attn/ops/relative_position.hpp"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -157,8 +158,12 @@ class TransformerEncoder : public Module {
                      const TransformerEncoderOptions& options = {});
   std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
   Tensor forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens = {});
-  // Accumulates every parameter gradient; ids have no gradient.
-  void backward(Context& ctx, const Tensor& dout);
+  // Accumulates every parameter gradient; ids have no gradient. `block_done` (optional) is called
+  // with block i's index as soon as its backward has finished, i.e. when its parameters'
+  // gradients are final (last block first): data-parallel training starts reducing them there
+  // while the earlier blocks' backward still runs.
+  void backward(Context& ctx, const Tensor& dout,
+                const std::function<void(int64_t)>& block_done = {});
   void train(bool on = true) override;
 
   // d2l's encoder.attention_weights[i]: block i's (B*H, T, T) pre-dropout weights of the last
