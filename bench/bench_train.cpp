@@ -5,7 +5,7 @@
 //
 // Shapes of issue 5: E = 128, H = 4 (D = 32), 2 blocks, FFN 256 (d2l's 2 * E), vocabulary 1000,
 // 2 classes, B = 32 sequences of T = 128 tokens (every sequence full length, valid_lens given),
-// dropout 0.1, fp32, ATTN_THREADS threads (default 2). bench/torch_train.py is the same model in
+// dropout 0.1, fp32 (BM_TrainStepBf16: mixed precision), ATTN_THREADS threads (default 2). bench/torch_train.py is the same model in
 // PyTorch (d2l's code) and bench/run_train.sh runs both side by side.
 //
 // Counter tokens_per_second = B * T per step / wall time. BM_TrainStepParts times the parts of a
@@ -35,8 +35,10 @@ int bench_threads() {
   return env != nullptr ? std::max(1, std::atoi(env)) : 2;
 }
 
-attn::model::TrainOptions train_options() {
+attn::model::TrainOptions train_options(
+    attn::model::Precision precision = attn::model::Precision::kFloat32) {
   attn::model::TrainOptions o;
+  o.precision = precision;
   o.model.type = attn::model::TaskType::kClassification;
   o.model.vocab_size = kVocab;
   o.model.num_classes = kClasses;
@@ -88,6 +90,19 @@ void BM_TrainStep(benchmark::State& state) {
   set_counters(state);
 }
 
+// The same step in mixed precision (`attn train --precision bf16`): linear layers and attention
+// in bfloat16, float32 master weights, AdamW, LayerNorm and loss.
+void BM_TrainStepBf16(benchmark::State& state) {
+  attn::model::Trainer trainer(train_options(attn::model::Precision::kBFloat16));
+  const attn::model::Batch batch = make_batch();
+  trainer.train_step(batch);
+  for (auto _ : state) {
+    attn::model::StepStats s = trainer.train_step(batch);
+    benchmark::DoNotOptimize(s.loss);
+  }
+  set_counters(state);
+}
+
 // The same step in its four parts, each timed by hand (manual time = the whole step), with the
 // seconds per step of each part as counters.
 void BM_TrainStepParts(benchmark::State& state) {
@@ -131,6 +146,7 @@ void BM_TrainStepParts(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_TrainStepBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
 
 BENCHMARK_MAIN();

@@ -45,6 +45,7 @@ for ((r = 1; r <= rounds; r++)); do
   "$bin" --benchmark_filter='BM_TrainStep' --benchmark_format=json \
     --benchmark_out="$tmp/attn$r.json" --benchmark_out_format=json >/dev/null
   OPENBLAS_CORETYPE="$coretype" LD_LIBRARY_PATH="$torch_ld" /usr/bin/python3 bench/torch_train.py --threads "$ATTN_THREADS" --reps 1 >"$tmp/torch$r.json"
+  OPENBLAS_CORETYPE="$coretype" LD_LIBRARY_PATH="$torch_ld" /usr/bin/python3 bench/torch_train.py --threads "$ATTN_THREADS" --reps 1 --autocast >"$tmp/torchbf$r.json"
   echo "round $r/$rounds done" >&2
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -54,17 +55,20 @@ echo "PyTorch's BLAS: $(/usr/bin/python3 -c 'import json,sys; print(json.load(op
 import datetime, json, statistics, sys
 tmp, rounds, load_before, load_after, coretype = sys.argv[1:6]
 rounds = int(rounds)
-attn, parts, torch_rates, blas, threads = [], {}, [], set(), None
+attn, attn_bf, parts, torch_rates, torch_bf, blas, threads = [], [], {}, [], [], set(), None
 for r in range(1, rounds + 1):
     for b in json.load(open(f"{tmp}/attn{r}.json"))["benchmarks"]:
         if b["name"].startswith("BM_TrainStepParts"):
             for k in ("forward_ms", "loss_ms", "backward_ms", "clip_adamw_ms"):
                 parts.setdefault(k, []).append(b[k])
+        elif b["name"].startswith("BM_TrainStepBf16"):
+            attn_bf.append(b["tokens_per_second"])
         elif b["name"].startswith("BM_TrainStep"):
             attn.append(b["tokens_per_second"])
             threads = int(b["threads"])
     t = json.load(open(f"{tmp}/torch{r}.json"))
     torch_rates += t["tokens_per_second"]
+    torch_bf += json.load(open(f"{tmp}/torchbf{r}.json"))["tokens_per_second"]
     blas.add(t["blas"])
 cpu = "?"
 for line in open("/proc/cpuinfo"):
@@ -98,6 +102,15 @@ print("|---|---|---|")
 print(f"| attn | {a_best:,.0f} | {a_med:,.0f} |")
 print(f"| PyTorch 1.13 | {t_best:,.0f} | {t_med:,.0f} |")
 print(f"| **attn / PyTorch** | **{a_best / t_best:.2f}x** | **{a_med / t_med:.2f}x** |")
+if attn_bf:
+    b_best, b_med = max(attn_bf), statistics.median(attn_bf)
+    tb_best, tb_med = max(torch_bf), statistics.median(torch_bf)
+    print(f"| attn `--precision bf16` (mixed) | {b_best:,.0f} | {b_med:,.0f} |")
+    print(f"| PyTorch 1.13 bf16 autocast | {tb_best:,.0f} | {tb_med:,.0f} |")
+    print(f"| **attn bf16 / attn fp32** | **{b_best / a_best:.2f}x** | **{b_med / a_med:.2f}x** |")
+    print(f"| **attn bf16 / PyTorch fp32** | **{b_best / t_best:.2f}x** | **{b_med / t_med:.2f}x** |")
+    print(f"| **attn bf16 / PyTorch bf16 autocast** | **{b_best / tb_best:.2f}x** | "
+          f"**{b_med / tb_med:.2f}x** |")
 if parts:
     p = {k: statistics.median(v) for k, v in parts.items()}
     total = sum(p.values())

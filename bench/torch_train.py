@@ -55,6 +55,8 @@ def main():
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--min-time", type=float, default=3.0, help="seconds per repetition")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--autocast", action="store_true",
+                    help="torch.autocast('cpu', dtype=torch.bfloat16) around forward and loss")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -69,7 +71,8 @@ def main():
 
     def step():
         adamw.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(ids, valid_lens), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+            loss = torch.nn.functional.cross_entropy(model(ids, valid_lens), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         adamw.step()
@@ -88,7 +91,7 @@ def main():
                 break
         rates.append(steps * B * T / elapsed)
     print(json.dumps({"tokens_per_second": rates, "threads": torch.get_num_threads(),
-                      "blas": loaded_blas(), "torch": torch.__version__,
+                      "blas": loaded_blas(), "torch": torch.__version__, "autocast": args.autocast,
                       "num_threads_env": os.environ.get("OMP_NUM_THREADS", "")}))
 
 

@@ -48,6 +48,16 @@ bool starts_with(const std::string& s, const char* prefix) {
 // ----------------------------------------------------------------------------------------------
 // Options as JSON
 
+const char* precision_name(Precision p) {
+  return p == Precision::kBFloat16 ? "bf16" : "fp32";
+}
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::kFloat32;
+  if (name == "bf16") return Precision::kBFloat16;
+  throw Error("precision", fmt::format("unknown precision '{}', expected fp32 or bf16", name));
+}
+
 std::string to_json(const TrainOptions& o) {
   const ModelConfig& m = o.model;
   nlohmann::json j = {
@@ -185,6 +195,7 @@ Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm
   check(options.threads >= 0, op, "threads must be >= 0, got {}", options.threads);
   ctx_.threads = options.threads;
   ctx_.seed = options.seed;
+  ctx_.autocast_bf16 = options.precision == Precision::kBFloat16;
   model_ = std::make_unique<SequenceModel>(options.model, options.seed);
   // The FFN's first layer is lazy (d2l's LazyLinear): one eval-mode forward on a single token
   // creates it now, so the optimiser and every checkpoint see all parameters from step 0. It
@@ -478,6 +489,7 @@ void Trainer::save_checkpoint_local(const std::string& path,
   meta["attn.step"] = std::to_string(step_);
   meta["attn.dropout_offset"] = std::to_string(ctx_.dropout_offset());
   meta["attn.options"] = to_json(options_);
+  meta["attn.precision"] = precision_name(options_.precision);  // informative: loads in either
   save_safetensors(path, tensors, meta);
 }
 
@@ -527,7 +539,11 @@ std::string first_difference(const TrainOptions& a, const TrainOptions& b) {
 
 TrainOptions Trainer::checkpoint_options(const std::string& path) {
   const SafetensorsFile f = load_checked(path);
-  return train_options_from_json(meta_at(f, path, "attn.options"));
+  TrainOptions o = train_options_from_json(meta_at(f, path, "attn.options"));
+  // Checkpoints written before the precision was recorded were float32 runs.
+  if (auto it = f.metadata.find("attn.precision"); it != f.metadata.end())
+    o.precision = parse_precision(it->second);
+  return o;
 }
 
 std::map<std::string, std::string> Trainer::load_checkpoint(const std::string& path) {

@@ -39,6 +39,11 @@ void fill_with(Tensor& t, Draw&& draw) {
 // in the same row-major order (so (h) accumulates into (1, h)).
 void accumulate(Tensor& grad, const Tensor& g);
 
+// Whether a module of `module_dtype` computes its linear layers and attention core in bfloat16
+// (Context::autocast_bf16: float32 modules only, and not on the reference backend, which is the
+// oracle and stays in the module's precision).
+bool autocasts(const Context& ctx, DType module_dtype);
+
 // Checks that x is a float tensor of the module's dtype with `ndim` dimensions.
 void check_input(const char* op, const char* what, const Tensor& x, int ndim, DType dtype);
 

@@ -63,6 +63,10 @@ void accumulate_typed(T* dst, const Tensor& g) {
 }
 }  // namespace
 
+bool autocasts(const Context& ctx, DType module_dtype) {
+  return ctx.autocast_bf16 && module_dtype == DType::F32 && ctx.backend != Backend::kReference;
+}
+
 void accumulate(Tensor& grad, const Tensor& g) {
   check(grad.defined() && g.defined() && grad.numel() == g.numel(), "accumulate",
         "gradient of shape {} cannot accumulate into {}", shape_str(g.shape()),
@@ -343,11 +347,26 @@ void Linear::materialize(int64_t in_features, const char* op) {
 }
 
 Tensor Linear::forward(Context& ctx, const Tensor& x) {
-  detail::check_input("Linear", "input", x, 0, dtype_);
+  autocast_ = detail::autocasts(ctx, dtype_);
+  if (autocast_ && x.defined() && x.dtype() == DType::BF16) {
+    detail::check_input("Linear", "input", x, 0, DType::BF16);
+  } else {
+    detail::check_input("Linear", "input", x, 0, dtype_);
+  }
   check(!weight.value.defined() || x.dim(-1) == weight.value.dim(1), "Linear",
         "input has shape {}, expected last dimension {} (weight {})", shape_str(x.shape()),
         weight.value.defined() ? weight.value.dim(1) : 0, shape_str(weight.value.shape()));
   materialize(x.dim(-1), "Linear");
+  if (autocast_) {
+    x_dtype_ = x.dtype();
+    x_ = x.to(DType::BF16);
+    // Rounded every forward: the optimiser updates the float32 weights in place.
+    w_bf16_ = weight.value.to(DType::BF16);
+    b_bf16_ = has_bias_ ? bias.value.to(DType::BF16) : Tensor();
+    Tensor y = linear(ctx, x_, w_bf16_, b_bf16_);
+    return x_dtype_ == DType::BF16 ? y : y.to(x_dtype_);
+  }
+  w_bf16_ = b_bf16_ = Tensor();
   x_ = x;
   return linear(ctx, x, weight.value, has_bias_ ? bias.value : Tensor());
 }
@@ -356,6 +375,17 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
   check(x_.defined(), "Linear::backward", "called before forward");
   Shape expected = x_.shape();
   expected.back() = out_features_;
+  if (autocast_) {
+    check(dy.shape() == expected && (dy.dtype() == DType::F32 || dy.dtype() == DType::BF16),
+          "Linear::backward",
+          "dy has shape {} and dtype {}, expected {} and F32 or BF16 (autocast)",
+          shape_str(dy.shape()), dtype_name(dy.dtype()), shape_str(expected));
+    // forward: y = bf16(x) bf16(W)^T + bf16(b) in bf16; the products of the backward likewise.
+    LinearGrads g = linear_backward(ctx, dy.to(DType::BF16), x_, w_bf16_, has_bias_);
+    detail::accumulate(weight.grad, g.dW);
+    if (has_bias_) detail::accumulate(bias.grad, g.db);
+    return x_dtype_ == DType::BF16 ? g.dx : g.dx.to(x_dtype_);
+  }
   check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
         "dy has shape {} and dtype {}, expected {} and {}", shape_str(dy.shape()),
         dtype_name(dy.dtype()), shape_str(expected), dtype_name(dtype_));

@@ -148,8 +148,12 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   o.dropout = attention.dropout;
   o.training = attention.training();
   o.need_weights = attention.need_weights;
+  // Under autocast (float32 module, Context::autocast_bf16) the projections and the fused core
+  // run in bf16; off the fused path (weights asked for, RoPE, ALiBi) the module's own dtype.
+  const DType cdt = detail::autocasts(ctx, dtype_) ? DType::BF16 : dtype_;
   fused_ = !attention.rotary && !attention.alibi_slopes.defined() &&
-           attn::detail::multi_head_fused_supported(ctx, dtype_, o);
+           attn::detail::multi_head_fused_supported(ctx, cdt, o);
+  compute_dtype_ = fused_ ? cdt : dtype_;
   // Self-attention (one tensor for queries, keys and values, no padding copy): one projection
   // with the stacked weights [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM.
   // On the fused path, and for bfloat16 also when its attention runs on head copies.
@@ -163,33 +167,36 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
     for (Linear* l : {&W_q, &W_k, &W_v})
       l->materialize(queries.dim(2), op);
     // Repacked every forward: the optimizer updates the three weights in place.
+    // (In bf16 under autocast: copy_from rounds the float32 weights.)
+    const DType wdt = compute_dtype_;
     if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, queries.dim(2)}) ||
-        W_qkv_.dtype() != dtype_)
-      W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, dtype_);
+        W_qkv_.dtype() != wdt)
+      W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, wdt);
     const bool bias = W_q.has_bias();
-    if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != dtype_))
-      b_qkv_ = Tensor::empty({3 * E}, dtype_);
+    if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != wdt)) b_qkv_ = Tensor::empty({3 * E}, wdt);
     int64_t i = 0;
     for (Linear* l : {&W_q, &W_k, &W_v}) {
       W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
       if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
       ++i;
     }
-    X_ = queries;
-    const Tensor QKV = linear(ctx, queries, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
-    Q_ = QKV.slice(2, 0, E);  // views, row stride 3E
+    X_ = queries.to(wdt);
+    const Tensor QKV = linear(ctx, X_, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
+    Q_ = QKV.slice(2, 0, E);                                               // views, row stride 3E
     K_ = QKV.slice(2, E, 2 * E);
     V_ = QKV.slice(2, 2 * E, 3 * E);
   }
   if (fused_) {
     core_options_ = o;
     if (!packed_) {
-      Q_ = W_q.forward(ctx, queries);  // (B, T, E): head h in features [h*D, (h+1)*D)
-      K_ = W_k.forward(ctx, keys_read);
-      V_ = W_v.forward(ctx, values_read);
+      // (B, T, E): head h in features [h*D, (h+1)*D). Under autocast the inputs go in as bf16,
+      // so the projections come out bf16 for the bf16 core.
+      Q_ = W_q.forward(ctx, queries.to(compute_dtype_));
+      K_ = W_k.forward(ctx, keys_read.to(compute_dtype_));
+      V_ = W_v.forward(ctx, values_read.to(compute_dtype_));
     }
     core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
-    return W_o.forward(ctx, core_.output);
+    return W_o.forward(ctx, core_.output).to(dtype_);
   }
 
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
@@ -214,12 +221,13 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
         dtype_name(dout.dtype()), shape_str({B_, T_, num_hiddens_}), dtype_name(dtype_));
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
-  Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E)
+  Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E), in the compute dtype
+  const DType cdt = compute_dtype_;
   if (packed_) {
     // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
     // attention gradients land in the slices of one (B, T, 3E) buffer, every element written.
     const int64_t E = num_hiddens_;
-    const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, dtype_);
+    const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, cdt);
     Tensor dQ = dQKV.slice(2, 0, E), dK = dQKV.slice(2, E, 2 * E), dV = dQKV.slice(2, 2 * E, 3 * E);
     if (fused_) {
       attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
@@ -241,20 +249,22 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
       if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E));
       ++i;
     }
-    if (self_attention_input_grad) return {lg.dx, Tensor(), Tensor()};
-    // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on.
-    auto input_grad = [&](const Tensor& dY, const Linear& l) {
-      return linear(ctx, dY, l.weight.value.transpose(0, 1));
+    if (self_attention_input_grad) return {lg.dx.to(dtype_), Tensor(), Tensor()};
+    // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on, with
+    // the weights the forward used (W_qkv_'s rows).
+    auto input_grad = [&](const Tensor& dY, int64_t part) {
+      return linear(ctx, dY, W_qkv_.slice(0, part * E, (part + 1) * E).transpose(0, 1)).to(dtype_);
     };
-    return {input_grad(dQ, W_q), input_grad(dK, W_k), input_grad(dV, W_v)};
+    return {input_grad(dQ, 0), input_grad(dK, 1), input_grad(dV, 2)};
   }
   if (fused_) {
     // forward: O = attention(Q, K, V) in the (B, T, E) layout; the gradients land there too.
-    Tensor dQ = Tensor::empty(Q_.shape(), dtype_), dK = Tensor::empty(K_.shape(), dtype_),
-           dV = Tensor::empty(V_.shape(), dtype_);
+    Tensor dQ = Tensor::empty(Q_.shape(), cdt), dK = Tensor::empty(K_.shape(), cdt),
+           dV = Tensor::empty(V_.shape(), cdt);
     attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
                                                 dQ, dK, dV);
-    return {W_q.backward(ctx, dQ), W_k.backward(ctx, dK), W_v.backward(ctx, dV)};
+    return {W_q.backward(ctx, dQ).to(dtype_), W_k.backward(ctx, dK).to(dtype_),
+            W_v.backward(ctx, dV).to(dtype_)};
   }
   // forward: concat = transpose_output(O_h); its adjoint is transpose_qkv.
   AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));

@@ -53,6 +53,10 @@ struct TrainArgs {
   int threads = 0;
   int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
   std::string metrics, curve, checkpoint, resume;
+  // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
+  // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
+  std::string precision = "fp32";
+  bool precision_given = false;
 };
 
 // The arguments that decide the results, by option name (what a checkpoint stores and a resume
@@ -349,7 +353,12 @@ void merge_resume_args(TrainArgs& a, const std::map<std::string, CLI::Option*>& 
 }
 
 void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
-  if (!a.resume.empty()) merge_resume_args(a, given, load_safetensors(a.resume).metadata);
+  if (!a.resume.empty()) {
+    const auto meta = load_safetensors(a.resume).metadata;
+    merge_resume_args(a, given, meta);
+    if (auto it = meta.find("attn.precision"); !a.precision_given && it != meta.end())
+      a.precision = it->second;
+  }
   validate(a);
   const bool user = a.task == "tsv" || a.task == "conllu";
   DataSource src = user ? user_source(a) : generated_source(a);
@@ -371,6 +380,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
   o.clip_norm = a.clip;
   o.seed = a.seed;
   o.threads = a.threads;
+  o.precision = model::parse_precision(a.precision);
   const std::shared_ptr<Communicator> comm = world_communicator();
   const bool rank0 = comm->rank() == 0;
   model::Trainer trainer(o, comm);
@@ -410,9 +420,9 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
                     a.threads == 0 ? std::string("all") : std::to_string(a.threads)));
   progress.line(fmt::format(
       "model: E={} F={} H={} blocks={} pe={} dropout={}, {} parameters; AdamW lr={} wd={}, clip "
-      "{}; seed {}{}",
+      "{}; seed {}; precision {}{}",
       a.num_hiddens, a.ffn_num_hiddens, a.num_heads, a.num_blks, a.pe, a.dropout,
-      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed,
+      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed, a.precision,
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
   progress.line(fmt::format("evaluation: {}", src.eval_name));
 
@@ -528,6 +538,15 @@ std::vector<Command> add_train_command(CLI::App& app) {
   add("eval-examples", a.eval_examples, "generated tasks: size of the evaluation set");
   sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
       ->capture_default_str();
+  sub->add_option_function<std::string>(
+         "--precision",
+         [&a](const std::string& p) {
+           a.precision = p;
+           a.precision_given = true;
+         },
+         "fp32, or bf16: mixed precision (linear layers and attention in bfloat16, float32 "
+         "master weights, AdamW state, LayerNorm and loss); default fp32, or the resumed run's")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   sub->add_option("--eval-every", a.eval_every, "evaluate every N steps (0: only at the end)")
       ->capture_default_str();
   sub->add_option("--metrics", a.metrics, "write the evaluation history (.csv or .json)")

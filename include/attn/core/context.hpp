@@ -24,6 +24,12 @@ struct Context {
   int threads = 0;    // 0: all hardware threads (OpenMP's default)
   uint64_t seed = 0;  // seeds the dropout stream and parameter initialisation
   Backend backend = Backend::kAuto;
+  // Mixed precision (PyTorch's torch.autocast(dtype=torch.bfloat16) on CPU): float32 modules run
+  // their linear layers and their attention core in bfloat16 (inputs and weights rounded to bf16,
+  // products accumulated in f32, results rounded once), while parameters, their gradients, the
+  // optimiser, LayerNorm, softmax statistics and the loss stay float32. A weight's gradient is
+  // the bf16 product widened to float32, as autocast's is. Modules of other dtypes ignore it.
+  bool autocast_bf16 = false;
 
   // Test and benchmark switches of the fused CPU attention kernels, so that one machine tests
   // every path: restrict their SIMD dispatch to these Highway target bits (0: the best this CPU

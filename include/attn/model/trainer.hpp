@@ -53,12 +53,22 @@ struct ModelConfig {
   bool operator==(const ModelConfig&) const = default;
 };
 
+// The precision a Trainer computes in. kBFloat16 is mixed precision (PyTorch's CPU autocast):
+// linear layers and the attention core in bfloat16 (Context::autocast_bf16), while parameters
+// (the float32 master weights), gradients, AdamW state, LayerNorm, softmax statistics and the
+// loss stay float32. Checkpoints hold the float32 parameters either way, so a checkpoint of one
+// precision loads into a trainer of the other; the precision is not part of to_json(options).
+enum class Precision : uint8_t { kFloat32, kBFloat16 };
+const char* precision_name(Precision p);             // "fp32", "bf16"
+Precision parse_precision(const std::string& name);  // Error("precision") for other names
+
 struct TrainOptions {
   ModelConfig model;
   nn::AdamWOptions adamw;  // lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01
   double clip_norm = 1.0;  // global L2 norm of the gradients; 0 turns clipping off
   uint64_t seed = 0;       // parameter initialisation and the dropout stream
   int threads = 0;         // 0: all hardware threads; results do not depend on it
+  Precision precision = Precision::kFloat32;  // not in to_json (see Precision)
 };
 
 // JSON text of the options (what a checkpoint stores) and back. threads is not stored: it does
@@ -142,7 +152,8 @@ class Trainer {
   // changes when anything is wrong. Returns the `extra` metadata. With N ranks it is collective:
   // every rank reads `path` (a file system all ranks see), and when any rank fails, all throw.
   std::map<std::string, std::string> load_checkpoint(const std::string& path);
-  // The options stored in a checkpoint (to build a Trainer that can load it).
+  // The options stored in a checkpoint (to build a Trainer that can load it), with the precision
+  // the checkpoint was trained in.
   static TrainOptions checkpoint_options(const std::string& path);
 
   int64_t step() const { return step_; }

@@ -125,6 +125,9 @@ class MultiHeadAttention : public Module {
   // copies; see nn/multihead_attention.cpp.
   bool fused_ = false;
   bool packed_ = false;  // self-attention: Q, K, V are slices of one (B, T, 3E) projection
+  // The dtype the projections and the fused core computed in: the module's, or BF16 for a
+  // float32 module under Context::autocast_bf16.
+  DType compute_dtype_ = DType::F32;
   Tensor Q_, K_, V_, X_;
   Tensor W_qkv_, b_qkv_;  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v], packed per forward
   AttentionResult core_;

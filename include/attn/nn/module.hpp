@@ -73,6 +73,10 @@ class Linear : public Module {
 
   Tensor forward(Context& ctx, const Tensor& x);    // (..., in) -> (..., out)
   Tensor backward(Context& ctx, const Tensor& dy);  // returns dx; accumulates dW, db
+  // With ctx.autocast_bf16 on a float32 layer, x may be float32 or bfloat16: the product runs in
+  // bf16 on x and the weights rounded to bf16 (torch.autocast's linear) and y has x's dtype
+  // (a bf16 y as computed; a float32 y widened from it). The backward takes dy in either dtype,
+  // returns dx in x's dtype and accumulates the bf16 weight gradients widened to float32.
 
   // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.
   void materialize(int64_t in_features, const char* op);
@@ -87,7 +91,11 @@ class Linear : public Module {
   int64_t out_features_, in_features_;
   bool has_bias_;
   uint64_t seed_;
-  Tensor x_;  // saved input
+  Tensor x_;  // saved input (bf16 under autocast)
+  // Under autocast: the bf16 copies of the weights the forward used, and the dtype x came in.
+  Tensor w_bf16_, b_bf16_;
+  DType x_dtype_ = DType::F32;
+  bool autocast_ = false;
 };
 
 }  // namespace attn::nn
