@@ -17,7 +17,8 @@ echo "== 1. build and test (RelWithDebInfo, warnings as errors)"
 # MPI on: the communicator's and data-parallel training's tests run under mpirun (2 and 4
 # ranks, shared memory and TCP loopback); the library without it is the main job's build.
 cmake --preset default -DATTN_BUILD_CLI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_BENCH=ON \
-  -DATTN_BUILD_PYTHON=ON -DATTN_WITH_MPI=ON >/dev/null  # all on, whatever tour.sh configured
+  -DATTN_BUILD_PYTHON=ON -DATTN_WITH_MPI=ON -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF \
+  >/dev/null  # all on (debug info, no PCH), whatever tour.sh configured
 cmake --build --preset default
 ctest --preset default
 # The README's set-up makes `/usr/bin/python3 -c "import attn"` work.
