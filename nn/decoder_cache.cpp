@@ -13,9 +13,10 @@
 //                                                                            init_state
 //   out = ln3(ffn(Z) + Z)
 // Cost per step and row: the projections O(T_new E^2), attention O(T_new (L + S) E), no
-// recomputation of the prefix. The attention runs the fused CPU kernel straight on the cache
-// (head strides, the cache's batch stride) when it serves (float32); otherwise d2l's head copies
-// and the scaled dot-product attention op.
+// recomputation of the prefix. The attention runs straight on the cache (head strides, the cache's
+// batch stride): the decode kernel for T_new <= 8 (float32), the fused flash kernel for longer
+// steps; otherwise (float64, or weights asked for) d2l's head copies and the scaled dot-product
+// attention op.
 #include "attn/nn/decoder.hpp"
 
 #include "attn/ops/activation.hpp"
@@ -24,6 +25,7 @@
 #include "attn/ops/linear.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
+#include "ops/attention_decode.hpp"
 #include "ops/attention_heads.hpp"
 
 #include <algorithm>
@@ -57,14 +59,18 @@ Tensor add_norm(Context& ctx, const AddNorm& an, const Tensor& X, const Tensor& 
       .y;
 }
 
-// Multi-head attention core on (B, ., E) projections: the fused kernel on the tensors as they
-// are, or d2l's transpose_qkv -> attention -> transpose_output. lens: undefined, (B,) or
-// (B, T_new), per batch row. weights (optional): the (B*H, T_new, S) pre-dropout weights.
+// Multi-head attention core on (B, ., E) projections: the decode kernel for a few new queries
+// (ops/attention_decode.hpp: split-K over the cache, fp32 or bf16), the fused flash kernel on the
+// tensors as they are for more, or d2l's transpose_qkv -> attention -> transpose_output when the
+// weights are asked for. lens: undefined, (B,) or (B, T_new), per batch row. weights (optional):
+// the (B*H, T_new, S) pre-dropout weights.
 Tensor heads_attention(Context& ctx, const Tensor& Q, const Tensor& K, const Tensor& V, int64_t H,
                        const Tensor& lens, Tensor* weights) {
   AttentionOptions o;
   o.mask.valid_lens = lens;
   o.need_weights = weights != nullptr;
+  if (attn::detail::multi_head_decode_supported(ctx, Q.dtype(), Q.dim(1), o))
+    return attn::detail::multi_head_decode_attention(ctx, Q, K, V, H, o).output;
   if (!weights && attn::detail::multi_head_fused_supported(ctx, Q.dtype(), o))
     return attn::detail::multi_head_attention_forward(ctx, Q, K, V, H, o).output;
   o.mask.lens_repeat = H;
