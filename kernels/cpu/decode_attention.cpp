@@ -155,13 +155,20 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
     for (int64_t h = 0; h < nh; ++h) {
       const KV* vr = vb + s * a.v.st + h * vsh;
       const int64_t r0 = h * NQ;
+      VF w[NQ];  // the key's weight per query, 0 past the query's kept keys
+      bool any = false;
+      for (int t = 0; t < NQ; ++t) {
+        const bool kept = s < ends[r0 + t];
+        w[t] = hn::Set(d, kept ? x[(r0 + t) * xs + (s - s0)] : 0.0f);
+        any |= kept;
+      }
+      if (!any) continue;
       for (int64_t i = 0; i < Dvm; i += L) {
         const VF vv = LoadRow(d, vr + i);
         for (int t = 0; t < NQ; ++t) {
           if (s >= ends[r0 + t]) continue;
           float* o = part + (r0 + t) * ps + i;
-          hn::StoreU(hn::MulAdd(hn::Set(d, x[(r0 + t) * xs + (s - s0)]), vv, hn::LoadU(d, o)), d,
-                     o);
+          hn::StoreU(hn::MulAdd(w[t], vv, hn::LoadU(d, o)), d, o);
         }
       }
       for (int64_t i = Dvm; i < Dv; ++i) {
