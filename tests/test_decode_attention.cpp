@@ -1,5 +1,5 @@
 // The decode kernel (kernels/cpu/decode_attention) against the reference SDPA (kernels/ref): a
-// sweep of queries per row (1..8), cache lengths (1..~300 across the 256-key chunk boundary and
+// sweep of queries per row (1..8), cache lengths (1..~300 across the 128-key chunk boundaries and
 // one long cache), head widths (odd ones for the scalar tails), batch x heads with head strides
 // into a (B, capacity, H*D) cache, per-row lengths (ragged, zero), both masked-row policies, a
 // bfloat16 cache, every SIMD target; and bitwise equality for 1, 2 and 3 threads. Cache positions
@@ -187,7 +187,7 @@ void check_case(const Case& c, std::initializer_list<int> thread_counts = {2}) {
 TEST(DecodeAttention, SweepAgainstReference) {
   int n = 0;
   for (int64_t T = 1; T <= 8; ++T)
-    for (int64_t S : {1, 7, 64, 255, 257, 300})
+    for (int64_t S : {1, 7, 127, 129, 300})
       for (int64_t D : {16, 17, 100}) {
         Case c;
         c.T = T, c.S = S, c.D = D, c.Dv = (n % 3 == 0) ? D + 3 : D;
@@ -206,7 +206,7 @@ TEST(DecodeAttention, LongCacheSplitAcrossThreads) {
   for (bool bf16 : {false, true})
     for (int64_t T : {1, 4}) {
       Case c;
-      c.batch = 2, c.heads = 2, c.T = T, c.S = 9000, c.D = 128, c.Dv = 128;
+      c.batch = 2, c.heads = 2, c.T = T, c.S = 5000, c.D = 128, c.Dv = 128;
       c.lens = T == 1 ? Case::kNone : Case::kPerQuery;
       c.bf16 = bf16;
       check_case(c, {2, 3});

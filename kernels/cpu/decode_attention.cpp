@@ -72,6 +72,15 @@ HWY_INLINE VF LoadRow(DF d, const uint16_t* p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, p))));
 }
 
+// Fetches a row into L2 (prefetcht1): the V rows of a chunk, streamed alongside its K rows, are
+// read again from L2 by WeightedSumV in another order.
+HWY_INLINE void PrefetchToL2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64)
+    __builtin_prefetch(c + i, 0, 2);
+  __builtin_prefetch(c + bytes - 1, 0, 2);
+}
+
 // Partials of the nh heads of one batch row (rows b0 .. b0 + nh - 1, sharing the cache's
 // positions) over keys [s0, s1), NQ queries each; row r = h * NQ + t below. qs: nh*NQ rows of D,
 // pre-scaled; lim: kept keys per row r; x: scratch of nh*NQ rows of kDecodeChunkKeys + L floats;
@@ -96,6 +105,8 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
 
   // QDotK: x[r, s] = q_r . k_s over the chunk, -inf past the row's kept keys.
   for (int64_t s = s0; s < s1; ++s) {
+    for (int64_t h = 0; h < nh; ++h)
+      PrefetchToL2(vb + s * a.v.st + h * vsh, Dv * static_cast<int64_t>(sizeof(KV)));
     for (int64_t h = 0; h < nh; ++h) {
       const KV* kr = kb + s * a.k.st + h * ksh;
       const float* qh = qs + h * NQ * D;
@@ -137,7 +148,11 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
     o[Dv] = m;
     o[Dv + 1] = 0.0f;
     ends[r] = s0;
-    if (m == kNegInf) continue;  // no kept key in this chunk
+    if (m == kNegInf) {  // no kept key in this chunk: weights 0
+      for (int64_t j = 0; j < np; ++j)
+        xr[j] = 0.0f;
+      continue;
+    }
     ends[r] = std::min(s1, lim[r]);
     const VF vmax = hn::Set(d, m);
     VF vl = hn::Zero(d);
@@ -149,34 +164,33 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
     o[Dv + 1] = hn::GetLane(hn::SumOfLanes(d, vl));
   }
 
-  // WeightedSumV: o_r = sum_s p_rs v_s over the row's kept keys (a key past them is not read
-  // for it: 0 * inf would poison the row).
-  for (int64_t s = s0; s < s1; ++s) {
-    for (int64_t h = 0; h < nh; ++h) {
-      const KV* vr = vb + s * a.v.st + h * vsh;
-      const int64_t r0 = h * NQ;
-      VF w[NQ];  // the key's weight per query, 0 past the query's kept keys
-      bool any = false;
-      for (int t = 0; t < NQ; ++t) {
-        const bool kept = s < ends[r0 + t];
-        w[t] = hn::Set(d, kept ? x[(r0 + t) * xs + (s - s0)] : 0.0f);
-        any |= kept;
-      }
-      if (!any) continue;
-      for (int64_t i = 0; i < Dvm; i += L) {
-        const VF vv = LoadRow(d, vr + i);
-        for (int t = 0; t < NQ; ++t) {
-          if (s >= ends[r0 + t]) continue;
-          float* o = part + (r0 + t) * ps + i;
-          hn::StoreU(hn::MulAdd(w[t], vv, hn::LoadU(d, o)), d, o);
-        }
-      }
-      for (int64_t i = Dvm; i < Dv; ++i) {
-        const float vf = decode_detail::to_float(vr[i]);
+  // WeightedSumV: o_r = sum_s p_rs v_s, per head and L features at a time with the T sums in
+  // registers over the chunk's keys (the V rows are in L2: the QDotK pass prefetched them). A
+  // weight past a query's kept keys is exactly 0; keys past every query's are not read.
+  for (int64_t h = 0; h < nh; ++h) {
+    const int64_t r0 = h * NQ;
+    int64_t e = s0;
+    for (int t = 0; t < NQ; ++t)
+      e = std::max(e, ends[r0 + t]);
+    const KV* vh = vb + h * vsh;
+    for (int64_t i = 0; i < Dvm; i += L) {
+      VF acc[NQ];
+      for (int t = 0; t < NQ; ++t)
+        acc[t] = hn::Zero(d);
+      for (int64_t s = s0; s < e; ++s) {
+        const VF vv = LoadRow(d, vh + s * a.v.st + i);
         for (int t = 0; t < NQ; ++t)
-          if (s < ends[r0 + t]) part[(r0 + t) * ps + i] += x[(r0 + t) * xs + (s - s0)] * vf;
+          acc[t] = hn::MulAdd(hn::Set(d, x[(r0 + t) * xs + (s - s0)]), vv, acc[t]);
       }
+      for (int t = 0; t < NQ; ++t)
+        hn::StoreU(acc[t], d, part + (r0 + t) * ps + i);
     }
+    for (int64_t i = Dvm; i < Dv; ++i)
+      for (int64_t s = s0; s < e; ++s) {
+        const float vf = decode_detail::to_float(vh[s * a.v.st + i]);
+        for (int t = 0; t < NQ; ++t)
+          part[(r0 + t) * ps + i] += x[(r0 + t) * xs + (s - s0)] * vf;
+      }
   }
 }
 

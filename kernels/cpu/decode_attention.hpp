@@ -13,7 +13,9 @@
 //
 // The cache is read in place: a (B', capacity, H*D) buffer is the view sb = capacity*H*D,
 // sh = D, st = H*D, sd = 1, with heads = H and S = the cached length (or fewer: keys past every
-// row's limit are never read, so S may be the capacity with kept_keys giving the lengths).
+// row's limit are never read, so S may be the capacity with kept_keys giving the lengths). The
+// heads of one batch row are read together: a V row kept by another query or head of the same
+// batch row is read with weight exactly 0, so it must be finite (a cache is).
 //
 // Memory-bound: every K and V row is read once. Keys are cut into chunks of kDecodeChunkKeys;
 // work items are (row, chunk) pairs spread over threads (so one row of a 64k cache is split
@@ -31,9 +33,10 @@ namespace attn::cpu {
 // Queries per row the kernel takes (the decoder's step decodes 1; speculative / multi-token
 // steps a few). More queries belong to the flash kernel.
 constexpr int64_t kDecodeMaxQueries = 8;
-// Keys per work item: 256 keys of D = 64 in fp32 are 64 KiB of K and 64 KiB of V (L2-resident
-// while the item runs), and a partial of T * (Dv + 2) floats per 256 keys is < 1% of the reads.
-constexpr int64_t kDecodeChunkKeys = 256;
+// Keys per work item, which reads all H heads of them: 128 keys of H*D = 512 in fp32 are 256 KiB
+// of V kept in L2 between the item's two passes; a partial of T * (Dv + 2) floats per head and
+// 128 keys is < 1% of the reads.
+constexpr int64_t kDecodeChunkKeys = 128;
 
 // The kernel's arguments: the problem (dropout 0) and its tensors. KV is float or uint16_t
 // (bfloat16 bits, attn/core/dtype.hpp). k and v need unit feature stride (sd == 1); q and out
