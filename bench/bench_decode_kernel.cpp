@@ -7,8 +7,13 @@
 // The cache (batch, S, H*D) is sized to >= 256 MiB (batch raised at short S) so it does not fit
 // the last-level cache; the probe reads its own 512 MiB buffer.
 //
-//   build/<dir>/bench/bench_decode_kernel [rounds]        ATTN_THREADS (default 2)
-// Output: one line per (dtype, S, T): median GB/s of the kernel, median GB/s of the probe, ratio.
+//   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds]   ATTN_THREADS (2)
+// PASSIVE: on a machine shared with other processes, OpenMP threads spinning at the end of a
+// parallel region take turns from the threads still working (the kernel's ratio at T = 1 went
+// from ~60% to ~85% of the probe at load 10 on 2 cores).
+// Output: one line per (dtype, S, T): median GB/s of the kernel, of the probe, their ratio; and
+// the same per CPU second of the process (what the ratio is where other processes take turns on
+// the cores: a loaded machine inflates the wall times of the kernel and of the probe unequally).
 #include "attn/core/dtype.hpp"
 #include "kernels/cpu/decode_attention.hpp"
 
@@ -19,6 +24,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <vector>
 
 namespace {
@@ -29,6 +35,18 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// CPU seconds of the process (all threads): on a loaded machine the wall time counts the time
+// other processes held the cores; GB per CPU second does not (OpenMP's spinning counts, though).
+double cpu_now() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+struct Rate {
+  double wall_gbs, cpu_gbs;  // GB per wall second, GB per CPU second
+};
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -36,10 +54,10 @@ double median(std::vector<double> v) {
 
 // Streaming read: each thread sums its contiguous share of buf with 8 independent accumulators
 // (the compiler vectorises them); GB/s of bytes read.
-double probe_gbs(const std::vector<float>& buf, int threads) {
+Rate probe_gbs(const std::vector<float>& buf, int threads) {
   const int64_t n = static_cast<int64_t>(buf.size());
   double sink = 0;
-  const double t0 = now();
+  const double t0 = now(), c0 = cpu_now();
 #pragma omp parallel num_threads(threads) reduction(+ : sink)
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
@@ -51,15 +69,16 @@ double probe_gbs(const std::vector<float>& buf, int threads) {
     for (float a : acc)
       sink += a;
   }
-  const double dt = now() - t0;
+  const double dt = now() - t0, dc = cpu_now() - c0;
   if (sink == 12345.678) std::printf("#");  // keep the sum alive
-  return static_cast<double>(n) * sizeof(float) / dt / 1e9;
+  const double gb = static_cast<double>(n) * sizeof(float) / 1e9;
+  return {gb / dt, gb / dc};
 }
 
 template <class KV>
-double kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
-                  const std::vector<KV>& v, const std::vector<float>& q, std::vector<float>& out,
-                  int threads) {
+Rate kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
+                const std::vector<KV>& v, const std::vector<float>& q, std::vector<float>& out,
+                int threads) {
   attn::cpu::DecodeArgs<KV> a;
   a.B = batch * kH, a.T = T, a.S = S, a.D = kD, a.Dv = kD, a.heads = kH;
   a.scale = 0.125f;
@@ -68,11 +87,11 @@ double kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
   a.k = {k.data(), S * kH * kD, kD, kH * kD, 1};
   a.v = {v.data(), S * kH * kD, kD, kH * kD, 1};
   a.out = {out.data(), T * kH * kD, kD, kH * kD, 1};
-  const double t0 = now();
+  const double t0 = now(), c0 = cpu_now();
   attn::cpu::decode_attention(a);
-  const double dt = now() - t0;
-  const double bytes = 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV);
-  return bytes / dt / 1e9;
+  const double dt = now() - t0, dc = cpu_now() - c0;
+  const double gb = 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV) / 1e9;
+  return {gb / dt, gb / dc};
 }
 
 template <class KV>
@@ -89,18 +108,21 @@ void run(const char* dtype, int64_t S, int rounds, int threads, const std::vecto
   }
   for (int64_t T = 1; T <= 4; ++T) {
     std::vector<float> q(static_cast<size_t>(batch * T * kH * kD), 0.01f), out(q.size());
-    std::vector<double> ks, ps;
+    std::vector<double> ks, ps, kc, pc;
     kernel_gbs(batch, S, T, k, v, q, out, threads);  // warm-up (scratch, pages)
     for (int r = 0; r < rounds; ++r) {
-      ps.push_back(probe_gbs(probe, threads));
-      ks.push_back(kernel_gbs(batch, S, T, k, v, q, out, threads));
+      const Rate p = probe_gbs(probe, threads);
+      const Rate kr = kernel_gbs(batch, S, T, k, v, q, out, threads);
+      ps.push_back(p.wall_gbs), pc.push_back(p.cpu_gbs);
+      ks.push_back(kr.wall_gbs), kc.push_back(kr.cpu_gbs);
     }
-    const double kg = median(ks), pg = median(ps);
+    const double kg = median(ks), pg = median(ps), kcg = median(kc), pcg = median(pc);
     std::printf(
         "%-5s S=%-6lld T=%lld batch=%-3lld cache %4lld MiB  kernel %6.2f GB/s  probe %6.2f "
-        "GB/s  %5.1f%%\n",
+        "GB/s  %5.1f%%  per CPU s: kernel %6.2f probe %6.2f  %5.1f%%\n",
         dtype, static_cast<long long>(S), static_cast<long long>(T), static_cast<long long>(batch),
-        static_cast<long long>(batch * S * row_bytes >> 20), kg, pg, 100.0 * kg / pg);
+        static_cast<long long>(batch * S * row_bytes >> 20), kg, pg, 100.0 * kg / pg, kcg, pcg,
+        100.0 * kcg / pcg);
     std::fflush(stdout);
   }
 }
