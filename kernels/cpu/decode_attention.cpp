@@ -7,10 +7,10 @@
 // and per row, over its chunks c in order (Milakov & Gimelshein 2018; FlashDecoding's split-K):
 //   M = max_c m_c,  l = sum_c 2^(m_c - M) l_c,  out = (sum_c 2^(m_c - M) o_c) / l,
 //   lse = ln 2 * (M + log2 l).
-// The chunk of 256 keys is read twice (K for the scores, then V), each row once from memory: the
-// chunk's K and V stay in L2 between the two passes. q is held pre-scaled in a small buffer; K
-// rows are dotted with all T queries per load (T accumulator vectors), V rows scaled into T
-// output rows per load.
+// An item is one batch row's H heads over a chunk of kDecodeChunkKeys keys, each K and V row read
+// once from memory in address order: the K pass (scores) prefetches the chunk's V rows into L2,
+// the V pass reads them back per head and L features with the T sums in registers. q is held
+// pre-scaled in a small buffer; K rows are dotted with all T queries per load.
 //
 // Performance notes: see docs/decoder.md ("The decode kernel") for the measured bandwidth.
 
