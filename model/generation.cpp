@@ -60,10 +60,10 @@ class PrefixDecoder {
   // enc_outputs (B, S, E); each source serves `rows_per_source` consecutive rows.
   PrefixDecoder(Context& ctx, nn::TransformerDecoder& decoder, const Tensor& enc_outputs,
                 const Tensor& src_valid_lens, int64_t rows_per_source, bool use_cache,
-                int64_t capacity)
+                int64_t capacity, DType cache_dtype)
       : ctx_(ctx), decoder_(decoder), use_cache_(use_cache) {
     if (use_cache_) {
-      state_ = decoder.init_state(ctx, enc_outputs, src_valid_lens, capacity);
+      state_ = decoder.init_state(ctx, enc_outputs, src_valid_lens, capacity, cache_dtype);
       if (rows_per_source > 1) state_.repeat_interleave(rows_per_source);
       return;
     }
@@ -167,7 +167,8 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
   const bool keep_weights = o.keep_cross_attention && o.use_cache;
   EvalGuard guard(model, keep_weights);
   const Tensor enc = model.encoder.forward(ctx, src, src_valid_lens);
-  PrefixDecoder dec(ctx, model.decoder, enc, src_valid_lens, 1, o.use_cache, o.max_len + 1);
+  PrefixDecoder dec(ctx, model.decoder, enc, src_valid_lens, 1, o.use_cache, o.max_len + 1,
+                    o.cache_dtype);
 
   Generation g;
   g.tokens.assign(static_cast<size_t>(B), {});
@@ -251,7 +252,8 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
   const int64_t K = o.beam_size, R = B * K;
   EvalGuard guard(model, false);
   const Tensor enc = model.encoder.forward(ctx, src, src_valid_lens);
-  PrefixDecoder dec(ctx, model.decoder, enc, src_valid_lens, K, o.use_cache, o.max_len + 1);
+  PrefixDecoder dec(ctx, model.decoder, enc, src_valid_lens, K, o.use_cache, o.max_len + 1,
+                    o.cache_dtype);
   auto normalized = [&](double logp, int64_t length) {
     return logp / std::pow(static_cast<double>(length), o.length_penalty);
   };

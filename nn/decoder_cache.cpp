@@ -13,9 +13,10 @@
 //                                                                            init_state
 //   out = ln3(ffn(Z) + Z)
 // Cost per step and row: the projections O(T_new E^2), attention O(T_new (L + S) E), no
-// recomputation of the prefix. The attention runs the fused CPU kernel straight on the cache
-// (head strides, the cache's batch stride) when it serves (float32); otherwise d2l's head copies
-// and the scaled dot-product attention op.
+// recomputation of the prefix. The attention runs straight on the cache (head strides, the cache's
+// batch stride): the decode kernel for T_new <= 8 (float32), the fused flash kernel for longer
+// steps; otherwise (float64, or weights asked for) d2l's head copies and the scaled dot-product
+// attention op.
 #include "attn/nn/decoder.hpp"
 
 #include "attn/ops/activation.hpp"
@@ -24,6 +25,7 @@
 #include "attn/ops/linear.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
+#include "ops/attention_decode.hpp"
 #include "ops/attention_heads.hpp"
 
 #include <algorithm>
@@ -57,14 +59,22 @@ Tensor add_norm(Context& ctx, const AddNorm& an, const Tensor& X, const Tensor& 
       .y;
 }
 
-// Multi-head attention core on (B, ., E) projections: the fused kernel on the tensors as they
-// are, or d2l's transpose_qkv -> attention -> transpose_output. lens: undefined, (B,) or
-// (B, T_new), per batch row. weights (optional): the (B*H, T_new, S) pre-dropout weights.
+// Multi-head attention core on (B, ., E) projections: the decode kernel for a few new queries
+// (ops/attention_decode.hpp: split-K over the cache, fp32 or bf16), the fused flash kernel on the
+// tensors as they are for more, or d2l's transpose_qkv -> attention -> transpose_output when the
+// weights are asked for. lens: undefined, (B,) or (B, T_new), per batch row. weights (optional):
+// the (B*H, T_new, S) pre-dropout weights.
 Tensor heads_attention(Context& ctx, const Tensor& Q, const Tensor& K, const Tensor& V, int64_t H,
                        const Tensor& lens, Tensor* weights) {
   AttentionOptions o;
   o.mask.valid_lens = lens;
   o.need_weights = weights != nullptr;
+  if (attn::detail::multi_head_decode_supported(ctx, Q.dtype(), Q.dim(1), o))
+    return attn::detail::multi_head_decode_attention(ctx, Q, K, V, H, o).output;
+  // A bfloat16 cache outside the decode kernel (more than 8 new positions, weights asked for):
+  // float32 copies for the other paths.
+  if (K.dtype() != Q.dtype())
+    return heads_attention(ctx, Q, K.to(Q.dtype()), V.to(Q.dtype()), H, lens, weights);
   if (!weights && attn::detail::multi_head_fused_supported(ctx, Q.dtype(), o))
     return attn::detail::multi_head_attention_forward(ctx, Q, K, V, H, o).output;
   o.mask.lens_repeat = H;
@@ -164,13 +174,19 @@ void DecoderState::repeat_interleave(int64_t times) {
 // init_state and step
 
 DecoderState TransformerDecoder::init_state(Context& ctx, const Tensor& enc_outputs,
-                                            const Tensor& enc_valid_lens, int64_t capacity) {
+                                            const Tensor& enc_valid_lens, int64_t capacity,
+                                            DType cache_dtype) {
   const char* op = "TransformerDecoder::init_state";
   detail::check_input(op, "enc_outputs", enc_outputs, 3, dtype_);
   const int64_t B = enc_outputs.dim(0), E = num_hiddens_;
   check(enc_outputs.dim(2) == E, op, "enc_outputs has shape {}, expected (B, S, {})",
         shape_str(enc_outputs.shape()), E);
   check(capacity >= 0, op, "capacity must be >= 0, got {}", capacity);
+  // The float64 decoder keeps its float64 cache (DType::F32 is the parameter's default).
+  const DType cache = dtype_ == DType::F64 && cache_dtype == DType::F32 ? dtype_ : cache_dtype;
+  check(cache == dtype_ || (dtype_ == DType::F32 && cache == DType::BF16), op,
+        "cache_dtype {} for a {} decoder: expected the decoder's dtype or bfloat16 for float32",
+        dtype_name(cache_dtype), dtype_name(dtype_));
   DecoderState state;
   state.batch = B;
   state.capacity = std::max<int64_t>(capacity, 1);
@@ -186,10 +202,10 @@ DecoderState TransformerDecoder::init_state(Context& ctx, const Tensor& enc_outp
   for (auto& blk : blks) {
     DecoderBlockCache c;
     // forward: attention2(Y, enc, enc) projects enc with W_k and W_v whatever the queries are.
-    c.enc_keys = apply_linear(ctx, enc_outputs, blk->attention2.W_k);
-    c.enc_values = apply_linear(ctx, enc_outputs, blk->attention2.W_v);
-    c.keys = Tensor::zeros({B, state.capacity, E}, dtype_);
-    c.values = Tensor::zeros({B, state.capacity, E}, dtype_);
+    c.enc_keys = apply_linear(ctx, enc_outputs, blk->attention2.W_k).to(cache).contiguous();
+    c.enc_values = apply_linear(ctx, enc_outputs, blk->attention2.W_v).to(cache).contiguous();
+    c.keys = Tensor::zeros({B, state.capacity, E}, cache);
+    c.values = Tensor::zeros({B, state.capacity, E}, cache);
     state.blocks.push_back(std::move(c));
   }
   state.self_attention_weights.assign(blks.size(), Tensor());
@@ -242,8 +258,8 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
     DecoderBlockCache& c = state.blocks[i];
     // Self-attention over the cache extended by the new positions.
     const Tensor Q = apply_linear(ctx, X, blk.attention1.W_q);
-    const Tensor Kn = apply_linear(ctx, X, blk.attention1.W_k).contiguous();
-    const Tensor Vn = apply_linear(ctx, X, blk.attention1.W_v).contiguous();
+    const Tensor Kn = apply_linear(ctx, X, blk.attention1.W_k).to(c.keys.dtype()).contiguous();
+    const Tensor Vn = apply_linear(ctx, X, blk.attention1.W_v).to(c.values.dtype()).contiguous();
     for (int64_t b = 0; b < B; ++b) {
       copy_positions(c.keys, b, L, Kn, b, 0, Tn);
       copy_positions(c.values, b, L, Vn, b, 0, Tn);

@@ -59,8 +59,9 @@ Tensor ragged_lens(int64_t B, int64_t S) {
 
 // Decodes T tokens by steps of the given sizes and compares with the eval forward on all T.
 void check_steps_equal_forward(DType dtype, int64_t B, const std::vector<int64_t>& chunks,
-                               double atol) {
-  SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " B=" << B);
+                               double atol, DType cache = DType::F32) {
+  SCOPED_TRACE(::testing::Message()
+               << dtype_name(dtype) << " B=" << B << " cache " << dtype_name(cache));
   Context ctx;
   nn::EncoderDecoder model(small_config(dtype));
   model.eval();
@@ -77,7 +78,7 @@ void check_steps_equal_forward(DType dtype, int64_t B, const std::vector<int64_t
   }
   for (bool weights : {false, true}) {
     model.decoder.need_weights = weights;
-    nn::DecoderState state = model.decoder.init_state(ctx, enc, lens, /*capacity=*/2);
+    nn::DecoderState state = model.decoder.init_state(ctx, enc, lens, /*capacity=*/2, cache);
     int64_t t0 = 0;
     for (int64_t n : chunks) {
       Tensor got = model.decoder.step(ctx, tgt.slice(1, t0, t0 + n).contiguous(), state);
@@ -102,6 +103,20 @@ TEST(DecoderCache, StepsEqualForwardFloat32) {
     check_steps_equal_forward(DType::F32, B, {1, 1, 1, 1, 1, 1, 1}, 1e-5);
     check_steps_equal_forward(DType::F32, B, {3, 1, 3}, 1e-5);
   }
+}
+
+// A bfloat16 cache (keys and values rounded to 8 bits of mantissa, attention in float32) follows
+// the float32 forward within bfloat16 rounding: the decode kernel reads it as it is, the path
+// that keeps the weights reads float32 copies. A float64 decoder has no bfloat16 cache.
+TEST(DecoderCache, StepsFollowForwardBfloat16Cache) {
+  for (int64_t B : {1, 5}) {
+    check_steps_equal_forward(DType::F32, B, {1, 1, 1, 1, 1, 1, 1}, 3e-2, DType::BF16);
+    check_steps_equal_forward(DType::F32, B, {3, 1, 3}, 3e-2, DType::BF16);
+  }
+  Context ctx;
+  nn::EncoderDecoder model(small_config(DType::F64));
+  Tensor enc = model.encoder.forward(ctx, random_ids({1, 4}, 0, 13, 3));
+  EXPECT_THROW(model.decoder.init_state(ctx, enc, {}, 4, DType::BF16), Error);
 }
 
 TEST(DecoderCache, StepsEqualForwardFloat64) {

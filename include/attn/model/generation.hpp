@@ -28,11 +28,12 @@ namespace attn::model {
 struct GenerationOptions {
   int64_t bos = 1;  // the target vocabulary's <bos> and <eos> indices
   int64_t eos = 2;
-  int64_t max_len = 32;          // tokens generated per sequence at most, <eos> included
-  int64_t beam_size = 4;         // beam_search only; >= 1
-  double length_penalty = 0.75;  // beam_search only: alpha in log P / L^alpha (d2l's 0.75)
-  bool use_cache = true;         // false: the decoder's forward on the whole prefix every step
-  bool keep_logits = false;      // greedy_search only: fill Generation::logits
+  int64_t max_len = 32;            // tokens generated per sequence at most, <eos> included
+  int64_t beam_size = 4;           // beam_search only; >= 1
+  double length_penalty = 0.75;    // beam_search only: alpha in log P / L^alpha (d2l's 0.75)
+  bool use_cache = true;           // false: the decoder's forward on the whole prefix every step
+  DType cache_dtype = DType::F32;  // use_cache: the cache's dtype (bfloat16: see init_state)
+  bool keep_logits = false;        // greedy_search only: fill Generation::logits
   // greedy_search with use_cache only: fill Generation::cross_attention (the alignment figure).
   bool keep_cross_attention = false;
 };

@@ -129,9 +129,14 @@ class TransformerDecoder : public Module {
 
   // d2l's init_state(enc_outputs, enc_valid_lens): projects the encoder outputs through every
   // block's attention2.W_k and W_v once and reserves `capacity` cached positions (it grows when
-  // exceeded). enc_valid_lens: undefined or (B,), any integer or float dtype.
+  // exceeded). enc_valid_lens: undefined or (B,), any integer or float dtype. cache_dtype: the
+  // dtype of the cached keys and values (self-attention cache and encoder projections): the
+  // decoder's dtype, or bfloat16 for a float32 decoder (half the memory and the bytes each step
+  // reads; the projections are rounded to bfloat16 when cached, the attention accumulates in
+  // float32: kernels/cpu/decode_attention).
   DecoderState init_state(Context& ctx, const Tensor& enc_outputs,
-                          const Tensor& enc_valid_lens = {}, int64_t capacity = 64);
+                          const Tensor& enc_valid_lens = {}, int64_t capacity = 64,
+                          DType cache_dtype = DType::F32);
   // Decodes ids (B, T_new) at positions state.length .. state.length + T_new - 1 against the
   // cache, appends them to it, and returns their logits (B, T_new, V). Always the eval-mode
   // computation (no dropout), whatever train() says; modifies no saved activation. Equal to the
