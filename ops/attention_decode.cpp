@@ -5,7 +5,7 @@
 
 #include "attn/ops/masked_softmax.hpp"
 #include "kernels/cpu/decode_attention.hpp"
-#include "kernels/ref/masked_softmax.hpp"
+#include "ops/mask.hpp"
 
 #include <cmath>
 #include <vector>
@@ -76,22 +76,17 @@ AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const
   check_valid_lens(kOp, opts.mask.valid_lens, B, T, 1);
 
   // Kept keys of the (B*H) rows: row b*H + h reads the lengths of batch b.
-  std::vector<int32_t> limits;
-  if (opts.mask.valid_lens.defined()) {
-    MaskOptions mask = opts.mask;
-    mask.lens_repeat = heads;
-    const std::vector<int64_t> kept = ref::kept_key_counts(mask, B * heads, T, S);
-    limits.assign(kept.begin(), kept.end());
-  }
+  MaskOptions mask = opts.mask;
+  mask.lens_repeat = heads;
+  const std::vector<int32_t> limits = length_key_counts(mask, B * heads, T, S);
   AttentionResult result;
   result.output = Tensor::empty({B, T, heads * Dv}, DType::F32);
   result.logsumexp = Tensor::empty({B * heads, T}, DType::F32);
   auto fill = [&](auto& a) {
     a.B = B * heads, a.T = T, a.S = S, a.D = D, a.Dv = Dv, a.heads = heads;
-    a.kept_keys = limits.empty() ? nullptr : limits.data();
+    a.kept_keys = counts_or_null(limits);
     a.causal = opts.mask.causal;
-    a.masked_rows = opts.mask.masked_rows == MaskedRowPolicy::kZero ? kernels::MaskedRows::kZero
-                                                                    : kernels::MaskedRows::kUniform;
+    a.masked_rows = lower_policy(opts.mask.masked_rows);
     a.scale = static_cast<float>(opts.scale ? *opts.scale : 1.0 / std::sqrt(double(D)));
     a.threads = ctx.resolved_threads();
     a.out = {result.output.data<float>(), T * heads * Dv, Dv, heads * Dv, 1};

@@ -29,6 +29,7 @@ struct Case {
   bool causal = false;
   kernels::MaskedRows policy = kernels::MaskedRows::kUniform;
   bool bf16 = false;
+  int64_t simd_targets = 0;  // AttentionProblem::simd_targets: 0, or one target bit to force
 
   std::string name() const {
     return "batch" + std::to_string(batch) + "_H" + std::to_string(heads) + "_T" +
@@ -97,6 +98,7 @@ struct Data {
     a.masked_rows = c.policy;
     a.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     a.threads = threads;
+    a.simd_targets = c.simd_targets;
     a.q = {q.data(), c.T * qw, c.D, qw, 1};
     a.k = {k.data(), cap * H * c.D, c.D, H * c.D, 1};
     a.v = {v.data(), cap * H * c.Dv, c.Dv, H * c.Dv, 1};
@@ -123,7 +125,7 @@ struct Data {
     std::vector<double> rq(static_cast<size_t>(BH * c.T * c.D)),
         rk(static_cast<size_t>(BH * c.S * c.D)), rv(static_cast<size_t>(BH * c.S * c.Dv)),
         ro(static_cast<size_t>(BH * c.T * c.Dv)), rl(static_cast<size_t>(BH * c.T));
-    std::vector<int64_t> rkept(static_cast<size_t>(BH * c.T));
+    std::vector<int32_t> rkept(static_cast<size_t>(BH * c.T));
     for (int64_t b = 0; b < c.batch; ++b)
       for (int64_t h = 0; h < H; ++h) {
         const int64_t bh = b * H + h;
@@ -145,10 +147,8 @@ struct Data {
         }
       }
     ref::AttentionDims dims{BH, c.T, c.S, c.D, c.Dv};
-    const MaskedRowPolicy policy =
-        c.policy == kernels::MaskedRows::kZero ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
     ref::sdpa_forward<double>(rq.data(), rk.data(), rv.data(), ro.data(), nullptr, rl.data(),
-                              rkept.data(), policy, 1.0 / std::sqrt(double(c.D)), dims,
+                              rkept.data(), c.policy, 1.0 / std::sqrt(double(c.D)), dims,
                               ref::DropoutSpec{});
     // Back to the kernel's (batch, T, H*Dv) output layout, then lse (B*H, T).
     std::vector<double> all(static_cast<size_t>(c.batch * c.T * H * c.Dv));
@@ -225,16 +225,14 @@ TEST(DecodeAttention, HeadWidthsAndMaskedRows) {
 
 TEST(DecodeAttention, EverySimdTarget) {
   for (int64_t target : cpu::flash_attention_targets()) {
-    cpu::flash_attention_set_targets(target);
-    SCOPED_TRACE(cpu::decode_attention_target());
+    SCOPED_TRACE(cpu::flash_attention_target_name(target));
     for (bool bf16 : {false, true}) {
       Case c;
       c.batch = 2, c.heads = 3, c.T = 5, c.S = 290, c.D = 33, c.Dv = 24;
-      c.lens = Case::kPerQuery, c.bf16 = bf16;
+      c.lens = Case::kPerQuery, c.bf16 = bf16, c.simd_targets = target;
       check_case(c);
     }
   }
-  cpu::flash_attention_set_targets(0);
 }
 
 TEST(DecodeAttention, RejectsWhatItDoesNotServe) {

@@ -276,6 +276,7 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 #include "kernels/cpu/scratch.hpp"
+#include "kernels/cpu/target_scope.hpp"
 
 #include "attn/core/error.hpp"
 
@@ -304,6 +305,7 @@ auto* chunk_fn(const DecodeArgs<uint16_t>&) {
 template <class KV>
 void run(const DecodeArgs<KV>& a) {
   constexpr const char* op = "decode_attention";
+  const TargetScope targets(a.simd_targets);
   check(a.T >= 1 && a.T <= kDecodeMaxQueries, op, "T = {} queries per row, expected 1..{}", a.T,
         kDecodeMaxQueries);
   check(a.dropout == 0.0f, op, "dropout is {}, expected 0 (decoding is eval mode)", a.dropout);

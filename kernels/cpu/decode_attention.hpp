@@ -50,8 +50,8 @@ struct DecodeArgs : kernels::AttentionProblem {
 };
 
 // Forward only. Throws attn::Error when T is outside [1, kDecodeMaxQueries], dropout != 0 or a
-// k/v feature stride is not 1. The SIMD target is Highway's dynamic dispatch; tests sweep targets
-// with cpu::flash_attention_set_targets (global, flash_attention.hpp), simd_targets is not read.
+// k/v feature stride is not 1. The SIMD target is Highway's dynamic dispatch, restricted for the
+// call to AttentionProblem::simd_targets when nonzero (kernels/cpu/target_scope.hpp).
 void decode_attention(const DecodeArgs<float>& a);
 void decode_attention(const DecodeArgs<uint16_t>& a);
 
