@@ -4,6 +4,9 @@
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"
 
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <charconv>
 #include <fstream>
@@ -75,18 +78,43 @@ int64_t truncate(Dataset& data, int64_t max_len) {
 // ----------------------------------------------------------------------------------------------
 // Vocabulary
 
-Vocabulary::Vocabulary(bool specials) : specials_(specials) {
-  if (specials_) {
-    add("<pad>");
-    add("<unk>");
+namespace {
+
+// The reserved tokens of each kind, in id order (kPad, kUnk, kBos, kEos).
+std::vector<std::string> reserved_tokens(Reserved reserved) {
+  switch (reserved) {
+    case Reserved::kNone:
+      return {};
+    case Reserved::kPadUnk:
+      return {"<pad>", "<unk>"};
+    case Reserved::kSeq2Seq:
+      return {"<pad>", "<unk>", "<bos>", "<eos>"};
   }
+  return {};
+}
+
+}  // namespace
+
+Vocabulary::Vocabulary(bool specials)
+    : Vocabulary(specials ? Reserved::kPadUnk : Reserved::kNone) {}
+
+Vocabulary::Vocabulary(Reserved reserved) : reserved_(reserved) {
+  for (const auto& t : reserved_tokens(reserved))
+    add(t);
+}
+
+int64_t Vocabulary::num_reserved() const {
+  return static_cast<int64_t>(reserved_tokens(reserved_).size());
 }
 
 Vocabulary Vocabulary::build(const std::vector<std::vector<std::string>>& sequences,
-                             int64_t min_freq, int64_t max_size) {
-  check(min_freq >= 1, "Vocabulary::build", "min_freq must be >= 1, got {}", min_freq);
-  check(max_size == 0 || max_size >= 2, "Vocabulary::build",
-        "max_size must be 0 (no limit) or >= 2 (the specials), got {}", max_size);
+                             int64_t min_freq, int64_t max_size, Reserved reserved) {
+  const char* op = "Vocabulary::build";
+  check(reserved != Reserved::kNone, op, "a token vocabulary needs reserved tokens");
+  Vocabulary v(reserved);
+  check(min_freq >= 1, op, "min_freq must be >= 1, got {}", min_freq);
+  check(max_size == 0 || max_size >= v.size(), op,
+        "max_size must be 0 (no limit) or >= {} (the reserved tokens), got {}", v.size(), max_size);
   std::unordered_map<std::string, int64_t> counts;
   for (const auto& s : sequences)
     for (const auto& t : s)
@@ -95,11 +123,10 @@ Vocabulary Vocabulary::build(const std::vector<std::vector<std::string>>& sequen
   std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
     return a.second != b.second ? a.second > b.second : a.first < b.first;
   });
-  Vocabulary v(true);
   for (const auto& [token, count] : sorted) {
     if (count < min_freq) break;  // sorted by count: the rest are rarer
     if (max_size > 0 && v.size() >= max_size) break;
-    v.add(token);  // a literal "<pad>" or "<unk>" in the data maps onto the special
+    v.add(token);  // a literal reserved token ("<pad>", ...) in the data maps onto the special
   }
   return v;
 }
@@ -114,17 +141,52 @@ Vocabulary Vocabulary::labels(const std::vector<std::string>& labels) {
 }
 
 Vocabulary Vocabulary::from_tokens(const std::vector<std::string>& tokens, bool specials) {
+  return from_tokens(tokens, specials ? Reserved::kPadUnk : Reserved::kNone);
+}
+
+Vocabulary Vocabulary::from_tokens(const std::vector<std::string>& tokens, Reserved reserved) {
   const char* op = "Vocabulary::from_tokens";
-  if (specials)
-    check(tokens.size() >= 2 && tokens[0] == "<pad>" && tokens[1] == "<unk>", op,
-          "a token vocabulary must start with <pad>, <unk>");
-  Vocabulary v(false);
-  v.specials_ = specials;
+  const std::vector<std::string> head = reserved_tokens(reserved);
+  check(tokens.size() >= head.size() && std::equal(head.begin(), head.end(), tokens.begin()), op,
+        "a token vocabulary must start with {}", fmt::join(head, ", "));
+  Vocabulary v(Reserved::kNone);
+  v.reserved_ = reserved;
   for (const auto& t : tokens) {
     check(!v.contains(t), op, "token '{}' is listed twice", t);
     v.add(t);
   }
   return v;
+}
+
+std::string Vocabulary::to_json() const {
+  const nlohmann::json array(tokens_);
+  try {
+    return array.dump();  // strict: invalid UTF-8 throws instead of being altered
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("Vocabulary::to_json", fmt::format("a token is not valid UTF-8 ({})", e.what()));
+  }
+}
+
+Vocabulary Vocabulary::from_json(std::string_view text, Reserved reserved) {
+  const char* op = "Vocabulary::from_json";
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(op, fmt::format("not JSON: {}", e.what()));
+  }
+  check(j.is_array(), op, "expected a JSON array of token strings, found {}", j.type_name());
+  std::vector<std::string> tokens;
+  tokens.reserve(j.size());
+  for (size_t i = 0; i < j.size(); ++i) {
+    check(j[i].is_string(), op, "entry {} is {}, expected a string", i, j[i].type_name());
+    tokens.push_back(j[i].get<std::string>());
+  }
+  try {
+    return from_tokens(tokens, reserved);
+  } catch (const Error& e) {
+    throw Error(op, e.what());
+  }
 }
 
 int64_t Vocabulary::add(const std::string& token) {
@@ -139,7 +201,7 @@ int64_t Vocabulary::add(const std::string& token) {
 int64_t Vocabulary::id(const std::string& token) const {
   auto it = index_.find(token);
   if (it != index_.end()) return it->second;
-  check(specials_, "Vocabulary", "unknown label '{}' ({} known labels)", token, size());
+  check(has_specials(), "Vocabulary", "unknown label '{}' ({} known labels)", token, size());
   return kUnk;
 }
 

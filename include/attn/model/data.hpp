@@ -46,24 +46,45 @@ struct Dataset {
 // Cuts every sequence (and its tags) to at most `max_len` tokens. Returns how many were cut.
 int64_t truncate(Dataset& data, int64_t max_len);
 
-// Maps strings to dense ids. A token vocabulary starts with the specials <pad> = 0 and <unk> = 1
-// (d2l's Vocab has <unk> = 0; we put <pad> first so that padding is id 0 as in most toolkits);
-// a label vocabulary has no specials.
+// The reserved tokens at the start of a vocabulary, at fixed ids whatever the data:
+//   kNone     labels and tags: nothing reserved
+//   kPadUnk   encoder inputs: <pad> = 0, <unk> = 1
+//   kSeq2Seq  sequence-to-sequence sources and targets: <pad> = 0, <unk> = 1, <bos> = 2,
+//             <eos> = 3 (the first two as kPadUnk, so a source vocabulary also serves an encoder)
+// d2l 1.0's Vocab reserves nothing for machine translation (its specials are counted like words
+// and fall to <unk> under min_freq) and sorts everything by code point, so its <unk> id depends
+// on the data; attn keeps the specials fixed (see docs/seq2seq-data.md).
+enum class Reserved : uint8_t { kNone, kPadUnk, kSeq2Seq };
+
+// Maps strings to dense ids. A token vocabulary starts with its reserved tokens (<pad> = 0 and
+// <unk> = 1; d2l's Vocab has <unk> = 0; we put <pad> first so that padding is id 0 as in most
+// toolkits); a label vocabulary has none.
 class Vocabulary {
  public:
-  static constexpr int64_t kPad = 0, kUnk = 1;
+  static constexpr int64_t kPad = 0, kUnk = 1, kBos = 2, kEos = 3;
 
   explicit Vocabulary(bool specials = true);
-  // Token vocabulary of `sequences`: specials, then every token seen at least `min_freq` times,
-  // most frequent first, ties in byte order (so the ids do not depend on the file's order of
-  // first appearance); at most `max_size` entries in all (0: no limit).
+  explicit Vocabulary(Reserved reserved);
+  // Token vocabulary of `sequences`: the reserved tokens, then every token seen at least
+  // `min_freq` times, most frequent first, ties in byte order (so the ids do not depend on the
+  // file's order of first appearance); at most `max_size` entries in all (0: no limit). A literal
+  // reserved token in the data ("<pad>", ...) counts towards the reserved entry, not a new one.
   static Vocabulary build(const std::vector<std::vector<std::string>>& sequences,
-                          int64_t min_freq = 1, int64_t max_size = 0);
+                          int64_t min_freq = 1, int64_t max_size = 0,
+                          Reserved reserved = Reserved::kPadUnk);
   // Label vocabulary: every distinct label in byte order, no specials.
   static Vocabulary labels(const std::vector<std::string>& labels);
   // Rebuilds a vocabulary from its token list (tokens()); `specials` tells whether the first two
-  // entries are <pad> and <unk>.
+  // entries are <pad> and <unk>. Error when the list does not start with the reserved tokens or
+  // names a token twice.
   static Vocabulary from_tokens(const std::vector<std::string>& tokens, bool specials);
+  static Vocabulary from_tokens(const std::vector<std::string>& tokens, Reserved reserved);
+  // Serialisation for checkpoints (safetensors metadata is text): a JSON array of the tokens in id
+  // order, e.g. ["<pad>","<unk>","<bos>","<eos>","the","of"]. from_json checks the text is such an
+  // array and then what from_tokens checks; Error("Vocabulary::from_json") otherwise. to_json
+  // throws Error for a token that is not valid UTF-8 (JSON strings are Unicode).
+  std::string to_json() const;
+  static Vocabulary from_json(std::string_view json, Reserved reserved);
 
   // Appends `token` if new; returns its id.
   int64_t add(const std::string& token);
@@ -75,11 +96,14 @@ class Vocabulary {
   std::vector<int64_t> encode(const std::vector<std::string>& tokens) const;
 
   int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
-  bool has_specials() const { return specials_; }
+  bool has_specials() const { return reserved_ != Reserved::kNone; }
+  Reserved reserved() const { return reserved_; }
+  // How many ids the reserved tokens take: 0, 2 or 4.
+  int64_t num_reserved() const;
   const std::vector<std::string>& tokens() const { return tokens_; }
 
  private:
-  bool specials_;
+  Reserved reserved_;
   std::vector<std::string> tokens_;
   std::map<std::string, int64_t, std::less<>> index_;
 };
