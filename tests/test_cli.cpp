@@ -243,9 +243,10 @@ TEST_F(Cli, PeRelativeRotationHolds) {
 // --- tour ------------------------------------------------------------------------------------
 
 TEST_F(Cli, TourWritesAPageWhoseFilesExist) {
-  // The trained-model section takes about a minute (several minutes under the sanitizers); the
-  // trainer has its own tests, so this one leaves it out.
-  const Result r = run("tour --out " + path("tour") + " --skip positional-experiment");
+  // The trained-model sections take about a minute each (several minutes under the
+  // sanitizers); the trainers have their own tests, so this one leaves them out.
+  const Result r =
+      run("tour --out " + path("tour") + " --skip positional-experiment --skip seq2seq");
   ASSERT_EQ(r.status, 0) << r.err;
   const fs::path dir = out / "tour";
   const std::string html = read_file(dir / "index.html");
@@ -266,12 +267,15 @@ TEST_F(Cli, TourWritesAPageWhoseFilesExist) {
     EXPECT_TRUE(fs::exists(dir / f)) << f;
     if (f.ends_with(".svg")) svgs.push_back(dir / f);
   }
-  // Two weight grids, curves, heatmap, binary table, relative error, the CNN/RNN/attention times.
-  EXPECT_EQ(svgs.size(), 7u);
+  // Two weight grids, curves, heatmap, binary table, relative error, the CNN/RNN/attention times,
+  // the positional-encoding requirements' P P^T and dot products against the offset.
+  EXPECT_EQ(svgs.size(), 9u);
   EXPECT_TRUE(referenced.count("compare_time.svg"));
+  EXPECT_TRUE(referenced.count("pe_gram.svg"));
   EXPECT_TRUE(SvgParses(svgs));
-  for (const char* section : {"id=\"self-attention\"", "id=\"encoding-matrix\"",
-                              "id=\"absolute-position\"", "id=\"relative-position\""})
+  for (const char* section :
+       {"id=\"self-attention\"", "id=\"encoding-matrix\"", "id=\"absolute-position\"",
+        "id=\"relative-position\"", "id=\"pe-requirements\""})
     EXPECT_NE(html.find(section), std::string::npos) << section;
 }
 
