@@ -1,17 +1,25 @@
-// libFuzzer target for the training-data readers (attn/model/data.hpp): parse_tsv and
-// parse_conllu on in-memory text. The first byte picks the reader (TSV, CoNLL-U with UPOS, with
-// XPOS); the rest is the file. Any input must either parse or end in attn::Error; a crash, a
-// sanitizer report, another exception type or a broken invariant of a parsed result is a bug.
+// libFuzzer target for the training-data readers (attn/model/data.hpp, seq2seq_data.hpp):
+// parse_tsv, parse_conllu and parse_seq2seq_tsv on in-memory text. The first byte picks the
+// reader (byte % 4: TSV, CoNLL-U with UPOS, with XPOS, source<TAB>target; for the last, bit 2
+// turns on d2l's preprocessing); the rest is the file. Any input must either parse or end in
+// attn::Error; a crash, a sanitizer report, another exception type or a broken invariant of a
+// parsed result is a bug.
 //
 // What a parsed result must satisfy (the readers' documented contract):
 //   - TSV: every example has >= 1 token and a non-empty label; no token is empty or holds a
 //     space, tab or newline; the label holds no tab or newline; line numbers increase.
 //   - CoNLL-U: tokens and tags pair up one to one, none empty, none holding a tab or newline;
 //     no tag is "_"; sentences' first lines increase.
+//   - source<TAB>target: both sides have >= 1 token, none empty or holding a space, tab or
+//     newline, all valid UTF-8; line numbers increase.
 // Parsed data then goes the way training takes it: vocabularies, encoding, Dataset::validate,
-// and padded batches, whose shapes and valid_lens must agree with the sequences.
+// and padded batches, whose shapes and valid_lens must agree with the sequences. Seq2seq data
+// also checks the vocabularies' JSON round trip, teacher forcing (dec_input = <bos> + labels
+// shifted), that the label rows read back as the targets, and BLEU of a target against itself.
 #include "attn/core/error.hpp"
 #include "attn/model/data.hpp"
+#include "attn/model/seq2seq_data.hpp"
+#include "model/unicode_lower.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -119,20 +127,85 @@ void fuzz_conllu(std::string_view text, ConlluTag column) {
   check_batches(data);
 }
 
+void check_seq2seq_batch(const Seq2SeqDataset& data, const std::vector<Seq2SeqExample>& examples,
+                         const Vocabulary& tgt, const Seq2SeqBatchOptions& o) {
+  std::vector<int64_t> all(static_cast<size_t>(data.size()));
+  for (size_t i = 0; i < all.size(); ++i)
+    all[i] = static_cast<int64_t>(i);
+  const Seq2SeqBatch b = make_seq2seq_batch(data, all, o);
+  expect(b.size() == data.size() && b.src.dim(1) <= o.num_steps && b.labels.dim(1) <= o.num_steps,
+         "seq2seq batch shape");
+  const int64_t T = b.labels.dim(1);
+  for (int64_t r = 0; r < b.size(); ++r) {
+    const auto& target = examples[static_cast<size_t>(r)].target;
+    const int64_t m = static_cast<int64_t>(target.size());
+    expect(static_cast<int64_t>(b.tgt_valid_lens.at({r})) == std::min(m + 1, o.num_steps),
+           "tgt_valid_lens differs from the target length");
+    expect(static_cast<int64_t>(b.dec_input.at({r, 0})) == Vocabulary::kBos, "no <bos>");
+    for (int64_t t = 1; t < T; ++t)
+      expect(b.dec_input.at({r, t}) == b.labels.at({r, t - 1}), "teacher forcing shift");
+    // The label row reads back as the target (literal specials became <unk>), cut to T.
+    std::vector<int64_t> row(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t)
+      row[static_cast<size_t>(t)] = static_cast<int64_t>(b.labels.at({r, t}));
+    const std::vector<std::string> back = ids_to_tokens(row, tgt);
+    expect(static_cast<int64_t>(back.size()) == std::min(m, T), "label row length");
+    for (size_t i = 0; i < back.size(); ++i)
+      expect(back[i] == target[i] || back[i] == "<unk>", "label row differs from the target");
+  }
+}
+
+void fuzz_seq2seq_tsv(std::string_view text, bool d2l) {
+  std::vector<Seq2SeqExample> examples;
+  try {
+    examples = parse_seq2seq_tsv(text, "fuzz.tsv", d2l ? TextPreprocess::d2l() : TextPreprocess{});
+  } catch (const attn::Error&) {
+    return;
+  }
+  expect(!examples.empty(), "parse_seq2seq_tsv returned no pair without an error");
+  int64_t last_line = 0;
+  for (const Seq2SeqExample& e : examples) {
+    expect(!e.source.empty() && !e.target.empty(), "seq2seq pair with an empty side");
+    for (const auto* side : {&e.source, &e.target})
+      for (const std::string& t : *side)
+        expect(!t.empty() && !has_any(t, " \t\n") &&
+                   attn::model::detail::find_invalid_utf8(t) == std::string::npos,
+               "bad seq2seq token");
+    expect(e.line > last_line, "seq2seq line numbers do not increase");
+    last_line = e.line;
+  }
+  const auto [src, tgt] = build_seq2seq_vocabularies(examples, 1, 0);
+  for (const Vocabulary* v : {&src, &tgt})
+    expect(Vocabulary::from_json(v->to_json(), Reserved::kSeq2Seq).tokens() == v->tokens(),
+           "vocabulary JSON round trip");
+  const Seq2SeqDataset data = encode_seq2seq(examples, src, tgt);
+  data.validate("fuzz_data_readers");
+  for (int64_t steps : {1, 3, 8})
+    for (bool trim : {false, true})
+      check_seq2seq_batch(data, examples, tgt, {.num_steps = steps, .trim_to_longest = trim});
+  const Seq2SeqExample& first = examples.front();
+  expect(bleu(first.target, first.target, 4) == 1.0, "BLEU of a target against itself");
+  const double b = bleu(first.source, first.target, 4);
+  expect(b >= 0.0 && b <= 1.0, "BLEU outside [0, 1]");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   const std::string_view text(reinterpret_cast<const char*>(data) + 1, size - 1);
-  switch (data[0] % 3) {
+  switch (data[0] % 4) {
     case 0:
       fuzz_tsv(text);
       break;
     case 1:
       fuzz_conllu(text, ConlluTag::kUpos);
       break;
-    default:
+    case 2:
       fuzz_conllu(text, ConlluTag::kXpos);
+      break;
+    default:
+      fuzz_seq2seq_tsv(text, (data[0] >> 2) & 1);
       break;
   }
   return 0;

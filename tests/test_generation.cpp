@@ -336,6 +336,32 @@ TEST(Generation, CrossAttentionKeptPerStep) {
   EXPECT_FALSE(model.decoder.need_weights);  // put back
 }
 
+// An empty source (valid length 0) still translates: its cross-attention averages every source
+// position (d2l's uniform rows), nothing is NaN, and the other sources are unaffected by it.
+TEST(Generation, EmptySourceDecodes) {
+  Context ctx;
+  nn::EncoderDecoder model(small_config(DType::F32));
+  Batch batch = make_batch(3);
+  GenerationOptions o;
+  o.bos = 0;
+  o.eos = 10;
+  o.max_len = 5;
+  o.keep_logits = true;
+  Tensor lens = ids_tensor({0, 4, 6}, {3});
+  for (bool beam : {false, true}) {
+    Generation g = beam ? beam_search(ctx, model, batch.src, lens, o)
+                        : greedy_search(ctx, model, batch.src, lens, o);
+    for (double s : g.scores)
+      EXPECT_TRUE(std::isfinite(s));
+    Generation alone = beam ? beam_search(ctx, model, batch.src.slice(0, 1, 3).contiguous(),
+                                          lens.slice(0, 1, 3).contiguous(), o)
+                            : greedy_search(ctx, model, batch.src.slice(0, 1, 3).contiguous(),
+                                            lens.slice(0, 1, 3).contiguous(), o);
+    EXPECT_EQ(g.tokens[1], alone.tokens[0]);
+    EXPECT_EQ(g.tokens[2], alone.tokens[1]);
+  }
+}
+
 TEST(Generation, RestoresTheModeAndRejectsBadOptions) {
   Context ctx;
   nn::EncoderDecoder model(small_config(DType::F32));

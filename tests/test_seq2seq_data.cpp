@@ -115,7 +115,13 @@ TEST(Seq2SeqTsv, BadInputNamesFileAndLine) {
                {"d.tsv:1:", "target after the tab is empty"});
   expect_error([] { parse_seq2seq_tsv("a\tb\nc\xff\td\n", "d.tsv"); },
                {"d.tsv:2:", "byte 2 (0xFF) is not valid UTF-8"});
-  expect_error([] { parse_seq2seq_tsv("\xc3\x28\tx\n", "d.tsv"); }, {"d.tsv:1:", "UTF-8"});
+  // Not UTF-8 (RFC 3629): a bad continuation, overlong forms, a surrogate, past U+10FFFF, cut.
+  for (const char* bad : {"\xc3\x28", "\xc0\xaf", "\xe0\x80\xaf", "\xed\xa0\x80",
+                          "\xf4\x90\x80\x80", "\xf8\x88\x80\x80\x80", "x\xe2\x82"})
+    expect_error([&] { parse_seq2seq_tsv(std::string("ok\tfine\n") + bad + "\ty\n", "d.tsv"); },
+                 {"d.tsv:2:", "is not valid UTF-8"});
+  EXPECT_EQ(parse_seq2seq_tsv("\xf0\x9f\x98\x80 \xed\x9f\xbf\t\xf4\x8f\xbf\xbf", "d.tsv")[0].source,
+            (Tokens{"\U0001F600", "\uD7FF"}));  // the largest code points around the gaps
   expect_error([] { parse_seq2seq_tsv("", "empty.tsv"); }, {"empty.tsv: no pairs"});
   expect_error([] { parse_seq2seq_tsv("\n \n\t\n", "blank.tsv"); }, {"blank.tsv: no pairs"});
   expect_error([] { read_seq2seq_tsv("/nonexistent/dir/pairs.tsv"); },
@@ -183,7 +189,9 @@ TEST(Seq2SeqVocabulary, ReservedIdsMinFreqUnknownsAndJson) {
       },
       {"Vocabulary::to_json", "UTF-8"});
   // An encoder vocabulary cannot feed encode_seq2seq (no <bos>/<eos>).
-  expect_error([&] { encode_seq2seq(ex, Vocabulary::build({{"a"}}), tgt); }, {"encode_seq2seq"});
+  const Vocabulary& target_vocab = tgt;  // (clang cannot capture a structured binding)
+  expect_error([&] { encode_seq2seq(ex, Vocabulary::build({{"a"}}), target_vocab); },
+               {"encode_seq2seq"});
 }
 
 // --- batching ----------------------------------------------------------------------------------
@@ -317,7 +325,7 @@ TEST(Seq2SeqBatch, EpochSamplerIsAPureFunctionOfSeedAndStep) {
   EXPECT_EQ(train.size(), 19);
   EXPECT_EQ(held.size(), 4);
   EXPECT_EQ(split_holdout(d, 0.2, 3).second.sources, held.sources);
-  expect_error([&] { split_holdout(held, 1.5, 0); }, {"fraction"});
+  expect_error([&] { split_holdout(d, 1.5, 0); }, {"fraction"});
 }
 
 // --- generated tasks ---------------------------------------------------------------------------

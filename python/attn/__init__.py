@@ -33,6 +33,12 @@ grads, zero_grad(), named_parameters(), context)
     TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False)
     TransformerEncoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
                        use_bias=False)
+    TransformerDecoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
+                       use_bias=False): forward(X, enc_outputs, enc_valid_lens), backward,
+                       init_state(enc_outputs, enc_valid_lens) and step(X, state) (KV cache)
+    EncoderDecoder(src_vocab_size, tgt_vocab_size, num_hiddens, ffn_num_hiddens, num_heads,
+                   num_enc_blks, num_dec_blks, dropout): forward(enc_X, dec_X, enc_valid_lens),
+                   backward, greedy_search(src, lens, bos=, eos=), beam_search(...)
 
 Training: Linear(in_features, out_features, bias=True) (an output head; in_features=None: lazy),
 cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) (the loss and
@@ -95,7 +101,8 @@ __all__ = [
 # Optional layers that exist only when the C++ library was built with them.
 from . import _attn as _ext
 
-for _name in ("TransformerEncoder", "TransformerEncoderBlock"):
+for _name in ("TransformerEncoder", "TransformerEncoderBlock", "TransformerDecoder",
+              "EncoderDecoder", "DecoderState"):
     if hasattr(_ext, _name):
         globals()[_name] = getattr(_ext, _name)
         __all__.append(_name)

@@ -12,5 +12,6 @@ void bind_nn(py::module_& m);           // Module and the layer classes         
 void bind_transformer(py::module_& m);  // the Transformer encoder          (bind_transformer.cpp)
 void bind_train(py::module_& m);        // Linear, cross_entropy                 (bind_train.cpp)
 void bind_optim(py::module_& m);        // SGD, AdamW, clip_grad_norm            (bind_optim.cpp)
+void bind_decoder(py::module_& m);      // TransformerDecoder, EncoderDecoder   (bind_decoder.cpp)
 
 }  // namespace attn::python

@@ -34,4 +34,5 @@ PYBIND11_MODULE(_attn, m) {
   attn::python::bind_transformer(m);  // after bind_nn: its classes derive from attn.Module
   attn::python::bind_train(m);        // after bind_nn: Linear derives from attn.Module
   attn::python::bind_optim(m);        // re-exported as attn.optim (python/attn/optim.py)
+  attn::python::bind_decoder(m);      // after bind_nn: its classes derive from attn.Module
 }

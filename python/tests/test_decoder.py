@@ -1,0 +1,75 @@
+"""The Transformer decoder and encoder-decoder from Python: d2l's names, forward/backward, the KV
+cache against the whole-prefix forward, greedy and beam search. (The C++ suite holds the
+gradchecks and the PyTorch parity: tests/test_decoder.cpp, tests/test_parity_seq2seq.cpp.)"""
+
+import numpy as np
+import pytest
+
+import attn
+
+
+def make_model(**kw):
+    args = dict(src_vocab_size=13, tgt_vocab_size=11, num_hiddens=16, ffn_num_hiddens=32,
+                num_heads=4, num_enc_blks=2, num_dec_blks=2, dropout=0.1, seed=3)
+    args.update(kw)
+    return attn.EncoderDecoder(**args)
+
+
+def test_decoder_names_shapes_and_backward(rng):
+    dec = attn.TransformerDecoder(11, 16, 32, 4, 2, 0.0, seed=1)
+    names = [n for n, _ in dec.named_parameters()]
+    assert len(names) == 39 and names[0] == "embedding.weight" and names[-1] == "dense.bias"
+    assert "blks.block1.attention2.W_k.weight" in names
+    ids = rng.integers(0, 11, size=(2, 5))
+    enc = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    logits = dec(ids, enc, np.array([4, 2]))
+    assert logits.shape == (2, 5, 11)
+    denc = dec.backward(np.ones_like(logits))
+    assert denc.shape == (2, 4, 16) and np.isfinite(denc).all()
+    assert not np.any(denc[1, 2:])  # source padding is read by nothing
+    dec.need_weights = True
+    dec(ids, enc, np.array([4, 2]))
+    self_w, cross_w = dec.attention_weights
+    assert self_w[0].shape == (8, 5, 5) and cross_w[1].shape == (8, 5, 4)
+    assert np.all(np.triu(self_w[0][0], 1) == 0)  # causal
+
+
+def test_step_with_cache_equals_forward(rng):
+    dec = attn.TransformerDecoder(11, 16, 32, 4, 2, 0.0, seed=1).eval()
+    ids = rng.integers(0, 11, size=(3, 6))
+    enc = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    lens = np.array([4, 1, 3])
+    want = dec(ids, enc, lens)
+    state = dec.init_state(enc, lens, capacity=2)
+    got = np.concatenate([dec.step(ids[:, :2], state)] +
+                         [dec.step(ids[:, t:t + 1], state) for t in range(2, 6)], axis=1)
+    assert state.length == 6
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_encoder_decoder_state_dict_and_search(rng):
+    model = make_model()
+    src = rng.integers(0, 13, size=(5, 6))
+    lens = np.array([6, 3, 1, 5, 2])
+    dec_in = rng.integers(0, 11, size=(5, 4))
+    logits = model(src, dec_in, lens)
+    assert logits.shape == (5, 4, 11)
+    assert len(model.state_dict()) == 64
+    model.backward(np.ones_like(logits))
+    assert all(np.isfinite(g).all() for g in model.grads.values())
+    other = make_model(seed=99)
+    other(src, dec_in, lens)  # materialise the encoder's lazy projections
+    other.load_state_dict(model.state_dict())
+    model.eval(), other.eval()
+    np.testing.assert_array_equal(other(src, dec_in, lens), model(src, dec_in, lens))
+
+    for search, extra in (("greedy_search", {}), ("beam_search", {"beam_size": 3})):
+        cached = getattr(model, search)(src, lens, bos=0, eos=10, max_len=6, **extra)
+        full = getattr(model, search)(src, lens, bos=0, eos=10, max_len=6, use_cache=False,
+                                      **extra)
+        assert cached["tokens"] == full["tokens"] and cached["ended"] == full["ended"]
+        np.testing.assert_allclose(cached["scores"], full["scores"], rtol=0, atol=1e-5)
+        assert len(cached["tokens"]) == 5
+        assert all(len(t) <= 6 for t in cached["tokens"])
+    with pytest.raises(attn.Error, match="beam_size"):
+        model.beam_search(src, lens, bos=0, eos=10, beam_size=0)
