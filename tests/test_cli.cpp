@@ -277,6 +277,13 @@ TEST_F(Cli, TourWritesAPageWhoseFilesExist) {
        {"id=\"self-attention\"", "id=\"encoding-matrix\"", "id=\"absolute-position\"",
         "id=\"relative-position\"", "id=\"pe-requirements\""})
     EXPECT_NE(html.find(section), std::string::npos) << section;
+  // Preformatted text fits the page: ~930 px inside the block at ~7.8 px per 13 px monospace
+  // character is 118 characters (issue 14 asked it of `attn compare --quick`'s block).
+  const std::regex pre(R"re(<pre>([\s\S]*?)</pre>)re");
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), pre); it != std::sregex_iterator();
+       ++it)
+    for (const std::string& l : lines((*it)[1]))
+      EXPECT_LE(l.size(), 118u) << l;
 }
 
 // --- errors ----------------------------------------------------------------------------------
