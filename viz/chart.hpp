@@ -71,6 +71,9 @@ struct HeatmapOptions {
   // Side of one cell in pixels; 0: chosen so a panel is at most about 320 x 360 (cells stay
   // square, as matplotlib's imshow draws them).
   double cell_size = 0;
+  // Names of the rows and columns (tokens of an alignment figure) instead of index ticks: every
+  // panel must then have that many rows (columns). Column names are written upwards.
+  std::vector<std::string> row_labels, col_labels;
 };
 
 // A grid of heatmaps, grid[row][column], all panels of one row having the same count. Row index

@@ -93,9 +93,28 @@ std::string heatmap_grid_svg(const std::vector<std::vector<HeatmapPanel>>& grid,
     }
   }
   const double title_h = any_title ? 18 : 0;
+  for (const auto& row : grid)
+    for (const HeatmapPanel& p : row)
+      check((options.row_labels.empty() ||
+             static_cast<int64_t>(options.row_labels.size()) == p.matrix.rows) &&
+                (options.col_labels.empty() ||
+                 static_cast<int64_t>(options.col_labels.size()) == p.matrix.cols),
+            "heatmap", "{} row and {} column labels for a {} x {} panel", options.row_labels.size(),
+            options.col_labels.size(), p.matrix.rows, p.matrix.cols);
+  // Ticks of an axis: the given names at every cell, or indices.
+  const auto ticks = [](const std::vector<std::string>& labels, int64_t n, double pixels) {
+    if (labels.empty()) return index_ticks(n, pixels);
+    std::vector<Tick> out;
+    for (size_t i = 0; i < labels.size(); ++i)
+      out.push_back({static_cast<double>(i), labels[i]});
+    return out;
+  };
   double ytick_w = 0;
-  for (const Tick& t : index_ticks(max_rows, cell * static_cast<double>(max_rows)))
+  for (const Tick& t : ticks(options.row_labels, max_rows, cell * static_cast<double>(max_rows)))
     ytick_w = std::max(ytick_w, text_width(t.label, kFont));
+  double xtick_h = 16;  // index labels: one line; names: written upwards
+  for (const std::string& l : options.col_labels)
+    xtick_h = std::max(xtick_h, text_width(l, kFont) + 4);
   const double left = 10 + (options.ylabel.empty() ? 0 : 20) + ytick_w + kTick + 3;
   const double top = (options.title.empty() ? 8 : 32) + title_h;
   std::vector<double> col_x(grid_cols), row_y(grid_rows);
@@ -112,7 +131,7 @@ std::string heatmap_grid_svg(const std::vector<std::vector<HeatmapPanel>>& grid,
     row_y[gr] = top + grid_h;
     grid_h += row_h[gr] + (gr + 1 < grid_rows ? kGap + title_h + 4 : 0);
   }
-  const double bottom = 10 + kTick + 16 + (options.xlabel.empty() ? 0 : 20);
+  const double bottom = 10 + kTick + xtick_h + (options.xlabel.empty() ? 0 : 20);
 
   // Colour bar geometry: right of the grid, 80% of its height (at least 100 px).
   const double bar_w = 14, bar_h = std::max(100.0, 0.8 * grid_h);
@@ -156,14 +175,18 @@ std::string heatmap_grid_svg(const std::vector<std::vector<HeatmapPanel>>& grid,
       if (!p.title.empty())
         svg.text(x0 + w / 2, y0 - 6, p.title, {.size = kFont, .anchor = TextAnchor::kMiddle});
       // Tick labels on the outer panels only (matplotlib's shared axes); ticks at cell centres.
-      for (const Tick& t : index_ticks(m.cols, w)) {
+      for (const Tick& t : ticks(options.col_labels, m.cols, w)) {
         const double x = x0 + cell * (t.value + 0.5);
         svg.line(x, y0 + h, x, y0 + h + kTick, tick);
-        if (gr + 1 == grid_rows)
+        if (gr + 1 == grid_rows && options.col_labels.empty())
           svg.text(x, y0 + h + kTick + 2, t.label,
                    {.size = kFont, .anchor = TextAnchor::kMiddle, .baseline = "hanging"});
+        else if (gr + 1 == grid_rows)
+          svg.text(
+              x, y0 + h + kTick + 2, t.label,
+              {.size = kFont, .anchor = TextAnchor::kEnd, .rotate = -90, .baseline = "middle"});
       }
-      for (const Tick& t : index_ticks(m.rows, h)) {
+      for (const Tick& t : ticks(options.row_labels, m.rows, h)) {
         const double y = y0 + cell * (t.value + 0.5);
         svg.line(x0 - kTick, y, x0, y, tick);
         if (gc == 0)
@@ -176,7 +199,7 @@ std::string heatmap_grid_svg(const std::vector<std::vector<HeatmapPanel>>& grid,
   // Axis labels: xlabel centred under the grid, ylabel centred left of it (as d2l puts them on
   // the last row and first column).
   if (!options.xlabel.empty())
-    svg.text(left + grid_w / 2, top + grid_h + kTick + 20 + 14, options.xlabel,
+    svg.text(left + grid_w / 2, top + grid_h + kTick + xtick_h + 18, options.xlabel,
              {.size = kFont, .anchor = TextAnchor::kMiddle});
   if (!options.ylabel.empty())
     svg.text(16, top + grid_h / 2, options.ylabel,

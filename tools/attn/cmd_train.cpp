@@ -11,12 +11,15 @@
 // same global batch of --batch-size sequences and trains on its shard (model/trainer.hpp); rank
 // 0 prints the progress and writes the metrics, the curve and the checkpoint, every rank reads
 // --resume. --threads is per rank. See docs/scale-out.md.
+//
+// The encoder-decoder tasks (translate, dates, copy, reverse) run in cmd_train_seq2seq.cpp.
 #include "attn/core/comm.hpp"
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
 #include "tools/attn/commands.hpp"
+#include "tools/attn/train_progress.hpp"
 #include "viz/io.hpp"
 
 #include <nlohmann/json.hpp>
@@ -108,12 +111,15 @@ void set_result_args(TrainArgs& a, const json& j) {
 }
 
 void validate(const TrainArgs& a) {
-  check(a.task == "shift" || a.task == "sorted" || a.task == "tsv" || a.task == "conllu", kOp,
-        "--task must be shift, sorted, tsv or conllu, got '{}'", a.task);
-  const bool user = a.task == "tsv" || a.task == "conllu";
-  check(!user || !a.data.empty(), kOp, "--task {} needs --data FILE", a.task);
-  check(user || a.data.empty(), kOp, "--data is for --task tsv|conllu, not the generated '{}'",
+  check(a.task == "shift" || a.task == "sorted" || a.task == "tsv" || a.task == "conllu" ||
+            is_seq2seq_task(a.task),
+        kOp,
+        "--task must be shift, sorted, tsv, conllu, translate, dates, copy or reverse, got '{}'",
         a.task);
+  const bool user = a.task == "tsv" || a.task == "conllu" || a.task == "translate";
+  check(!user || !a.data.empty(), kOp, "--task {} needs --data FILE", a.task);
+  check(user || a.data.empty(), kOp,
+        "--data is for --task tsv|conllu|translate, not the generated '{}'", a.task);
   check(a.steps >= 0 && a.batch_size >= 1, kOp, "--steps ({}) must be >= 0, --batch-size ({}) >= 1",
         a.steps, a.batch_size);
   check(a.eval_every >= 0 && a.checkpoint_every >= 0 && a.eval_examples >= 1, kOp,
@@ -283,51 +289,6 @@ std::string curve_svg(const std::vector<Record>& h, const std::string& title) {
   return viz::line_chart_svg({train, eval, acc}, o);
 }
 
-std::string clock(double seconds) {
-  const int64_t s = static_cast<int64_t>(seconds + 0.5);
-  return s >= 3600 ? fmt::format("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
-                   : fmt::format("{}:{:02}", s / 60, s % 60);
-}
-
-// The live line on a terminal: "step 120/1000 [####......] loss 1.234  12.3k tok/s  ETA 0:42".
-// Redrawn in place (\r) at most 10 times a second; on a pipe or file nothing but whole lines.
-class Progress {
- public:
-  // `enabled` false (ranks other than 0 of a data-parallel run): prints nothing.
-  Progress(int64_t total, bool enabled)
-      : total_(total), tty_(isatty(fileno(stderr)) != 0), enabled_(enabled) {}
-  void update(int64_t step, double loss, double tokens_per_second, double eta) {
-    if (!tty_ || !enabled_) return;
-    const auto now = std::chrono::steady_clock::now();
-    if (step != total_ && now - last_ < std::chrono::milliseconds(100)) return;
-    last_ = now;
-    constexpr int kWidth = 24;
-    const int filled = total_ > 0 ? static_cast<int>(kWidth * step / total_) : kWidth;
-    std::fprintf(stderr, "\r\033[Kstep %lld/%lld [%s%s] loss %.4f  %s tok/s  ETA %s",
-                 static_cast<long long>(step), static_cast<long long>(total_),
-                 std::string(static_cast<size_t>(filled), '#').c_str(),
-                 std::string(static_cast<size_t>(kWidth - filled), '.').c_str(), loss,
-                 rate(tokens_per_second).c_str(), clock(eta).c_str());
-    std::fflush(stderr);
-  }
-  // A whole line (evaluation results), above the bar on a terminal.
-  void line(const std::string& text) {
-    if (!enabled_) return;
-    std::fprintf(stderr, "%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());
-    std::fflush(stderr);
-  }
-  static std::string rate(double r) {
-    return r >= 1e6   ? fmt::format("{:.1f}M", r / 1e6)
-           : r >= 1e3 ? fmt::format("{:.1f}k", r / 1e3)
-                      : fmt::format("{:.0f}", r);
-  }
-
- private:
-  int64_t total_;
-  bool tty_, enabled_;
-  std::chrono::steady_clock::time_point last_{};
-};
-
 // The checkpoint's "train.args" merged into `a`: arguments given on the command line must agree.
 void merge_resume_args(TrainArgs& a, const std::map<std::string, CLI::Option*>& given,
                        const std::map<std::string, std::string>& meta) {
@@ -360,6 +321,40 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       a.precision = it->second;
   }
   validate(a);
+  if (is_seq2seq_task(a.task)) {
+    check(a.precision == "fp32", kOp,
+          "--precision {} is for the encoder tasks; the encoder-decoder ({}) trains in fp32",
+          a.precision, a.task);
+    run_seq2seq_train({a.task,
+                       a.data,
+                       a.eval_data,
+                       a.pe,
+                       a.length,
+                       a.symbols,
+                       a.max_len,
+                       a.min_freq,
+                       a.num_hiddens,
+                       a.ffn_num_hiddens,
+                       a.num_heads,
+                       a.num_blks,
+                       a.dropout,
+                       a.steps,
+                       a.batch_size,
+                       a.lr,
+                       a.weight_decay,
+                       a.clip,
+                       a.seed,
+                       a.threads,
+                       a.eval_every,
+                       a.eval_examples,
+                       a.checkpoint_every,
+                       a.metrics,
+                       a.curve,
+                       a.checkpoint,
+                       a.resume,
+                       result_args(a).dump()});
+    return;
+  }
   const bool user = a.task == "tsv" || a.task == "conllu";
   DataSource src = user ? user_source(a) : generated_source(a);
 
@@ -503,30 +498,37 @@ std::vector<Command> add_train_command(CLI::App& app) {
       "train",
       "Train a Transformer encoder (d2l 11.7) with a classification or tagging head: on a "
       "generated order task (shift: tag each token with the one before it; sorted: is the "
-      "sequence non-decreasing) or on your data (TSV text<TAB>label; CoNLL-U part-of-speech). "
-      "Live progress on stderr, metrics, learning curve, atomic checkpoints, bit-identical "
+      "sequence non-decreasing) or on your data (TSV text<TAB>label; CoNLL-U part-of-speech); "
+      "or a Transformer encoder-decoder (n -> m) on a generated task (dates: dates in words to "
+      "ISO order; copy; reverse) or a source<TAB>target file (translate). Live progress on stderr, "
+      "metrics, learning curve, atomic checkpoints, bit-identical "
       "--resume.");
   auto add = [&](const std::string& name, auto& field, const std::string& help) {
     CLI::Option* opt = sub->add_option("--" + name, field, help)->capture_default_str();
     (*given)[name] = opt;
     return opt;
   };
-  add("task", a.task, "shift | sorted (generated) or tsv | conllu (with --data)")
-      ->check(CLI::IsMember({"shift", "sorted", "tsv", "conllu"}));
-  add("data", a.data, "training file for --task tsv|conllu")->type_name("FILE");
+  add("task", a.task,
+      "encoder: shift | sorted (generated) or tsv | conllu (with --data); encoder-decoder: "
+      "dates | copy | reverse (generated) or translate (with --data, source<TAB>target)")
+      ->check(CLI::IsMember(
+          {"shift", "sorted", "tsv", "conllu", "translate", "dates", "copy", "reverse"}));
+  add("data", a.data, "training file for --task tsv|conllu|translate")->type_name("FILE");
   add("eval-data", a.eval_data,
       "evaluation file (default: 10% of --data held out by a seeded shuffle)")
       ->type_name("FILE");
   add("tag-column", a.tag_column, "CoNLL-U tag column: upos or xpos");
   add("length", a.length, "generated tasks: longest training sequence (lengths length/2..length)");
   add("symbols", a.symbols, "generated tasks: number of distinct symbols");
-  add("max-len", a.max_len, "user data: sequences are cut to this many tokens");
+  add("max-len", a.max_len,
+      "user data: sequences are cut to this many tokens (encoder-decoder: d2l's num_steps, "
+      "<eos> included)");
   add("min-freq", a.min_freq, "user data: rarer words map to <unk>");
   add("pe", a.pe, "positional encoding: none, sinusoidal, learned, rotary, alibi");
   add("num-hiddens", a.num_hiddens, "model width E");
   add("ffn-num-hiddens", a.ffn_num_hiddens, "feed-forward width");
   add("num-heads", a.num_heads, "attention heads (must divide E)");
-  add("num-blks", a.num_blks, "encoder blocks");
+  add("num-blks", a.num_blks, "encoder blocks (encoder-decoder: of each)");
   add("dropout", a.dropout, "dropout probability (d2l's three sites)");
   sub->add_option("--steps", a.steps, "train until this step (counting resumed steps)")
       ->capture_default_str();

@@ -119,6 +119,31 @@ std::string text_table(const viz::Table& table);
 std::vector<Command> add_train_command(CLI::App& app);
 std::vector<Command> add_experiment_command(CLI::App& app);
 
+// --- attn train --task translate|dates|copy|reverse (cmd_train_seq2seq.cpp) -----------------
+
+// The flags of `attn train` that a sequence-to-sequence run reads (cmd_train.cpp fills them after
+// merging a resumed run's arguments). max_len is num_steps (d2l): the model's length limit.
+struct Seq2SeqTrainArgs {
+  std::string task, data, eval_data, pe;
+  int64_t length = 0, symbols = 0, max_len = 0, min_freq = 1;
+  int64_t num_hiddens = 0, ffn_num_hiddens = 0, num_heads = 0, num_blks = 0;
+  double dropout = 0;
+  int64_t steps = 0, batch_size = 0;
+  double lr = 0, weight_decay = 0, clip = 0;
+  uint64_t seed = 0;
+  int threads = 0;
+  int64_t eval_every = 0, eval_examples = 0, checkpoint_every = 0;
+  std::string metrics, curve, checkpoint, resume;
+  std::string args_json;  // "train.args" of the checkpoint: what a resume compares
+};
+bool is_seq2seq_task(const std::string& task);
+void run_seq2seq_train(const Seq2SeqTrainArgs& args);
+
+// --- attn translate, attn predict (cmd_translate.cpp) ------------------------------------------
+
+std::vector<Command> add_translate_command(CLI::App& app);
+std::vector<Command> add_predict_command(CLI::App& app);
+
 // --- attn tour -------------------------------------------------------------------------------
 
 // --- attn compare (cmd_compare.cpp) ------------------------------------------------------------

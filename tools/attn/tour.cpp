@@ -26,8 +26,10 @@ const std::vector<TourSection>& tour_sections() {
       {"encoding-matrix", tour_encoding_matrix},
       {"absolute-position", tour_absolute_position},
       {"relative-position", tour_relative_position},
+      {"pe-requirements", tour_pe_requirements},
       {"positional-experiment", tour_positional_experiment},
       {"cnn-rnn-attention", tour_cnn_rnn_attention},
+      {"seq2seq", tour_seq2seq},
       // Append later sections here.
   };
   return sections;
@@ -247,8 +249,9 @@ std::vector<Command> add_tour_command(CLI::App& app) {
   auto skip = std::make_shared<std::vector<std::string>>();
   sub->add_option("--skip", *skip,
                   "leave out a section by name (repeatable): self-attention, encoding-matrix, "
-                  "absolute-position, relative-position, positional-experiment (trains models, "
-                  "about a minute), cnn-rnn-attention")
+                  "absolute-position, relative-position, pe-requirements, positional-experiment "
+                  "(trains models, about a minute), cnn-rnn-attention, seq2seq (trains an "
+                  "encoder-decoder, under a minute)")
       ->type_name("SECTION");
   auto run = [out, skip] {
     const auto start = std::chrono::steady_clock::now();

@@ -48,5 +48,10 @@ void tour_relative_position(Tour& tour);
 void tour_cnn_rnn_attention(Tour& tour);
 // The positional-encoding experiment, quick setting (cmd_experiment.cpp).
 void tour_positional_experiment(Tour& tour);
+// tour_seq2seq.cpp: the four requirements of a positional encoding checked on P; n -> m (trains
+// the dates task: translations, alignment heatmap, decode time with and without the KV cache,
+// learned embeddings).
+void tour_pe_requirements(Tour& tour);
+void tour_seq2seq(Tour& tour);
 
 }  // namespace attn::cli

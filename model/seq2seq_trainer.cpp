@@ -1,0 +1,417 @@
+// The encoder-decoder's training step, evaluation, translation and checkpoints (see
+// attn/model/seq2seq_trainer.hpp).
+#include "attn/model/seq2seq_trainer.hpp"
+
+#include "attn/core/error.hpp"
+#include "attn/core/safetensors.hpp"
+#include "attn/ops/loss.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace attn::model {
+
+namespace {
+
+constexpr const char* kModelPrefix = "model.";
+constexpr const char* kOptimizerPrefix = "optimizer.";
+
+bool starts_with(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+
+// Evaluation and translation run in eval mode and must not move the training dropout stream:
+// the guard puts back the mode and the offset it found.
+class EvalScope {
+ public:
+  EvalScope(nn::EncoderDecoder& model, Context& ctx)
+      : model_(model), ctx_(ctx), training_(model.training()), offset_(ctx.dropout_offset()) {
+    model_.eval();
+  }
+  ~EvalScope() {
+    model_.train(training_);
+    ctx_.set_dropout_offset(offset_);
+  }
+  EvalScope(const EvalScope&) = delete;
+  EvalScope& operator=(const EvalScope&) = delete;
+
+ private:
+  nn::EncoderDecoder& model_;
+  Context& ctx_;
+  bool training_;
+  uint64_t offset_;
+};
+
+const std::string& meta_at(const SafetensorsFile& f, const std::string& path, const char* key) {
+  auto it = f.metadata.find(key);
+  check(it != f.metadata.end(), "load_checkpoint",
+        "{}: no '{}' metadata (not an attn sequence-to-sequence checkpoint)", path, key);
+  return it->second;
+}
+
+uint64_t parse_u64(const std::string& text, const std::string& path, const char* key) {
+  try {
+    size_t used = 0;
+    const uint64_t v = std::stoull(text, &used);
+    if (used == text.size() && !text.empty() && text[0] != '-') return v;
+  } catch (const std::exception&) {
+  }
+  throw Error(
+      "load_checkpoint",
+      fmt::format("{}: metadata '{}' is '{}', expected an unsigned integer", path, key, text));
+}
+
+std::string format_of(const SafetensorsFile& f, const std::string& path) {
+  auto it = f.metadata.find("attn.format");
+  check(it != f.metadata.end(), "checkpoint",
+        "{}: no 'attn.format' metadata: a safetensors file, but not an attn checkpoint", path);
+  return it->second;
+}
+
+// The seq2seq checkpoint of `path`, or Error naming what the file is instead.
+SafetensorsFile load_seq2seq_file(const std::string& path) {
+  SafetensorsFile f = load_safetensors(path);
+  const std::string format = format_of(f, path);
+  check(format != kEncoderCheckpointFormat, "load_checkpoint",
+        "{} is a checkpoint of an encoder task (classification or tagging: use `attn predict`), "
+        "not of a sequence-to-sequence model",
+        path);
+  check(format == kSeq2SeqCheckpointFormat, "load_checkpoint", "{}: format '{}', expected '{}'",
+        path, format, kSeq2SeqCheckpointFormat);
+  return f;
+}
+
+std::string first_difference(const std::string& a, const std::string& b) {
+  const nlohmann::json ja = nlohmann::json::parse(a), jb = nlohmann::json::parse(b);
+  const nlohmann::json patch = nlohmann::json::diff(ja, jb);
+  if (patch.empty()) return "?";
+  const std::string where = patch[0].value("path", "?");
+  const nlohmann::json::json_pointer ptr(where);
+  return fmt::format("{} is {} in the checkpoint, {} here", where,
+                     ja.contains(ptr) ? ja.at(ptr).dump() : "absent",
+                     jb.contains(ptr) ? jb.at(ptr).dump() : "absent");
+}
+
+Tensor ids_tensor(const std::vector<int64_t>& v) {
+  return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+}
+
+}  // namespace
+
+std::string checkpoint_format(const std::string& path) {
+  return format_of(load_safetensors(path), path);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Options as JSON
+
+std::string to_json(const Seq2SeqTrainOptions& o) {
+  const nn::Seq2SeqConfig& m = o.model;
+  nlohmann::json j = {
+      {"model",
+       {{"type", "seq2seq"},
+        {"src_vocab_size", m.src_vocab_size},
+        {"tgt_vocab_size", m.tgt_vocab_size},
+        {"num_hiddens", m.num_hiddens},
+        {"ffn_num_hiddens", m.ffn_num_hiddens},
+        {"num_heads", m.num_heads},
+        {"num_enc_blks", m.num_enc_blks},
+        {"num_dec_blks", m.num_dec_blks},
+        {"dropout", m.dropout},
+        {"use_bias", m.use_bias},
+        {"max_len", m.max_len}}},
+      {"num_steps", o.num_steps},
+      {"preprocess",
+       {{"nbsp_to_space", o.preprocess.nbsp_to_space},
+        {"lowercase", o.preprocess.lowercase},
+        {"space_before_punct", o.preprocess.space_before_punct}}},
+      {"adamw",
+       {{"lr", o.adamw.lr},
+        {"beta1", o.adamw.beta1},
+        {"beta2", o.adamw.beta2},
+        {"eps", o.adamw.eps},
+        {"weight_decay", o.adamw.weight_decay}}},
+      {"clip_norm", o.clip_norm},
+      {"seed", std::to_string(o.seed)}};  // a string: 64 bits do not survive a JSON double
+  return j.dump();
+}
+
+Seq2SeqTrainOptions seq2seq_train_options_from_json(const std::string& text) {
+  const char* op = "Seq2SeqTrainOptions";
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    Seq2SeqTrainOptions o;
+    const auto& m = j.at("model");
+    const std::string type = m.at("type").get<std::string>();
+    check(type == "seq2seq", op, "model type '{}', expected 'seq2seq'", type);
+    o.model.src_vocab_size = m.at("src_vocab_size").get<int64_t>();
+    o.model.tgt_vocab_size = m.at("tgt_vocab_size").get<int64_t>();
+    o.model.num_hiddens = m.at("num_hiddens").get<int64_t>();
+    o.model.ffn_num_hiddens = m.at("ffn_num_hiddens").get<int64_t>();
+    o.model.num_heads = m.at("num_heads").get<int64_t>();
+    o.model.num_enc_blks = m.at("num_enc_blks").get<int64_t>();
+    o.model.num_dec_blks = m.at("num_dec_blks").get<int64_t>();
+    o.model.dropout = m.at("dropout").get<double>();
+    o.model.use_bias = m.at("use_bias").get<bool>();
+    o.model.max_len = m.at("max_len").get<int64_t>();
+    o.num_steps = j.at("num_steps").get<int64_t>();
+    const auto& p = j.at("preprocess");
+    o.preprocess.nbsp_to_space = p.at("nbsp_to_space").get<bool>();
+    o.preprocess.lowercase = p.at("lowercase").get<bool>();
+    o.preprocess.space_before_punct = p.at("space_before_punct").get<bool>();
+    const auto& a = j.at("adamw");
+    o.adamw.lr = a.at("lr").get<double>();
+    o.adamw.beta1 = a.at("beta1").get<double>();
+    o.adamw.beta2 = a.at("beta2").get<double>();
+    o.adamw.eps = a.at("eps").get<double>();
+    o.adamw.weight_decay = a.at("weight_decay").get<double>();
+    o.clip_norm = j.at("clip_norm").get<double>();
+    o.seed = std::stoull(j.at("seed").get<std::string>());
+    return o;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(op, fmt::format("malformed options JSON: {}", e.what()));
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Trainer
+
+Seq2SeqTrainer::Seq2SeqTrainer(const Seq2SeqTrainOptions& options, Vocabulary src_vocab,
+                               Vocabulary tgt_vocab)
+    : options_(options), src_vocab_(std::move(src_vocab)), tgt_vocab_(std::move(tgt_vocab)) {
+  const char* op = "Seq2SeqTrainer";
+  check(options.clip_norm >= 0.0 && std::isfinite(options.clip_norm), op,
+        "clip_norm must be finite and >= 0, got {}", options.clip_norm);
+  check(options.threads >= 0, op, "threads must be >= 0, got {}", options.threads);
+  check(options.num_steps >= 2, op, "num_steps must be >= 2 (a token and <eos>), got {}",
+        options.num_steps);
+  check(options.model.dtype == DType::F32, op, "the model dtype must be float32");
+  check(src_vocab_.reserved() == Reserved::kSeq2Seq && tgt_vocab_.reserved() == Reserved::kSeq2Seq,
+        op, "both vocabularies must reserve <pad> <unk> <bos> <eos> (Reserved::kSeq2Seq)");
+  check(src_vocab_.size() == options.model.src_vocab_size &&
+            tgt_vocab_.size() == options.model.tgt_vocab_size,
+        op,
+        "vocabulary sizes {} and {} differ from the model's src_vocab_size {} and "
+        "tgt_vocab_size {}",
+        src_vocab_.size(), tgt_vocab_.size(), options.model.src_vocab_size,
+        options.model.tgt_vocab_size);
+  options_.model.seed = options.seed;
+  ctx_.threads = options.threads;
+  ctx_.seed = options.seed;
+  model_ = std::make_unique<nn::EncoderDecoder>(options_.model);
+  // The feed-forward layers are lazy (d2l's LazyLinear): one eval-mode forward on a single token
+  // creates them now, so the optimiser and every checkpoint see all parameters from step 0.
+  {
+    EvalScope scope(*model_, ctx_);
+    const Tensor one = Tensor::from_vector(std::vector<int64_t>{Vocabulary::kEos}, {1, 1});
+    model_->forward(ctx_, one, one, ids_tensor({1}));
+  }
+  optimizer_ = std::make_unique<nn::AdamW>(model_->named_parameters(), options.adamw);
+}
+
+Seq2SeqStepStats Seq2SeqTrainer::train_step(const Seq2SeqBatch& batch) {
+  check(batch.size() > 0, "train", "empty batch");
+  model_->train();
+  optimizer_->zero_grad();
+  // d2l 1.0 Seq2Seq.loss: CE over the labels that are not <pad>, i.e. t < tgt_valid_lens[b].
+  CrossEntropyOptions ce;
+  ce.valid_lens = batch.tgt_valid_lens;
+  Tensor logits = model_->forward(ctx_, batch.src, batch.dec_input, batch.src_valid_lens);
+  const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.labels, ce);
+  check(std::isfinite(loss.loss), "train",
+        "loss is {} at step {} (the learning rate {} may be too high)", loss.loss, step_ + 1,
+        options_.adamw.lr);
+  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.labels, ce));
+  const double max_norm =
+      options_.clip_norm > 0.0 ? options_.clip_norm : std::numeric_limits<double>::infinity();
+  const double norm = nn::clip_grad_norm(optimizer_->parameters(), max_norm);
+  optimizer_->step();
+  ++step_;
+  return {step_, loss.loss, norm, loss.kept};
+}
+
+std::vector<std::vector<int64_t>> Seq2SeqTrainer::greedy_ids(
+    const std::vector<std::vector<int64_t>>& sources, int64_t batch_size) {
+  check(batch_size >= 1, "translate", "batch_size must be >= 1, got {}", batch_size);
+  EvalScope scope(*model_, ctx_);
+  std::vector<std::vector<int64_t>> out;
+  out.reserve(sources.size());
+  GenerationOptions g;
+  g.bos = Vocabulary::kBos;
+  g.eos = Vocabulary::kEos;
+  g.max_len = options_.num_steps;
+  const Seq2SeqBatchOptions bo{options_.num_steps, true};
+  for (size_t first = 0; first < sources.size(); first += static_cast<size_t>(batch_size)) {
+    const size_t last = std::min(sources.size(), first + static_cast<size_t>(batch_size));
+    const SourceBatch b = make_source_batch(
+        std::vector<std::vector<int64_t>>(sources.begin() + static_cast<std::ptrdiff_t>(first),
+                                          sources.begin() + static_cast<std::ptrdiff_t>(last)),
+        bo);
+    Generation gen = greedy_search(ctx_, *model_, b.src, b.valid_lens, g);
+    for (auto& t : gen.tokens)
+      out.push_back(std::move(t));
+  }
+  return out;
+}
+
+Seq2SeqEvalStats Seq2SeqTrainer::evaluate(const Seq2SeqDataset& data, int64_t batch_size) {
+  check(data.size() > 0, "evaluate", "empty evaluation set");
+  check(data.src_vocab_size == src_vocab_.size() && data.tgt_vocab_size == tgt_vocab_.size(),
+        "evaluate", "the data's vocabulary sizes ({}, {}) differ from the model's ({}, {})",
+        data.src_vocab_size, data.tgt_vocab_size, src_vocab_.size(), tgt_vocab_.size());
+  Seq2SeqEvalStats s;
+  {
+    EvalScope scope(*model_, ctx_);
+    double loss_sum = 0;
+    CrossEntropyOptions ce;
+    ce.reduction = Reduction::kSum;
+    for (const Seq2SeqBatch& b :
+         make_seq2seq_batches(data, batch_size, {options_.num_steps, true})) {
+      ce.valid_lens = b.tgt_valid_lens;
+      const Tensor logits = model_->forward(ctx_, b.src, b.dec_input, b.src_valid_lens);
+      const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.labels, ce);
+      loss_sum += r.loss;
+      s.tokens += r.kept;
+    }
+    s.loss = s.tokens > 0 ? loss_sum / static_cast<double>(s.tokens) : 0.0;
+  }
+  const std::vector<std::vector<int64_t>> pred = greedy_ids(data.sources, batch_size);
+  std::vector<std::vector<std::string>> preds, labels;
+  for (size_t i = 0; i < pred.size(); ++i) {
+    preds.push_back(ids_to_tokens(pred[i], tgt_vocab_));
+    std::vector<std::string> label;
+    for (int64_t id : data.targets[i])
+      label.push_back(tgt_vocab_.token(id));
+    labels.push_back(std::move(label));
+  }
+  s.examples = data.size();
+  s.bleu = mean_bleu(preds, labels, 4);
+  s.exact_match = exact_match(preds, labels);
+  return s;
+}
+
+Translations Seq2SeqTrainer::translate(const std::vector<std::vector<std::string>>& sources,
+                                       const TranslateOptions& options) {
+  const char* op = "translate";
+  check(options.beam_size >= 1, op, "beam size must be >= 1, got {}", options.beam_size);
+  check(options.max_len >= 0, op, "max_len must be >= 0 (0: num_steps), got {}", options.max_len);
+  check(options.batch_size >= 1, op, "batch_size must be >= 1, got {}", options.batch_size);
+  Translations out;
+  out.tokens.resize(sources.size());
+  // Empty sources keep their empty translation; the others are decoded batch_size at a time.
+  std::vector<size_t> rows;
+  for (size_t i = 0; i < sources.size(); ++i)
+    if (!sources[i].empty()) rows.push_back(i);
+  EvalScope scope(*model_, ctx_);
+  GenerationOptions g;
+  g.bos = Vocabulary::kBos;
+  g.eos = Vocabulary::kEos;
+  g.max_len = options.max_len > 0 ? options.max_len : options_.num_steps;
+  g.beam_size = options.beam_size;
+  g.length_penalty = options.length_penalty;
+  const Seq2SeqBatchOptions bo{options_.num_steps, true};
+  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(options.batch_size)) {
+    const size_t last = std::min(rows.size(), first + static_cast<size_t>(options.batch_size));
+    std::vector<std::vector<int64_t>> ids;
+    for (size_t r = first; r < last; ++r)
+      ids.push_back(encode_seq2seq_tokens(sources[rows[r]], src_vocab_));
+    const SourceBatch b = make_source_batch(ids, bo);
+    for (int64_t c : b.cut)
+      out.cut.push_back(static_cast<int64_t>(rows[first + static_cast<size_t>(c)]));
+    const Generation gen = options.beam_size == 1
+                               ? greedy_search(ctx_, *model_, b.src, b.valid_lens, g)
+                               : beam_search(ctx_, *model_, b.src, b.valid_lens, g);
+    for (size_t r = first; r < last; ++r) {
+      auto& dst = out.tokens[rows[r]];
+      for (int64_t id : gen.tokens[r - first])
+        dst.push_back(tgt_vocab_.token(id));
+    }
+  }
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Checkpoints
+
+void Seq2SeqTrainer::save_checkpoint(const std::string& path,
+                                     const std::map<std::string, std::string>& extra) const {
+  std::map<std::string, Tensor> tensors;
+  for (auto& [name, t] : model_->state_dict())
+    tensors.emplace(kModelPrefix + name, t);
+  for (auto& [name, t] : optimizer_->state_dict())
+    tensors.emplace(kOptimizerPrefix + name, t);
+  std::map<std::string, std::string> meta;
+  for (const auto& [k, v] : extra) {
+    check(!starts_with(k, "attn."), "save_checkpoint",
+          "metadata name '{}' is reserved (names starting with 'attn.' are the trainer's)", k);
+    meta.emplace(k, v);
+  }
+  meta["attn.format"] = kSeq2SeqCheckpointFormat;
+  meta["attn.step"] = std::to_string(step_);
+  meta["attn.dropout_offset"] = std::to_string(ctx_.dropout_offset());
+  meta["attn.options"] = to_json(options_);
+  meta["attn.src_vocab"] = src_vocab_.to_json();
+  meta["attn.tgt_vocab"] = tgt_vocab_.to_json();
+  save_safetensors(path, tensors, meta);
+}
+
+std::map<std::string, std::string> Seq2SeqTrainer::load_checkpoint(const std::string& path) {
+  const char* op = "load_checkpoint";
+  const SafetensorsFile f = load_seq2seq_file(path);
+  const Seq2SeqTrainOptions saved =
+      seq2seq_train_options_from_json(meta_at(f, path, "attn.options"));
+  check(to_json(saved) == to_json(options_), op,
+        "{}: the checkpoint was trained with other options: {}", path,
+        first_difference(to_json(saved), to_json(options_)));
+  check(meta_at(f, path, "attn.src_vocab") == src_vocab_.to_json() &&
+            meta_at(f, path, "attn.tgt_vocab") == tgt_vocab_.to_json(),
+        op, "{}: the checkpoint's vocabularies differ from this trainer's", path);
+  const int64_t step =
+      static_cast<int64_t>(parse_u64(meta_at(f, path, "attn.step"), path, "attn.step"));
+  const uint64_t offset =
+      parse_u64(meta_at(f, path, "attn.dropout_offset"), path, "attn.dropout_offset");
+  nn::StateDict model_state, optimizer_state;
+  for (const auto& [name, t] : f.tensors) {
+    if (starts_with(name, kModelPrefix))
+      model_state.emplace(name.substr(std::string(kModelPrefix).size()), t);
+    else if (starts_with(name, kOptimizerPrefix))
+      optimizer_state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
+    else
+      throw Error(op, fmt::format("{}: unexpected tensor '{}' (expected model.* or optimizer.*)",
+                                  path, name));
+  }
+  // All or nothing: when the optimiser's load fails after the model's, the old parameters return.
+  const nn::StateDict previous = model_->state_dict();
+  try {
+    model_->load_state_dict(model_state, true);
+    optimizer_->load_state_dict(optimizer_state);
+  } catch (const Error& e) {
+    model_->load_state_dict(previous, true);
+    throw Error(op, fmt::format("{}: {}", path, e.what()));
+  }
+  step_ = step;
+  ctx_.set_dropout_offset(offset);
+  std::map<std::string, std::string> extra;
+  for (const auto& [k, v] : f.metadata)
+    if (!starts_with(k, "attn.")) extra.emplace(k, v);
+  return extra;
+}
+
+std::unique_ptr<Seq2SeqTrainer> Seq2SeqTrainer::from_checkpoint(const std::string& path,
+                                                                int threads) {
+  const SafetensorsFile f = load_seq2seq_file(path);
+  Seq2SeqTrainOptions o = seq2seq_train_options_from_json(meta_at(f, path, "attn.options"));
+  o.threads = threads;
+  Vocabulary src = Vocabulary::from_json(meta_at(f, path, "attn.src_vocab"), Reserved::kSeq2Seq);
+  Vocabulary tgt = Vocabulary::from_json(meta_at(f, path, "attn.tgt_vocab"), Reserved::kSeq2Seq);
+  auto trainer = std::make_unique<Seq2SeqTrainer>(o, std::move(src), std::move(tgt));
+  trainer->load_checkpoint(path);
+  return trainer;
+}
+
+}  // namespace attn::model

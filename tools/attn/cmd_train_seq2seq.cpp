@@ -1,0 +1,310 @@
+// attn train --task translate|dates|copy|reverse: a Transformer encoder-decoder (d2l 11.7) on a
+// "source<TAB>target" file or a generated n -> m task, with the same live progress, metrics,
+// learning curve, atomic checkpoints and bit-identical --resume as the encoder tasks
+// (cmd_train.cpp parses the flags, merges a resumed run's arguments and calls in here).
+//
+// Data: --task translate reads --data with d2l's preprocessing (lower case, space before
+// , . ! ?), builds both vocabularies from it (--min-freq) and holds out 10% (or reads
+// --eval-data); the generated tasks draw batch s from the seed and step and evaluate on
+// --eval-examples pairs of their held-out split. Sources and targets are cut to --max-len tokens
+// with <eos> (d2l's num_steps; for the generated tasks the longest pair + 1 when smaller).
+#include "attn/core/error.hpp"
+#include "attn/model/seq2seq_tasks.hpp"
+#include "attn/model/seq2seq_trainer.hpp"
+#include "attn/model/tasks.hpp"
+#include "tools/attn/commands.hpp"
+#include "tools/attn/train_progress.hpp"
+#include "viz/io.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numeric>
+
+namespace attn::cli {
+
+namespace {
+
+constexpr const char* kOp = "train";
+using nlohmann::json;
+
+struct Seq2SeqSource {
+  model::Vocabulary src_vocab{model::Reserved::kSeq2Seq}, tgt_vocab{model::Reserved::kSeq2Seq};
+  int64_t num_steps = 0;
+  model::TextPreprocess preprocess;
+  std::function<model::Seq2SeqBatch(int64_t)> batch;
+  model::Seq2SeqDataset eval;
+  std::string eval_name, summary;
+};
+
+Seq2SeqSource generated_source(const Seq2SeqTrainArgs& a) {
+  model::Seq2SeqTaskOptions t;
+  t.task = model::parse_seq2seq_task(a.task);
+  t.num_symbols = a.symbols;
+  t.min_len = std::max<int64_t>(1, a.length / 2);
+  t.max_len = a.length;
+  model::validate(t);
+  Seq2SeqSource s;
+  s.src_vocab = model::seq2seq_task_source_vocabulary(t);
+  s.tgt_vocab = model::seq2seq_task_target_vocabulary(t);
+  const auto [src_len, tgt_len] = model::seq2seq_task_max_lengths(t);
+  s.num_steps = std::min(a.max_len, std::max(src_len, tgt_len) + 1);
+  const int64_t B = a.batch_size, T = s.num_steps;
+  const uint64_t seed = a.seed;
+  const auto sv = std::make_shared<model::Vocabulary>(s.src_vocab),
+             tv = std::make_shared<model::Vocabulary>(s.tgt_vocab);
+  s.batch = [t, B, T, seed, sv, tv](int64_t step) {
+    const model::Seq2SeqDataset d =
+        model::encode_seq2seq(model::generate_seq2seq_task(t, B, seed, static_cast<uint64_t>(step),
+                                                           model::TaskSplit::kTrain),
+                              *sv, *tv);
+    std::vector<int64_t> idx(static_cast<size_t>(B));
+    std::iota(idx.begin(), idx.end(), 0);
+    return model::make_seq2seq_batch(d, idx, {T, true});
+  };
+  // The same held-out pairs for every seed.
+  s.eval = model::encode_seq2seq(
+      model::generate_seq2seq_task(t, a.eval_examples, 0, model::eval_stream(0),
+                                   model::TaskSplit::kHeldOut),
+      s.src_vocab, s.tgt_vocab);
+  s.eval_name = fmt::format("{} held-out pairs (never drawn for training)", a.eval_examples);
+  s.summary = t.task == model::Seq2SeqTask::kDates
+                  ? "task dates (dates in words -> ISO order)"
+                  : fmt::format("task {}, {} symbols, lengths {}..{}", a.task, a.symbols, t.min_len,
+                                t.max_len);
+  s.summary += fmt::format(", vocabularies {} -> {}, num_steps {}", s.src_vocab.size(),
+                           s.tgt_vocab.size(), s.num_steps);
+  return s;
+}
+
+Seq2SeqSource file_source(const Seq2SeqTrainArgs& a) {
+  Seq2SeqSource s;
+  s.preprocess = model::TextPreprocess::d2l();
+  s.num_steps = a.max_len;
+  const auto examples = model::read_seq2seq_tsv(a.data, s.preprocess);
+  std::tie(s.src_vocab, s.tgt_vocab) = model::build_seq2seq_vocabularies(examples, a.min_freq);
+  model::Seq2SeqDataset train = model::encode_seq2seq(examples, s.src_vocab, s.tgt_vocab);
+  if (a.eval_data.empty()) {
+    check(train.size() >= 2, kOp,
+          "{}: {} pair(s); need 2 or more to hold out an evaluation set (or give --eval-data)",
+          a.data, train.size());
+    std::tie(train, s.eval) = model::split_holdout(train, 0.1, a.seed);
+    s.eval_name = fmt::format("{} pairs held out of {}", s.eval.size(), a.data);
+  } else {
+    s.eval = model::encode_seq2seq(model::read_seq2seq_tsv(a.eval_data, s.preprocess), s.src_vocab,
+                                   s.tgt_vocab);
+    s.eval_name = fmt::format("{} pairs of {}", s.eval.size(), a.eval_data);
+  }
+  s.summary = fmt::format("{}: {} training pairs, vocabularies {} -> {}, num_steps {}", a.data,
+                          train.size(), s.src_vocab.size(), s.tgt_vocab.size(), s.num_steps);
+  auto data = std::make_shared<model::Seq2SeqDataset>(std::move(train));
+  auto sampler = std::make_shared<model::EpochSampler>(data->size(), a.batch_size, a.seed);
+  const int64_t T = s.num_steps;
+  s.batch = [data, sampler, T](int64_t step) {
+    return model::make_seq2seq_batch(*data, sampler->indices(step), {T, true});
+  };
+  return s;
+}
+
+struct Record {
+  int64_t step;
+  double train_loss, eval_loss, bleu, exact_match, tokens_per_second, seconds;
+};
+
+json history_json(const std::vector<Record>& h) {
+  json out = json::array();
+  for (const auto& r : h)
+    out.push_back({{"step", r.step},
+                   {"train_loss", r.train_loss},
+                   {"eval_loss", r.eval_loss},
+                   {"bleu", r.bleu},
+                   {"exact_match", r.exact_match},
+                   {"tokens_per_second", r.tokens_per_second},
+                   {"seconds", r.seconds}});
+  return out;
+}
+
+std::vector<Record> history_from_json(const json& j) {
+  std::vector<Record> h;
+  for (const auto& r : j)
+    h.push_back({r.at("step"), r.at("train_loss"), r.at("eval_loss"), r.at("bleu"),
+                 r.at("exact_match"), r.at("tokens_per_second"), r.at("seconds")});
+  return h;
+}
+
+std::string metrics_csv(const std::vector<Record>& h) {
+  std::string out = "step,train_loss,eval_loss,bleu,exact_match,tokens_per_second,seconds\n";
+  for (const auto& r : h)
+    out += fmt::format("{},{:.6g},{:.6g},{:.6g},{:.6g},{:.1f},{:.3f}\n", r.step, r.train_loss,
+                       r.eval_loss, r.bleu, r.exact_match, r.tokens_per_second, r.seconds);
+  return out;
+}
+
+std::string curve_svg(const std::vector<Record>& h, const std::string& title) {
+  viz::Series train{"train loss", {}, {}, "", "", false};
+  viz::Series eval{"eval loss", {}, {}, "", "", false};
+  viz::Series bleu{"eval BLEU", {}, {}, "", "", true};
+  viz::Series exact{"eval exact match", {}, {}, "", "", true};
+  for (const auto& r : h) {
+    const double x = static_cast<double>(r.step);
+    train.x.push_back(x), train.y.push_back(r.train_loss);
+    eval.x.push_back(x), eval.y.push_back(r.eval_loss);
+    bleu.x.push_back(x), bleu.y.push_back(r.bleu);
+    exact.x.push_back(x), exact.y.push_back(r.exact_match);
+  }
+  viz::LineChartOptions o;
+  o.title = title;
+  o.xlabel = "step";
+  o.ylabel = "loss / score";
+  o.ymin = 0.0;
+  o.height = 300;
+  return viz::line_chart_svg({train, eval, bleu, exact}, o);
+}
+
+std::string join(const std::vector<std::string>& tokens) {
+  std::string out;
+  for (const auto& t : tokens)
+    out += (out.empty() ? "" : " ") + t;
+  return out;
+}
+
+}  // namespace
+
+bool is_seq2seq_task(const std::string& task) {
+  return task == "translate" || task == "dates" || task == "copy" || task == "reverse";
+}
+
+void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
+  check(a.pe == "sinusoidal", kOp,
+        "--task {} trains an encoder-decoder with d2l's sinusoidal encoding; --pe {} is for the "
+        "encoder tasks",
+        a.task, a.pe);
+  Seq2SeqSource src = a.task == "translate" ? file_source(a) : generated_source(a);
+
+  model::Seq2SeqTrainOptions o;
+  o.model.src_vocab_size = src.src_vocab.size();
+  o.model.tgt_vocab_size = src.tgt_vocab.size();
+  o.model.num_hiddens = a.num_hiddens;
+  o.model.ffn_num_hiddens = a.ffn_num_hiddens;
+  o.model.num_heads = a.num_heads;
+  o.model.num_enc_blks = a.num_blks;
+  o.model.num_dec_blks = a.num_blks;
+  o.model.dropout = a.dropout;
+  o.num_steps = src.num_steps;
+  o.preprocess = src.preprocess;
+  o.adamw.lr = a.lr;
+  o.adamw.weight_decay = a.weight_decay;
+  o.clip_norm = a.clip;
+  o.seed = a.seed;
+  o.threads = a.threads;
+  model::Seq2SeqTrainer trainer(o, src.src_vocab, src.tgt_vocab);
+
+  std::vector<Record> history;
+  if (!a.resume.empty()) {
+    auto extra = trainer.load_checkpoint(a.resume);
+    try {
+      history = history_from_json(json::parse(extra.at("train.history")));
+    } catch (const std::exception& e) {
+      throw Error(kOp, fmt::format("{}: malformed train.history metadata: {}", a.resume, e.what()));
+    }
+    check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
+          trainer.step(), a.steps);
+  }
+  auto save = [&](const std::string& path) {
+    trainer.save_checkpoint(
+        path, {{"train.args", a.args_json}, {"train.history", history_json(history).dump()}});
+  };
+
+  Progress progress(a.steps);
+  progress.line(fmt::format("attn train: {}", src.summary));
+  progress.line(fmt::format(
+      "model: encoder-decoder E={} F={} H={} blocks={}+{} dropout={}, {} parameters; AdamW lr={} "
+      "wd={}, clip {}; seed {}{}",
+      a.num_hiddens, a.ffn_num_hiddens, a.num_heads, a.num_blks, a.num_blks, a.dropout,
+      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed,
+      a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
+  progress.line(fmt::format("evaluation: {}, greedy decoding with the KV cache", src.eval_name));
+
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t first_step = trainer.step();
+  const double seconds_before = history.empty() ? 0.0 : history.back().seconds;
+  int64_t tokens = 0, loss_count = 0;
+  double loss_sum = 0, last_loss = std::nan("");
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  auto evaluate = [&] {
+    const model::Seq2SeqEvalStats e = trainer.evaluate(src.eval);
+    const double t = elapsed();
+    history.push_back({trainer.step(),
+                       loss_count ? loss_sum / static_cast<double>(loss_count) : std::nan(""),
+                       e.loss, e.bleu, e.exact_match, t > 0 ? static_cast<double>(tokens) / t : 0.0,
+                       seconds_before + t});
+    loss_sum = 0;
+    loss_count = 0;
+    const Record& r = history.back();
+    progress.line(fmt::format(
+        "step {:>6}  train loss {:.4f}  eval loss {:.4f}  BLEU {:.4f}  exact match {:.4f}  {} "
+        "tok/s",
+        r.step, r.train_loss, r.eval_loss, r.bleu, r.exact_match,
+        Progress::rate(r.tokens_per_second)));
+  };
+
+  while (trainer.step() < a.steps) {
+    const model::Seq2SeqStepStats st = trainer.train_step(src.batch(trainer.step()));
+    tokens += st.tokens;
+    loss_sum += st.loss;
+    ++loss_count;
+    last_loss = st.loss;
+    const double t = elapsed();
+    const double per_step = t / static_cast<double>(st.step - first_step);
+    progress.update(st.step, st.loss, static_cast<double>(tokens) / t,
+                    per_step * static_cast<double>(a.steps - st.step));
+    if ((a.eval_every > 0 && st.step % a.eval_every == 0) || st.step == a.steps) evaluate();
+    if (a.checkpoint_every > 0 && st.step % a.checkpoint_every == 0 && st.step != a.steps)
+      save(a.checkpoint);
+  }
+  if (history.empty() || history.back().step != trainer.step()) evaluate();
+
+  // Three held-out pairs, as the model translates them now.
+  const int64_t shown = std::min<int64_t>(3, src.eval.size());
+  const auto pred = trainer.greedy_ids(std::vector<std::vector<int64_t>>(
+      src.eval.sources.begin(), src.eval.sources.begin() + shown));
+  for (int64_t i = 0; i < shown; ++i) {
+    std::vector<std::string> source, target;
+    for (int64_t id : src.eval.sources[static_cast<size_t>(i)])
+      source.push_back(src.src_vocab.token(id));
+    for (int64_t id : src.eval.targets[static_cast<size_t>(i)])
+      target.push_back(src.tgt_vocab.token(id));
+    progress.line(fmt::format(
+        "  {} => {}  (target: {})", join(source),
+        join(model::ids_to_tokens(pred[static_cast<size_t>(i)], src.tgt_vocab)), join(target)));
+  }
+
+  const Record& r = history.back();
+  if (!a.checkpoint.empty()) save(a.checkpoint);
+  if (!a.metrics.empty()) {
+    const std::string text = a.metrics.ends_with(".csv")
+                                 ? metrics_csv(history)
+                                 : json({{"args", json::parse(a.args_json)},
+                                         {"options", json::parse(model::to_json(o))},
+                                         {"history", history_json(history)}})
+                                           .dump(1) +
+                                       "\n";
+    viz::write_file_atomic(a.metrics, text);
+  }
+  if (!a.curve.empty())
+    viz::write_file_atomic(
+        a.curve,
+        curve_svg(history, fmt::format("attn train --task {}: {} steps, exact match {:.3f}", a.task,
+                                       r.step, r.exact_match)));
+  print(fmt::format(
+      "step {}: train loss {:.4f}, eval loss {:.4f}, BLEU {:.4f}, exact match {:.4f} ({:.1f} "
+      "s{})\n",
+      r.step, std::isnan(last_loss) ? r.train_loss : last_loss, r.eval_loss, r.bleu, r.exact_match,
+      elapsed(), a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+}
+
+}  // namespace attn::cli
