@@ -5,8 +5,9 @@
 //
 // Shapes of issue 5: E = 128, H = 4 (D = 32), 2 blocks, FFN 256 (d2l's 2 * E), vocabulary 1000,
 // 2 classes, B = 32 sequences of T = 128 tokens (every sequence full length, valid_lens given),
-// dropout 0.1, fp32 (BM_TrainStepBf16: mixed precision), ATTN_THREADS threads (default 2). bench/torch_train.py is the same model in
-// PyTorch (d2l's code) and bench/run_train.sh runs both side by side.
+// dropout 0.1, fp32 (BM_TrainStepBf16: mixed precision), ATTN_THREADS threads (default 2).
+// bench/torch_train.py is the same model in PyTorch (d2l's code) and bench/run_train.sh runs both
+// side by side.
 //
 // Counter tokens_per_second = B * T per step / wall time. BM_TrainStepParts times the parts of a
 // step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf.
