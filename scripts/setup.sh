@@ -10,7 +10,7 @@
 #   test    build + everything scripts/test.sh runs: GoogleTest, Google Benchmark, the Python
 #           module and its tests, PyTorch (the oracle), clang + libFuzzer, the package checks
 #   docs    doxygen (scripts/docs.sh)
-#   fresh   debootstrap (scripts/fresh-machine.sh)
+#   fresh   debootstrap and git (scripts/fresh-machine.sh)
 set -euo pipefail
 
 build=(
@@ -32,7 +32,7 @@ test=(
   openmpi-bin libopenmpi-dev                   # -DATTN_WITH_MPI=ON: mpirun + MPI for the tests
 )
 docs=(doxygen python3)
-fresh=(debootstrap)
+fresh=(debootstrap git)  # scripts/fresh-machine.sh: the root, and the clone of HEAD
 
 (($#)) || set -- build
 wanted=()
