@@ -5,6 +5,7 @@
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
+#include "model/checkpoint_io.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -15,13 +16,6 @@
 namespace attn::model {
 
 namespace {
-
-constexpr const char* kModelPrefix = "model.";
-constexpr const char* kOptimizerPrefix = "optimizer.";
-
-bool starts_with(const std::string& s, const char* prefix) {
-  return s.rfind(prefix, 0) == 0;
-}
 
 // Evaluation and translation run in eval mode and must not move the training dropout stream:
 // the guard puts back the mode and the offset it found.
@@ -45,23 +39,10 @@ class EvalScope {
   uint64_t offset_;
 };
 
-const std::string& meta_at(const SafetensorsFile& f, const std::string& path, const char* key) {
-  auto it = f.metadata.find(key);
-  check(it != f.metadata.end(), "load_checkpoint",
-        "{}: no '{}' metadata (not an attn sequence-to-sequence checkpoint)", path, key);
-  return it->second;
-}
+constexpr const char* kKind = "an attn sequence-to-sequence checkpoint";
 
-uint64_t parse_u64(const std::string& text, const std::string& path, const char* key) {
-  try {
-    size_t used = 0;
-    const uint64_t v = std::stoull(text, &used);
-    if (used == text.size() && !text.empty() && text[0] != '-') return v;
-  } catch (const std::exception&) {
-  }
-  throw Error(
-      "load_checkpoint",
-      fmt::format("{}: metadata '{}' is '{}', expected an unsigned integer", path, key, text));
+const std::string& meta_at(const SafetensorsFile& f, const std::string& path, const char* key) {
+  return detail::meta_at(f, path, key, kKind);
 }
 
 std::string format_of(const SafetensorsFile& f, const std::string& path) {
@@ -340,24 +321,12 @@ Translations Seq2SeqTrainer::translate(const std::vector<std::vector<std::string
 
 void Seq2SeqTrainer::save_checkpoint(const std::string& path,
                                      const std::map<std::string, std::string>& extra) const {
-  std::map<std::string, Tensor> tensors;
-  for (auto& [name, t] : model_->state_dict())
-    tensors.emplace(kModelPrefix + name, t);
-  for (auto& [name, t] : optimizer_->state_dict())
-    tensors.emplace(kOptimizerPrefix + name, t);
-  std::map<std::string, std::string> meta;
-  for (const auto& [k, v] : extra) {
-    check(!starts_with(k, "attn."), "save_checkpoint",
-          "metadata name '{}' is reserved (names starting with 'attn.' are the trainer's)", k);
-    meta.emplace(k, v);
-  }
-  meta["attn.format"] = kSeq2SeqCheckpointFormat;
-  meta["attn.step"] = std::to_string(step_);
-  meta["attn.dropout_offset"] = std::to_string(ctx_.dropout_offset());
-  meta["attn.options"] = to_json(options_);
-  meta["attn.src_vocab"] = src_vocab_.to_json();
-  meta["attn.tgt_vocab"] = tgt_vocab_.to_json();
-  save_safetensors(path, tensors, meta);
+  detail::save_checkpoint_file(path, *model_, *optimizer_, extra,
+                               {{"attn.format", kSeq2SeqCheckpointFormat},
+                                {"attn.options", to_json(options_)},
+                                {"attn.src_vocab", src_vocab_.to_json()},
+                                {"attn.tgt_vocab", tgt_vocab_.to_json()}},
+                               step_, ctx_.dropout_offset());
 }
 
 std::map<std::string, std::string> Seq2SeqTrainer::load_checkpoint(const std::string& path) {
@@ -371,35 +340,10 @@ std::map<std::string, std::string> Seq2SeqTrainer::load_checkpoint(const std::st
   check(meta_at(f, path, "attn.src_vocab") == src_vocab_.to_json() &&
             meta_at(f, path, "attn.tgt_vocab") == tgt_vocab_.to_json(),
         op, "{}: the checkpoint's vocabularies differ from this trainer's", path);
-  const int64_t step =
-      static_cast<int64_t>(parse_u64(meta_at(f, path, "attn.step"), path, "attn.step"));
-  const uint64_t offset =
-      parse_u64(meta_at(f, path, "attn.dropout_offset"), path, "attn.dropout_offset");
-  nn::StateDict model_state, optimizer_state;
-  for (const auto& [name, t] : f.tensors) {
-    if (starts_with(name, kModelPrefix))
-      model_state.emplace(name.substr(std::string(kModelPrefix).size()), t);
-    else if (starts_with(name, kOptimizerPrefix))
-      optimizer_state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
-    else
-      throw Error(op, fmt::format("{}: unexpected tensor '{}' (expected model.* or optimizer.*)",
-                                  path, name));
-  }
-  // All or nothing: when the optimiser's load fails after the model's, the old parameters return.
-  const nn::StateDict previous = model_->state_dict();
-  try {
-    model_->load_state_dict(model_state, true);
-    optimizer_->load_state_dict(optimizer_state);
-  } catch (const Error& e) {
-    model_->load_state_dict(previous, true);
-    throw Error(op, fmt::format("{}: {}", path, e.what()));
-  }
-  step_ = step;
-  ctx_.set_dropout_offset(offset);
-  std::map<std::string, std::string> extra;
-  for (const auto& [k, v] : f.metadata)
-    if (!starts_with(k, "attn.")) extra.emplace(k, v);
-  return extra;
+  detail::RestoredState r = detail::restore_checkpoint(f, path, *model_, *optimizer_, kKind);
+  step_ = r.step;
+  ctx_.set_dropout_offset(r.dropout_offset);
+  return std::move(r.extra);
 }
 
 std::unique_ptr<Seq2SeqTrainer> Seq2SeqTrainer::from_checkpoint(const std::string& path,

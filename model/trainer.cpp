@@ -5,6 +5,7 @@
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
+#include "model/checkpoint_io.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -19,8 +20,6 @@ namespace attn::model {
 namespace {
 
 constexpr const char* kFormat = "attn-checkpoint/1";
-constexpr const char* kModelPrefix = "model.";
-constexpr const char* kOptimizerPrefix = "optimizer.";
 
 // The head's parameters draw from a stream of their own, derived from the run's seed by one
 // splitmix64 round (the encoder's children derive theirs from `seed` by name).
@@ -474,45 +473,17 @@ void Trainer::save_checkpoint(const std::string& path,
 
 void Trainer::save_checkpoint_local(const std::string& path,
                                     const std::map<std::string, std::string>& extra) const {
-  std::map<std::string, Tensor> tensors;
-  for (auto& [name, t] : model_->state_dict())
-    tensors.emplace(kModelPrefix + name, t);
-  for (auto& [name, t] : optimizer_->state_dict())
-    tensors.emplace(kOptimizerPrefix + name, t);
-  std::map<std::string, std::string> meta;
-  for (const auto& [k, v] : extra) {
-    check(!starts_with(k, "attn."), "save_checkpoint",
-          "metadata name '{}' is reserved (names starting with 'attn.' are the trainer's)", k);
-    meta.emplace(k, v);
-  }
-  meta["attn.format"] = kFormat;
-  meta["attn.step"] = std::to_string(step_);
-  meta["attn.dropout_offset"] = std::to_string(ctx_.dropout_offset());
-  meta["attn.options"] = to_json(options_);
-  meta["attn.precision"] = precision_name(options_.precision);  // informative: loads in either
-  save_safetensors(path, tensors, meta);
+  detail::save_checkpoint_file(path, *model_, *optimizer_, extra,
+                               {{"attn.format", kFormat},
+                                {"attn.options", to_json(options_)},
+                                // Informative: a checkpoint loads in either precision.
+                                {"attn.precision", precision_name(options_.precision)}},
+                               step_, ctx_.dropout_offset());
 }
 
 namespace {
 
-const std::string& meta_at(const SafetensorsFile& f, const std::string& path, const char* key) {
-  auto it = f.metadata.find(key);
-  check(it != f.metadata.end(), "load_checkpoint", "{}: no '{}' metadata (not an attn checkpoint)",
-        path, key);
-  return it->second;
-}
-
-uint64_t parse_u64(const std::string& text, const std::string& path, const char* key) {
-  try {
-    size_t used = 0;
-    const uint64_t v = std::stoull(text, &used);
-    if (used == text.size() && !text.empty() && text[0] != '-') return v;
-  } catch (const std::exception&) {
-  }
-  throw Error("load_checkpoint", fmt::format("{}: metadata '{}' is '{}', expected an unsigned "
-                                             "integer",
-                                             path, key, text));
-}
+using detail::meta_at;
 
 SafetensorsFile load_checked(const std::string& path) {
   SafetensorsFile f = load_safetensors(path);
@@ -563,38 +534,10 @@ std::map<std::string, std::string> Trainer::load_checkpoint_local(const std::str
   check(to_json(saved) == to_json(options_), op,
         "{}: the checkpoint was trained with other options: {}", path,
         first_difference(saved, options_));
-  const int64_t step =
-      static_cast<int64_t>(parse_u64(meta_at(f, path, "attn.step"), path, "attn.step"));
-  const uint64_t offset =
-      parse_u64(meta_at(f, path, "attn.dropout_offset"), path, "attn.dropout_offset");
-
-  nn::StateDict model_state, optimizer_state;
-  for (const auto& [name, t] : f.tensors) {
-    if (starts_with(name, kModelPrefix))
-      model_state.emplace(name.substr(std::string(kModelPrefix).size()), t);
-    else if (starts_with(name, kOptimizerPrefix))
-      optimizer_state.emplace(name.substr(std::string(kOptimizerPrefix).size()), t);
-    else
-      throw Error(op, fmt::format("{}: unexpected tensor '{}' (expected model.* or "
-                                  "optimizer.*)",
-                                  path, name));
-  }
-  // Both loads are all-or-nothing; if the optimiser's fails after the model's succeeded, the
-  // previous parameters go back, so a failed load changes nothing.
-  const nn::StateDict previous = model_->state_dict();
-  try {
-    model_->load_state_dict(model_state, true);
-    optimizer_->load_state_dict(optimizer_state);
-  } catch (const Error& e) {
-    model_->load_state_dict(previous, true);
-    throw Error(op, fmt::format("{}: {}", path, e.what()));
-  }
-  step_ = step;
-  ctx_.set_dropout_offset(offset);
-  std::map<std::string, std::string> extra;
-  for (const auto& [k, v] : f.metadata)
-    if (!starts_with(k, "attn.")) extra.emplace(k, v);
-  return extra;
+  detail::RestoredState r = detail::restore_checkpoint(f, path, *model_, *optimizer_);
+  step_ = r.step;
+  ctx_.set_dropout_offset(r.dropout_offset);
+  return std::move(r.extra);
 }
 
 }  // namespace attn::model
