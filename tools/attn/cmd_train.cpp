@@ -19,6 +19,7 @@
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
 #include "tools/attn/commands.hpp"
+#include "tools/attn/train_history.hpp"
 #include "tools/attn/train_progress.hpp"
 #include "viz/io.hpp"
 
@@ -236,59 +237,6 @@ DataSource user_source(const TrainArgs& a) {
   return s;
 }
 
-// One row of the metrics: the training loss averaged since the previous row, then evaluation.
-struct Record {
-  int64_t step;
-  double train_loss, eval_loss, eval_accuracy, tokens_per_second, seconds;
-};
-
-json history_json(const std::vector<Record>& h) {
-  json out = json::array();
-  for (const auto& r : h)
-    out.push_back({{"step", r.step},
-                   {"train_loss", r.train_loss},
-                   {"eval_loss", r.eval_loss},
-                   {"eval_accuracy", r.eval_accuracy},
-                   {"tokens_per_second", r.tokens_per_second},
-                   {"seconds", r.seconds}});
-  return out;
-}
-
-std::vector<Record> history_from_json(const json& j) {
-  std::vector<Record> h;
-  for (const auto& r : j)
-    h.push_back({r.at("step"), r.at("train_loss"), r.at("eval_loss"), r.at("eval_accuracy"),
-                 r.at("tokens_per_second"), r.at("seconds")});
-  return h;
-}
-
-std::string metrics_csv(const std::vector<Record>& h) {
-  std::string out = "step,train_loss,eval_loss,eval_accuracy,tokens_per_second,seconds\n";
-  for (const auto& r : h)
-    out += fmt::format("{},{:.6g},{:.6g},{:.6g},{:.1f},{:.3f}\n", r.step, r.train_loss, r.eval_loss,
-                       r.eval_accuracy, r.tokens_per_second, r.seconds);
-  return out;
-}
-
-std::string curve_svg(const std::vector<Record>& h, const std::string& title) {
-  viz::Series train{"train loss", {}, {}, "", "", false};
-  viz::Series eval{"eval loss", {}, {}, "", "", false};
-  viz::Series acc{"eval accuracy", {}, {}, "", "", true};
-  for (const auto& r : h) {
-    const double x = static_cast<double>(r.step);
-    train.x.push_back(x), train.y.push_back(r.train_loss);
-    eval.x.push_back(x), eval.y.push_back(r.eval_loss);
-    acc.x.push_back(x), acc.y.push_back(r.eval_accuracy);
-  }
-  viz::LineChartOptions o;
-  o.title = title;
-  o.xlabel = "step";
-  o.ylabel = "loss / accuracy";
-  o.ymin = 0.0;
-  o.height = 300;
-  return viz::line_chart_svg({train, eval, acc}, o);
-}
-
 // The checkpoint's "train.args" merged into `a`: arguments given on the command line must agree.
 void merge_resume_args(TrainArgs& a, const std::map<std::string, CLI::Option*>& given,
                        const std::map<std::string, std::string>& meta) {
@@ -380,7 +328,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
   const bool rank0 = comm->rank() == 0;
   model::Trainer trainer(o, comm);
 
-  std::vector<Record> history;
+  TrainHistory history({{"eval_accuracy", "eval accuracy", "eval accuracy"}}, "loss / accuracy");
   if (!a.resume.empty()) {
     auto extra = trainer.load_checkpoint(a.resume);
     if (user)
@@ -389,18 +337,14 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
             "{}: the vocabulary built from {} differs from the checkpoint's (was the data "
             "file changed?)",
             a.resume, a.data);
-    try {
-      history = history_from_json(json::parse(extra.at("train.history")));
-    } catch (const std::exception& e) {
-      throw Error(kOp, fmt::format("{}: malformed train.history metadata: {}", a.resume, e.what()));
-    }
+    history.load(extra["train.history"], a.resume);
     check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
           trainer.step(), a.steps);
   }
 
   auto save = [&](const std::string& path) {
     trainer.save_checkpoint(path, {{"train.args", result_args(a).dump()},
-                                   {"train.history", history_json(history).dump()},
+                                   {"train.history", history.to_json().dump()},
                                    {"train.vocab", src.vocab.dump()},
                                    {"train.labels", src.labels.dump()}});
   };
@@ -421,71 +365,41 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
   progress.line(fmt::format("evaluation: {}", src.eval_name));
 
-  const auto start = std::chrono::steady_clock::now();
-  const int64_t first_step = trainer.step();
-  const double seconds_before = history.empty() ? 0.0 : history.back().seconds;
-  int64_t tokens = 0;
-  double loss_sum = 0;
-  int64_t loss_count = 0;
-  double last_loss = std::nan("");
-  auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  auto evaluate = [&] {
-    const model::EvalStats e = trainer.evaluate(src.eval);
-    const double t = elapsed();
-    history.push_back(
-        {trainer.step(), loss_count ? loss_sum / static_cast<double>(loss_count) : std::nan(""),
-         e.loss, e.accuracy, t > 0 ? static_cast<double>(tokens) / t : 0.0, seconds_before + t});
-    loss_sum = 0;
-    loss_count = 0;
-    const Record& r = history.back();
-    progress.line(fmt::format(
-        "step {:>6}  train loss {:.4f}  eval loss {:.4f}  eval accuracy "
-        "{:.4f}  {} tok/s",
-        r.step, r.train_loss, r.eval_loss, r.eval_accuracy, Progress::rate(r.tokens_per_second)));
-  };
-
-  while (trainer.step() < a.steps) {
-    const model::StepStats st = trainer.train_step(src.batch(trainer.step()));
-    tokens += st.tokens;
-    loss_sum += st.loss;
-    ++loss_count;
-    last_loss = st.loss;
-    const double t = elapsed();
-    const double per_step = t / static_cast<double>(st.step - first_step);
-    progress.update(st.step, st.loss, static_cast<double>(tokens) / t,
-                    per_step * static_cast<double>(a.steps - st.step));
-    if ((a.eval_every > 0 && st.step % a.eval_every == 0) || st.step == a.steps) evaluate();
-    if (a.checkpoint_every > 0 && st.step % a.checkpoint_every == 0 && st.step != a.steps)
-      save(a.checkpoint);
-  }
-  if (history.empty() || history.back().step != trainer.step()) evaluate();
+  const LoopResult run = run_train_loop(
+      history, progress, {a.steps, a.eval_every, a.checkpoint_every}, trainer.step(),
+      [&] {
+        const model::StepStats st = trainer.train_step(src.batch(trainer.step()));
+        return LoopStep{st.step, st.tokens, st.loss};
+      },
+      [&] {
+        const model::EvalStats e = trainer.evaluate(src.eval);
+        return LoopEval{e.loss, {e.accuracy}};
+      },
+      [&] { save(a.checkpoint); });
 
   // Outputs after everything else succeeded; each is written atomically.
   const std::string title = fmt::format(
       "attn train --task {} --pe {}: {} steps, eval accuracy "
       "{:.3f}",
-      a.task, a.pe, trainer.step(), history.back().eval_accuracy);
+      a.task, a.pe, trainer.step(), history.last("eval_accuracy"));
   if (!a.checkpoint.empty()) save(a.checkpoint);  // collective: rank 0 writes
   if (!rank0) return;
   if (!a.metrics.empty()) {
     const std::string text = a.metrics.ends_with(".csv")
-                                 ? metrics_csv(history)
+                                 ? history.csv()
                                  : json({{"args", result_args(a)},
                                          {"options", json::parse(model::to_json(o))},
-                                         {"history", history_json(history)}})
+                                         {"history", history.to_json()}})
                                            .dump(1) +
                                        "\n";
     viz::write_file_atomic(a.metrics, text);
   }
-  if (!a.curve.empty()) viz::write_file_atomic(a.curve, curve_svg(history, title));
-  const Record& r = history.back();
-  print(fmt::format(
-      "step {}: train loss {:.4f}, eval loss {:.4f}, eval accuracy {:.4f} ({:.1f} "
-      "s{})\n",
-      r.step, std::isnan(last_loss) ? r.train_loss : last_loss, r.eval_loss, r.eval_accuracy,
-      elapsed(), a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+  if (!a.curve.empty()) viz::write_file_atomic(a.curve, history.curve_svg(title));
+  const TrainHistory::Row& r = history.back();
+  print(fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
+                    std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
+                    history.scores_text(r, ", "), run.seconds,
+                    a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "attn/model/seq2seq_trainer.hpp"
 #include "attn/model/tasks.hpp"
 #include "tools/attn/commands.hpp"
+#include "tools/attn/train_history.hpp"
 #include "tools/attn/train_progress.hpp"
 #include "viz/io.hpp"
 
@@ -108,61 +109,6 @@ Seq2SeqSource file_source(const Seq2SeqTrainArgs& a) {
   return s;
 }
 
-struct Record {
-  int64_t step;
-  double train_loss, eval_loss, bleu, exact_match, tokens_per_second, seconds;
-};
-
-json history_json(const std::vector<Record>& h) {
-  json out = json::array();
-  for (const auto& r : h)
-    out.push_back({{"step", r.step},
-                   {"train_loss", r.train_loss},
-                   {"eval_loss", r.eval_loss},
-                   {"bleu", r.bleu},
-                   {"exact_match", r.exact_match},
-                   {"tokens_per_second", r.tokens_per_second},
-                   {"seconds", r.seconds}});
-  return out;
-}
-
-std::vector<Record> history_from_json(const json& j) {
-  std::vector<Record> h;
-  for (const auto& r : j)
-    h.push_back({r.at("step"), r.at("train_loss"), r.at("eval_loss"), r.at("bleu"),
-                 r.at("exact_match"), r.at("tokens_per_second"), r.at("seconds")});
-  return h;
-}
-
-std::string metrics_csv(const std::vector<Record>& h) {
-  std::string out = "step,train_loss,eval_loss,bleu,exact_match,tokens_per_second,seconds\n";
-  for (const auto& r : h)
-    out += fmt::format("{},{:.6g},{:.6g},{:.6g},{:.6g},{:.1f},{:.3f}\n", r.step, r.train_loss,
-                       r.eval_loss, r.bleu, r.exact_match, r.tokens_per_second, r.seconds);
-  return out;
-}
-
-std::string curve_svg(const std::vector<Record>& h, const std::string& title) {
-  viz::Series train{"train loss", {}, {}, "", "", false};
-  viz::Series eval{"eval loss", {}, {}, "", "", false};
-  viz::Series bleu{"eval BLEU", {}, {}, "", "", true};
-  viz::Series exact{"eval exact match", {}, {}, "", "", true};
-  for (const auto& r : h) {
-    const double x = static_cast<double>(r.step);
-    train.x.push_back(x), train.y.push_back(r.train_loss);
-    eval.x.push_back(x), eval.y.push_back(r.eval_loss);
-    bleu.x.push_back(x), bleu.y.push_back(r.bleu);
-    exact.x.push_back(x), exact.y.push_back(r.exact_match);
-  }
-  viz::LineChartOptions o;
-  o.title = title;
-  o.xlabel = "step";
-  o.ylabel = "loss / score";
-  o.ymin = 0.0;
-  o.height = 300;
-  return viz::line_chart_svg({train, eval, bleu, exact}, o);
-}
-
 std::string join(const std::vector<std::string>& tokens) {
   std::string out;
   for (const auto& t : tokens)
@@ -201,20 +147,18 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
   o.threads = a.threads;
   model::Seq2SeqTrainer trainer(o, src.src_vocab, src.tgt_vocab);
 
-  std::vector<Record> history;
+  TrainHistory history(
+      {{"bleu", "BLEU", "eval BLEU"}, {"exact_match", "exact match", "eval exact match"}},
+      "loss / score");
   if (!a.resume.empty()) {
     auto extra = trainer.load_checkpoint(a.resume);
-    try {
-      history = history_from_json(json::parse(extra.at("train.history")));
-    } catch (const std::exception& e) {
-      throw Error(kOp, fmt::format("{}: malformed train.history metadata: {}", a.resume, e.what()));
-    }
+    history.load(extra["train.history"], a.resume);
     check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
           trainer.step(), a.steps);
   }
   auto save = [&](const std::string& path) {
     trainer.save_checkpoint(
-        path, {{"train.args", a.args_json}, {"train.history", history_json(history).dump()}});
+        path, {{"train.args", a.args_json}, {"train.history", history.to_json().dump()}});
   };
 
   Progress progress(a.steps);
@@ -227,46 +171,17 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
   progress.line(fmt::format("evaluation: {}, greedy decoding with the KV cache", src.eval_name));
 
-  const auto start = std::chrono::steady_clock::now();
-  const int64_t first_step = trainer.step();
-  const double seconds_before = history.empty() ? 0.0 : history.back().seconds;
-  int64_t tokens = 0, loss_count = 0;
-  double loss_sum = 0, last_loss = std::nan("");
-  auto elapsed = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  auto evaluate = [&] {
-    const model::Seq2SeqEvalStats e = trainer.evaluate(src.eval);
-    const double t = elapsed();
-    history.push_back({trainer.step(),
-                       loss_count ? loss_sum / static_cast<double>(loss_count) : std::nan(""),
-                       e.loss, e.bleu, e.exact_match, t > 0 ? static_cast<double>(tokens) / t : 0.0,
-                       seconds_before + t});
-    loss_sum = 0;
-    loss_count = 0;
-    const Record& r = history.back();
-    progress.line(fmt::format(
-        "step {:>6}  train loss {:.4f}  eval loss {:.4f}  BLEU {:.4f}  exact match {:.4f}  {} "
-        "tok/s",
-        r.step, r.train_loss, r.eval_loss, r.bleu, r.exact_match,
-        Progress::rate(r.tokens_per_second)));
-  };
-
-  while (trainer.step() < a.steps) {
-    const model::Seq2SeqStepStats st = trainer.train_step(src.batch(trainer.step()));
-    tokens += st.tokens;
-    loss_sum += st.loss;
-    ++loss_count;
-    last_loss = st.loss;
-    const double t = elapsed();
-    const double per_step = t / static_cast<double>(st.step - first_step);
-    progress.update(st.step, st.loss, static_cast<double>(tokens) / t,
-                    per_step * static_cast<double>(a.steps - st.step));
-    if ((a.eval_every > 0 && st.step % a.eval_every == 0) || st.step == a.steps) evaluate();
-    if (a.checkpoint_every > 0 && st.step % a.checkpoint_every == 0 && st.step != a.steps)
-      save(a.checkpoint);
-  }
-  if (history.empty() || history.back().step != trainer.step()) evaluate();
+  const LoopResult run = run_train_loop(
+      history, progress, {a.steps, a.eval_every, a.checkpoint_every}, trainer.step(),
+      [&] {
+        const model::Seq2SeqStepStats st = trainer.train_step(src.batch(trainer.step()));
+        return LoopStep{st.step, st.tokens, st.loss};
+      },
+      [&] {
+        const model::Seq2SeqEvalStats e = trainer.evaluate(src.eval);
+        return LoopEval{e.loss, {e.bleu, e.exact_match}};
+      },
+      [&] { save(a.checkpoint); });
 
   // Three held-out pairs, as the model translates them now.
   const int64_t shown = std::min<int64_t>(3, src.eval.size());
@@ -283,28 +198,26 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
         join(model::ids_to_tokens(pred[static_cast<size_t>(i)], src.tgt_vocab)), join(target)));
   }
 
-  const Record& r = history.back();
+  const TrainHistory::Row& r = history.back();
   if (!a.checkpoint.empty()) save(a.checkpoint);
   if (!a.metrics.empty()) {
     const std::string text = a.metrics.ends_with(".csv")
-                                 ? metrics_csv(history)
+                                 ? history.csv()
                                  : json({{"args", json::parse(a.args_json)},
                                          {"options", json::parse(model::to_json(o))},
-                                         {"history", history_json(history)}})
+                                         {"history", history.to_json()}})
                                            .dump(1) +
                                        "\n";
     viz::write_file_atomic(a.metrics, text);
   }
   if (!a.curve.empty())
     viz::write_file_atomic(
-        a.curve,
-        curve_svg(history, fmt::format("attn train --task {}: {} steps, exact match {:.3f}", a.task,
-                                       r.step, r.exact_match)));
-  print(fmt::format(
-      "step {}: train loss {:.4f}, eval loss {:.4f}, BLEU {:.4f}, exact match {:.4f} ({:.1f} "
-      "s{})\n",
-      r.step, std::isnan(last_loss) ? r.train_loss : last_loss, r.eval_loss, r.bleu, r.exact_match,
-      elapsed(), a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+        a.curve, history.curve_svg(fmt::format("attn train --task {}: {} steps, exact match {:.3f}",
+                                               a.task, r.step, history.last("exact_match"))));
+  print(fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
+                    std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
+                    history.scores_text(r, ", "), run.seconds,
+                    a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
 }
 
 }  // namespace attn::cli

@@ -1,0 +1,85 @@
+// What `attn train` records and how it loops, for the encoder tasks (cmd_train.cpp) and the
+// encoder-decoder tasks (cmd_train_seq2seq.cpp) alike: the evaluation history (one row per
+// evaluation, kept in the checkpoint's "train.history" so a resumed run continues it, written as
+// --metrics CSV or JSON and drawn as the --curve SVG), and the step loop with live progress,
+// evaluation every --eval-every steps and at the end, and checkpoints every --checkpoint-every.
+//
+// The two kinds of run differ only in their evaluation scores: eval_accuracy for the encoder
+// tasks; bleu and exact_match for the n -> m tasks.
+#pragma once
+
+#include "tools/attn/train_progress.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace attn::cli {
+
+// One evaluation score: its key in the metrics files, its name in the progress lines and the
+// final summary, and its series name on the learning curve.
+struct ScoreColumn {
+  std::string key, text, curve;
+};
+
+class TrainHistory {
+ public:
+  struct Row {
+    int64_t step = 0;
+    double train_loss = 0, eval_loss = 0;  // train loss: the mean since the previous row
+    std::vector<double> scores;            // one per ScoreColumn
+    double tokens_per_second = 0, seconds = 0;
+  };
+
+  TrainHistory(std::vector<ScoreColumn> columns, std::string curve_ylabel)
+      : columns_(std::move(columns)), curve_ylabel_(std::move(curve_ylabel)) {}
+
+  const std::vector<Row>& rows() const { return rows_; }
+  bool empty() const { return rows_.empty(); }
+  const Row& back() const { return rows_.back(); }
+  void push_back(Row r) { rows_.push_back(std::move(r)); }
+  // The score `key` of the last row.
+  double last(const std::string& key) const;
+
+  nlohmann::json to_json() const;
+  // Replaces the rows with a checkpoint's "train.history"; an attn::Error naming `where` if the
+  // text is not one this class wrote.
+  void load(const std::string& text, const std::string& where);
+  std::string csv() const;
+  std::string curve_svg(const std::string& title) const;
+  // "eval accuracy 0.9531" or "BLEU 0.9950  exact match 0.9840" (separator between scores).
+  std::string scores_text(const Row& r, const char* separator) const;
+
+ private:
+  std::vector<ScoreColumn> columns_;
+  std::string curve_ylabel_;
+  std::vector<Row> rows_;
+};
+
+// The step loop shared by both trainers. `step` runs one training step and returns it; `eval`
+// evaluates the model as it is now (loss and one value per score column); `save` writes the
+// periodic checkpoint. Appends a history row at every evaluation and prints it above the bar.
+struct LoopStep {
+  int64_t step = 0, tokens = 0;
+  double loss = 0;
+};
+struct LoopEval {
+  double loss = 0;
+  std::vector<double> scores;
+};
+struct LoopSchedule {
+  int64_t steps = 0, eval_every = 0, checkpoint_every = 0;
+};
+struct LoopResult {
+  double last_loss;  // loss of the last step run here (NaN when none ran: a finished run resumed)
+  double seconds;    // wall time of this invocation's loop
+};
+
+LoopResult run_train_loop(TrainHistory& history, Progress& progress, const LoopSchedule& schedule,
+                          int64_t current_step, const std::function<LoopStep()>& step,
+                          const std::function<LoopEval()>& eval, const std::function<void()>& save);
+
+}  // namespace attn::cli
