@@ -138,12 +138,18 @@ RingDims check_ring(const char* op, Communicator& comm, const Tensor& q, const T
                                        static_cast<int64_t>(d.layout),
                                        opts.lens_repeat,
                                        lens_ndim};
-  comm.check_same(op,
-                  "(input error, B, T_local, S_local, D, Dv, dtype, causal, masked_rows, layout, "
-                  "lens_repeat, valid_lens rank) = (" +
-                      fmt::format("{}", fmt::join(values, ", ")) + ")",
-                  values);
-  if (local) std::rethrow_exception(local);
+  const std::string what =
+      "(input error, B, T_local, S_local, D, Dv, dtype, causal, masked_rows, layout, "
+      "lens_repeat, valid_lens rank) = (" +
+      fmt::format("{}", fmt::join(values, ", ")) + ")";
+  if (local) {  // this rank's own error is the better message; the others learn that ranks differ
+    try {
+      comm.check_same(op, what, values);
+    } catch (const Error&) {
+    }
+    std::rethrow_exception(local);
+  }
+  comm.check_same(op, what, values);
   d.N = comm.size();
   d.rank = comm.rank();
   check(d.S_global() < (int64_t{1} << 31), op, "{} keys in all, expected fewer than 2^31",
