@@ -7,6 +7,7 @@
 
 #include "attn/core/comm.hpp"
 #include "attn/core/context.hpp"
+#include "attn/nn/attention.hpp"
 #include "attn/ops/attention.hpp"
 #include "attn/ops/ring_attention.hpp"
 #include "testing.hpp"
@@ -127,6 +128,52 @@ inline void check_ring_case(Communicator& comm, const RingCase& c, int threads =
   // The gathered output is the whole reference.
   const Tensor all = ring_gather(comm, res.output, c.layout);
   EXPECT_TRUE(ring_close("gathered output", all, ref.output, tol_out));
+}
+
+// nn::MultiHeadAttention with sequence_parallel = &comm on each rank's shard of X against the
+// single-process module on the whole X (same seed): output and input gradients within 1e-5 and
+// 1e-4, parameter gradients within 1e-4 after the all-reduce the caller owes.
+inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind) {
+  SCOPED_TRACE(std::string("MHA ") + (causal ? "causal " : "") + "lens " +
+               std::to_string(static_cast<int>(lens_kind)));
+  const int64_t B = 2, T = 16, Din = 12, E = 16, H = 2;
+  Context ctx;
+  ctx.threads = 1;
+  nn::MultiHeadAttention ref(E, H, 0.0, true, DType::F32, 3), ring(E, H, 0.0, true, DType::F32, 3);
+  for (nn::MultiHeadAttention* m : {&ref, &ring}) {
+    m->attention.causal = causal;
+    m->attention.need_weights = false;
+  }
+  const RingLayout layout = causal ? RingLayout::kZigzag : RingLayout::kContiguous;
+  ring.sequence_parallel = &comm;
+  ring.sequence_layout = layout;
+  RingCase c;
+  c.B = B, c.T = T, c.lens = lens_kind, c.empty_row = true;
+  const Tensor lens = ring_case_lens(c);
+  const Tensor X = random_tensor({B, T, Din}, DType::F32, 41);
+  const Tensor dout = random_tensor({B, T, E}, DType::F32, 42);
+  const Tensor out_ref = ref.forward(ctx, X, X, X, lens);
+  const nn::AttentionInputGrads g_ref = ref.backward(ctx, dout);
+
+  const int N = comm.size(), r = comm.rank();
+  auto shard = [&](const Tensor& t) { return ring_shard(t, r, N, layout); };
+  const Tensor Xl = shard(X);
+  const Tensor out =
+      ring.forward(ctx, Xl, Xl, Xl, lens_kind == Lens::kPerQuery ? shard(lens) : lens);
+  const nn::AttentionInputGrads g = ring.backward(ctx, shard(dout));
+  EXPECT_TRUE(ring_close("MHA output", out, shard(out_ref), 1e-5));
+  EXPECT_TRUE(ring_close("MHA dqueries", g.dqueries, shard(g_ref.dqueries), 1e-4));
+  EXPECT_TRUE(ring_close("MHA dkeys", g.dkeys, shard(g_ref.dkeys), 1e-4));
+  EXPECT_TRUE(ring_close("MHA dvalues", g.dvalues, shard(g_ref.dvalues), 1e-4));
+  EXPECT_FALSE(ring.attention_weights().defined());
+  auto want = ref.named_parameters();
+  auto got = ring.named_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    Tensor& grad = got[i].second->grad;
+    comm.allreduce(std::span<float>(grad.data<float>(), static_cast<size_t>(grad.numel())));
+    EXPECT_TRUE(ring_close(got[i].first.c_str(), grad, want[i].second->grad, 1e-4));
+  }
 }
 
 // The cases every rank count runs: T divisible by 2N for N <= 4 (T = 16 or 24).

@@ -30,6 +30,13 @@ TEST(RingAttention, LongShardIsCutIntoPieces) {
   check_ring_case(*comm, c, 2);
 }
 
+TEST(RingAttention, MultiHeadAttentionOnOneRankEqualsTheModule) {
+  auto comm = single_process_communicator();
+  for (Lens l : {Lens::kPerBatch, Lens::kPerQuery})
+    for (bool causal : {false, true})
+      testing::check_ring_mha(*comm, causal, l);
+}
+
 TEST(RingAttention, ShardAndUnshardAreInverse) {
   const Tensor g = random_tensor({2, 24, 3}, DType::F32, 5);
   for (RingLayout layout : {RingLayout::kContiguous, RingLayout::kZigzag})

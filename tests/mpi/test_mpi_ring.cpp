@@ -34,6 +34,12 @@ TEST(MpiRing, LongerSequenceWithTwoThreads) {
   testing::check_ring_case(world(), c, 2);
 }
 
+TEST(MpiRing, MultiHeadAttentionEqualsSingleProcess) {
+  for (testing::Lens l : {testing::Lens::kPerBatch, testing::Lens::kPerQuery})
+    for (bool causal : {false, true})
+      testing::check_ring_mha(world(), causal, l);
+}
+
 std::string error_on_this_rank(const Tensor& q, const Tensor& k, const RingOptions& o = {}) {
   Context ctx;
   ctx.threads = 1;
