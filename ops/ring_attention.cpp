@@ -26,6 +26,7 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace attn {
@@ -33,7 +34,7 @@ namespace {
 
 constexpr const char* kRing = "ring_attention";
 constexpr const char* kRingBackward = "ring_attention_backward";
-constexpr int kTagKv = 7101, kTagGrad = 7102;
+constexpr int kTagGrad = 7102;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rows [local, local + len) of a rank's shard hold global positions [global, global + len).
@@ -235,6 +236,7 @@ bool piece_kept(const RingDims& d, const RingOptions& opts, const std::vector<in
 }
 
 // The pending requests of a step, tested between kernel calls.
+// The pending requests of a step, tested between kernel calls.
 struct Pending {
   std::vector<Request*> reqs;
   void progress() {
@@ -243,11 +245,59 @@ struct Pending {
   }
 };
 
+// The key/value blocks going round the ring, k and v as two messages. Step 0 reads the rank's
+// own k and v (no copy when they are contiguous); step i receives block i + 1 into one of two
+// buffers (only one with N = 2) while block i computes and is sent on.
+template <class E>
+class KvRing {
+ public:
+  KvRing(Communicator& comm, const RingDims& d, const Tensor& k, const Tensor& v)
+      : comm_(comm), d_(d), kc_(k.contiguous()), vc_(v.contiguous()) {
+    k_ = static_cast<const E*>(kc_.raw_data());
+    v_ = static_cast<const E*>(vc_.raw_data());
+    k_elems_ = d.B * d.S * d.D;
+    v_elems_ = d.B * d.S * d.Dv;
+  }
+  const E* k() const { return k_; }
+  const E* v() const { return v_; }
+
+  // Posts the receive of the next block and the send of this one (none at the last step).
+  void start(int step) {
+    if (step + 1 >= d_.N) return;
+    const int next = (d_.rank + 1) % d_.N, prev = (d_.rank + d_.N - 1) % d_.N;
+    std::vector<E>& in = buf_[step % 2];
+    in.resize(static_cast<size_t>(k_elems_ + v_elems_));
+    rk_ = comm_.irecv(std::as_writable_bytes(std::span<E>(in.data(), k_elems_)), prev, kTagK);
+    rv_ = comm_.irecv(std::as_writable_bytes(std::span<E>(in.data() + k_elems_, v_elems_)), prev,
+                      kTagV);
+    sk_ = comm_.isend(std::as_bytes(std::span<const E>(k_, k_elems_)), next, kTagK);
+    sv_ = comm_.isend(std::as_bytes(std::span<const E>(v_, v_elems_)), next, kTagV);
+  }
+  std::vector<Request*> requests() { return {&rk_, &rv_, &sk_, &sv_}; }
+  // Waits for this step's messages and moves on to the received block.
+  void finish(int step) {
+    if (step + 1 >= d_.N) return;
+    rk_.wait(), rv_.wait(), sk_.wait(), sv_.wait();
+    k_ = buf_[step % 2].data();
+    v_ = k_ + k_elems_;
+  }
+
+ private:
+  static constexpr int kTagK = 7101, kTagV = 7103;
+  Communicator& comm_;
+  const RingDims& d_;
+  Tensor kc_, vc_;
+  const E *k_ = nullptr, *v_ = nullptr;
+  int64_t k_elems_ = 0, v_elems_ = 0;
+  std::vector<E> buf_[2];
+  Request rk_, rv_, sk_, sv_;
+};
+
 template <class E>
 AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, const Tensor& k,
                              const Tensor& v, const Tensor& valid_lens, const RingOptions& opts,
                              const RingDims& d) {
-  const int N = d.N, r = d.rank, next = (r + 1) % N, prev = (r + N - 1) % N;
+  const int N = d.N, r = d.rank;
   const int64_t B = d.B, T = d.T, S = d.S, D = d.D, Dv = d.Dv;
   const DType dt = q.dtype();
   const std::vector<int32_t> gkept = global_kept(valid_lens, opts, d);
@@ -255,17 +305,23 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
   const std::vector<uint8_t> empty = empty_rows(gkept, d, &any_empty);
   const bool uniform = any_empty && opts.masked_rows == MaskedRowPolicy::kUniform;
 
-  // Key/value blocks: k (B, S, D) then v (B, S, Dv), contiguous, double-buffered.
-  const int64_t k_elems = B * S * D, blk_elems = k_elems + B * S * Dv;
-  std::vector<E> cur(static_cast<size_t>(blk_elems)), nxt(static_cast<size_t>(blk_elems));
-  Tensor::wrap(cur.data(), {B, S, D}, dt).copy_from(k);
-  Tensor::wrap(cur.data() + k_elems, {B, S, Dv}, dt).copy_from(v);
-
-  std::vector<float> o_acc(static_cast<size_t>(B * T * Dv), 0.0f);
-  std::vector<float> l_acc(static_cast<size_t>(B * T), kNegInf);
+  AttentionResult result;
+  result.output = Tensor::zeros({B, T, Dv}, dt);
+  result.logsumexp = Tensor::full({B, T}, -std::numeric_limits<double>::infinity(), DType::F32);
+  // The float32 accumulator of the output: the output itself for float32.
+  std::vector<float> o_buf;
+  float* o_acc = nullptr;
+  if constexpr (std::is_same_v<E, float>) {
+    o_acc = result.output.data<float>();
+  } else {
+    o_buf.assign(static_cast<size_t>(B * T * Dv), 0.0f);
+    o_acc = o_buf.data();
+  }
+  float* l_acc = result.logsumexp.data<float>();
   std::vector<double> vsum(uniform ? static_cast<size_t>(B * Dv) : 0, 0.0);
   const std::vector<Segment> qsegs = segments(d.layout, r, N, T);
 
+  KvRing<E> ring(comm, d, k, v);
   kernels::AttentionArgs<E> p = base_args<E>(ctx, d, opts);
   const kernels::StridedView<const E> qv = detail::head_view<const E>(q, 1);
   std::vector<int32_t> kept;
@@ -273,15 +329,11 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
   std::vector<float> tmp_lse;
 
   for (int i = 0; i < N; ++i) {
-    Request rr, rs;
-    if (i + 1 < N) {  // the next block is in flight while this one computes
-      rr = comm.irecv(std::as_writable_bytes(std::span<E>(nxt)), prev, kTagKv);
-      rs = comm.isend(std::as_bytes(std::span<const E>(cur)), next, kTagKv);
-    }
-    Pending pending{{&rr, &rs}};
+    ring.start(i);  // the next block is in flight while this one computes
+    Pending pending{ring.requests()};
     const int owner = (r - i + N) % N;
-    const E* kb = cur.data();
-    const E* vb = cur.data() + k_elems;
+    const E* kb = ring.k();
+    const E* vb = ring.v();
     for (const Segment& a : qsegs) {
       for (const Segment& ks : segments(d.layout, owner, N, S)) {
         if (opts.causal && ks.global > a.global) continue;  // every key after every query
@@ -306,7 +358,7 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
               const float lb = tmp_lse[b * m + t];
               if (lb == kNegInf) continue;
               const int64_t row = b * T + a.local + t0 + t;
-              float* o = o_acc.data() + row * Dv;
+              float* o = o_acc + row * Dv;
               const E* ob = tmp_out.data() + (b * m + t) * Dv;
               const float la = l_acc[row];
               const float mx = std::max(la, lb);
@@ -325,23 +377,18 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
         for (int64_t s = 0; s < S; ++s)
           for (int64_t e = 0; e < Dv; ++e)
             vsum[b * Dv + e] += to_f(vb[(b * S + s) * Dv + e]);
-    rr.wait();
-    rs.wait();
-    std::swap(cur, nxt);
+    ring.finish(i);
   }
 
-  AttentionResult result;
-  result.output = Tensor::empty({B, T, Dv}, dt);
-  result.logsumexp = Tensor::empty({B, T}, DType::F32);
   E* out = static_cast<E*>(result.output.raw_data());
   const double inv_s = 1.0 / static_cast<double>(d.S_global());
   for (int64_t row = 0; row < B * T; ++row) {
     const bool fix = uniform && empty[row];
+    if (std::is_same_v<E, float> && !fix) continue;  // accumulated in place
     for (int64_t e = 0; e < Dv; ++e)
       out[row * Dv + e] = from_f<E>(fix ? static_cast<float>(vsum[(row / T) * Dv + e] * inv_s)
                                         : o_acc[row * Dv + e]);
   }
-  std::copy(l_acc.begin(), l_acc.end(), result.logsumexp.data<float>());
   return result;
 }
 
@@ -366,26 +413,34 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
     const double inv_s = 1.0 / static_cast<double>(d.S_global());
     for (int64_t b = 0; b < B; ++b)
       for (int64_t e = 0; e < Dv; ++e) {
-        double acc = 0;
+        double sum = 0;
         for (int64_t t = 0; t < T; ++t)
-          if (empty[b * T + t]) acc += g[(b * T + t) * Dv + e];
-        u[b * Dv + e] = static_cast<float>(acc * inv_s);
+          if (empty[b * T + t]) sum += g[(b * T + t) * Dv + e];
+        u[b * Dv + e] = static_cast<float>(sum * inv_s);
       }
   }
 
+  AttentionGrads grads;
+  grads.dq = Tensor::zeros({B, T, D}, dt);
+  // dq's float32 accumulator: dq itself for float32.
+  std::vector<float> dq_buf;
+  float* dq_acc = nullptr;
+  if constexpr (std::is_same_v<E, float>) {
+    dq_acc = grads.dq.data<float>();
+  } else {
+    dq_buf.assign(static_cast<size_t>(B * T * D), 0.0f);
+    dq_acc = dq_buf.data();
+  }
+
+  // The travelling block's dk (B, S, D) then dv (B, S, Dv) in float32: this step's sum (acc),
+  // the sum received from the previous rank (acc_in) and the one being sent on (acc_send).
   const int64_t k_elems = B * S * D, blk_elems = k_elems + B * S * Dv;
-  std::vector<E> cur(static_cast<size_t>(blk_elems)), nxt(static_cast<size_t>(blk_elems));
-  Tensor::wrap(cur.data(), {B, S, D}, dt).copy_from(k);
-  Tensor::wrap(cur.data() + k_elems, {B, S, Dv}, dt).copy_from(v);
-  // The block's dk (B, S, D) then dv (B, S, Dv) in float32: this step's contributions, the sum
-  // received from the previous rank, and two send buffers.
-  std::vector<float> acc(static_cast<size_t>(blk_elems)), acc_in(static_cast<size_t>(blk_elems));
-  std::vector<float> acc_send[2] = {std::vector<float>(static_cast<size_t>(blk_elems)),
-                                    std::vector<float>(static_cast<size_t>(blk_elems))};
-  Request grad_sent[2];
-  std::vector<float> dq_acc(static_cast<size_t>(B * T * D), 0.0f);
+  std::vector<float> acc(static_cast<size_t>(blk_elems)), acc_in(static_cast<size_t>(blk_elems)),
+      acc_send(static_cast<size_t>(blk_elems));
+  Request sent;
 
   const std::vector<Segment> qsegs = segments(d.layout, r, N, T);
+  KvRing<E> ring(comm, d, k, v);
   kernels::AttentionArgs<E> p = base_args<E>(ctx, d, opts);
   const kernels::StridedView<const E> qv = detail::head_view<const E>(q, 1);
   const kernels::StridedView<E> ov = detail::head_view<E>(out, 1);
@@ -393,25 +448,25 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
   const float* lse_all = lse.data<float>();
   std::vector<int32_t> kept;
   std::vector<float> lse_piece;
-  std::vector<E> dq_t, dk_t(static_cast<size_t>(B * S * D)), dv_t(static_cast<size_t>(B * S * Dv));
+  const int64_t seg_max = segments(d.layout, 0, N, S)[0].len;
+  std::vector<E> dq_t, dk_t(static_cast<size_t>(B * seg_max * D)),
+      dv_t(static_cast<size_t>(B * seg_max * Dv));
 
   for (int i = 0; i < N; ++i) {
-    Request rr, rs, gr;
-    if (i + 1 < N) {
-      rr = comm.irecv(std::as_writable_bytes(std::span<E>(nxt)), prev, kTagKv);
-      rs = comm.isend(std::as_bytes(std::span<const E>(cur)), next, kTagKv);
-    }
-    // The block's gradient sums so far, from the ranks it visited before (sent last step).
+    ring.start(i);
+    Request gr;  // the block's gradient sums so far, from the ranks it visited before
     if (i > 0) gr = comm.irecv(std::as_writable_bytes(std::span<float>(acc_in)), prev, kTagGrad);
-    Pending pending{{&rr, &rs, &gr, &grad_sent[0], &grad_sent[1]}};
+    Pending pending{ring.requests()};
+    pending.reqs.push_back(&gr);
+    pending.reqs.push_back(&sent);
     std::fill(acc.begin(), acc.end(), 0.0f);
     const int owner = (r - i + N) % N;
-    const E* kb = cur.data();
-    const E* vb = cur.data() + k_elems;
+    const E* kb = ring.k();
+    const E* vb = ring.v();
     for (const Segment& a : qsegs) {
       for (const Segment& ks : segments(d.layout, owner, N, S)) {
         if (opts.causal && ks.global > a.global) continue;
-        const int64_t step = piece_rows(a.len);
+        const int64_t step = piece_rows(a.len), n = ks.len;
         for (int64_t t0 = 0; t0 < a.len; t0 += step) {
           const int64_t m = std::min(step, a.len - t0);
           if (!piece_kept(d, opts, gkept, a, t0, m, ks, kept)) continue;
@@ -420,7 +475,7 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
           for (int64_t b = 0; b < B; ++b)
             std::copy_n(lse_all + b * T + row0, m, lse_piece.data() + b * m);
           dq_t.resize(static_cast<size_t>(B * m * D));
-          p.T = m, p.S = ks.len;
+          p.T = m, p.S = n;
           p.kept_keys = kept.data();
           p.q = qv;
           p.q.data += row0 * qv.st;
@@ -433,24 +488,22 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
           g.dout = gv;
           g.dout.data += row0 * gv.st;
           g.dq = {dq_t.data(), m * D, 0, D, 1};
-          g.dk = {dk_t.data() + ks.local * D, S * D, 0, D, 1};
-          g.dv = {dv_t.data() + ks.local * Dv, S * Dv, 0, Dv, 1};
+          g.dk = {dk_t.data(), n * D, 0, D, 1};
+          g.dv = {dv_t.data(), n * Dv, 0, Dv, 1};
           detail::fused_backward(p, g);
           for (int64_t b = 0; b < B; ++b) {
-            float* dq = dq_acc.data() + (b * T + row0) * D;
+            float* dq = dq_acc + (b * T + row0) * D;
             const E* src = dq_t.data() + b * m * D;
             for (int64_t j = 0; j < m * D; ++j)
               dq[j] += to_f(src[j]);
-            for (int64_t s = ks.local; s < ks.local + ks.len; ++s) {
-              float* dk = acc.data() + (b * S + s) * D;
-              float* dv = acc.data() + k_elems + (b * S + s) * Dv;
-              const E* sk = dk_t.data() + (b * S + s) * D;
-              const E* sv = dv_t.data() + (b * S + s) * Dv;
-              for (int64_t e = 0; e < D; ++e)
-                dk[e] += to_f(sk[e]);
-              for (int64_t e = 0; e < Dv; ++e)
-                dv[e] += to_f(sv[e]);
-            }
+            float* dk = acc.data() + (b * S + ks.local) * D;
+            float* dv = acc.data() + k_elems + (b * S + ks.local) * Dv;
+            const E* sk = dk_t.data() + b * n * D;
+            const E* sv = dv_t.data() + b * n * Dv;
+            for (int64_t j = 0; j < n * D; ++j)
+              dk[j] += to_f(sk[j]);
+            for (int64_t j = 0; j < n * Dv; ++j)
+              dv[j] += to_f(sv[j]);
           }
           pending.progress();
         }
@@ -466,32 +519,46 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
       for (int64_t j = 0; j < blk_elems; ++j)
         acc[j] += acc_in[j];
     }
-    // On to the next rank (after the last step: home to the block's owner).
-    Request& sent = grad_sent[i % 2];
+    // On to the next rank (after the last step: home to the block's owner). The previous step's
+    // send has had a whole step to complete.
     sent.wait();
-    std::swap(acc, acc_send[i % 2]);
-    sent = comm.isend(std::as_bytes(std::span<const float>(acc_send[i % 2])), next, kTagGrad);
-    rr.wait();
-    rs.wait();
-    std::swap(cur, nxt);
+    std::swap(acc, acc_send);
+    sent = comm.isend(std::as_bytes(std::span<const float>(acc_send)), next, kTagGrad);
+    ring.finish(i);
   }
-  comm.recv(std::as_writable_bytes(std::span<float>(acc_in)), prev, kTagGrad);
-  grad_sent[0].wait();
-  grad_sent[1].wait();
+  std::vector<float>().swap(acc);  // released before the home message's buffer
+  std::vector<float>().swap(acc_in);
 
-  AttentionGrads grads;
-  grads.dq = Tensor::empty({B, T, D}, dt);
-  grads.dk = Tensor::empty({B, S, D}, dt);
-  grads.dv = Tensor::empty({B, S, Dv}, dt);
-  E* dq = static_cast<E*>(grads.dq.raw_data());
-  for (int64_t j = 0; j < B * T * D; ++j)
-    dq[j] = from_f<E>(dq_acc[j]);
-  E* dk = static_cast<E*>(grads.dk.raw_data());
-  E* dv = static_cast<E*>(grads.dv.raw_data());
-  for (int64_t j = 0; j < k_elems; ++j)
-    dk[j] = from_f<E>(acc_in[j]);
-  for (int64_t j = 0; j < blk_elems - k_elems; ++j)
-    dv[j] = from_f<E>(acc_in[k_elems + j]);
+  // The rank's own block comes home: dk, dv (float32: received straight into their storage).
+  std::vector<float> home_buf;
+  float* home = nullptr;
+  Tensor home_t;
+  if constexpr (std::is_same_v<E, float>) {
+    home_t = Tensor::empty({blk_elems}, DType::F32);
+    home = home_t.data<float>();
+  } else {
+    home_buf.resize(static_cast<size_t>(blk_elems));
+    home = home_buf.data();
+  }
+  comm.recv(std::as_writable_bytes(std::span<float>(home, static_cast<size_t>(blk_elems))), prev,
+            kTagGrad);
+  sent.wait();
+
+  if constexpr (std::is_same_v<E, float>) {
+    grads.dk = home_t.slice(0, 0, k_elems).reshape({B, S, D});
+    grads.dv = home_t.slice(0, k_elems, blk_elems).reshape({B, S, Dv});
+  } else {
+    for (int64_t j = 0; j < B * T * D; ++j)
+      static_cast<E*>(grads.dq.raw_data())[j] = from_f<E>(dq_acc[j]);
+    grads.dk = Tensor::empty({B, S, D}, dt);
+    grads.dv = Tensor::empty({B, S, Dv}, dt);
+    E* dk = static_cast<E*>(grads.dk.raw_data());
+    E* dv = static_cast<E*>(grads.dv.raw_data());
+    for (int64_t j = 0; j < k_elems; ++j)
+      dk[j] = from_f<E>(home[j]);
+    for (int64_t j = 0; j < blk_elems - k_elems; ++j)
+      dv[j] = from_f<E>(home[k_elems + j]);
+  }
   return grads;
 }
 
