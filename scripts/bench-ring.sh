@@ -27,8 +27,6 @@ fi
 # Ranks yield while they wait and float over the cores (docs/scale-out.md: on a shared machine a
 # spinning, pinned rank loses its core to preemption and the other rank waits for it).
 btl+=(--mca mpi_yield_when_idle 1 --bind-to none)
-if false; then :
-fi
 common=(bench ring --seq "$SEQ" --head-dim "$D" --batch-heads "$BH" --dtype "$DTYPE"
         --repeats "$REPEATS" --warmup 0 --json "${causal[@]}")
 out=$(mktemp)
