@@ -130,6 +130,8 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   T_ = queries.dim(1);
   S_ = keys.dim(1);
   const int64_t H = num_heads_;
+  ring_ = sequence_parallel != nullptr;
+  if (ring_) return ring_forward(ctx, queries, keys, values, valid_lens);
 
   // Padding that no query reads stays out of the projections (and so of their gradients).
   Tensor keys_read = keys, values_read = values;
@@ -222,6 +224,7 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
   Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E), in the compute dtype
+  if (ring_) return ring_backward(ctx, dconcat);
   const DType cdt = compute_dtype_;
   if (packed_) {
     // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
@@ -273,6 +276,47 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   g.dqueries = W_q.backward(ctx, detail::merge_heads(gh.dqueries, H));
   g.dkeys = W_k.backward(ctx, detail::merge_heads(gh.dkeys, H));
   g.dvalues = W_v.backward(ctx, detail::merge_heads(gh.dvalues, H));
+  return g;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Sequence parallelism: the projections on the rank's tokens, the core by ring_attention on d2l's
+// head copies (B*H, T_local, D), valid_lens read with lens_repeat = H as on one process.
+
+Tensor MultiHeadAttention::ring_forward(Context& ctx, const Tensor& queries, const Tensor& keys,
+                                        const Tensor& values, const Tensor& valid_lens) {
+  const char* op = "MultiHeadAttention";
+  check(!attention.rotary && !attention.alibi_slopes.defined(), op,
+        "sequence_parallel is set together with RoPE or ALiBi, which ring attention does not "
+        "support; expected neither");
+  const int64_t H = num_heads_;
+  ring_options_ = {};
+  ring_options_.causal = attention.causal;
+  ring_options_.masked_rows = attention.masked_rows;
+  ring_options_.lens_repeat = H;
+  ring_options_.layout = sequence_layout;
+  ring_options_.dropout = attention.dropout;
+  ring_options_.training = attention.training();
+  valid_lens_ = valid_lens;
+  compute_dtype_ = dtype_;
+  fused_ = true;  // so attention_weights() reads core_.weights: undefined, as on the fused path
+  packed_ = false;
+  Q_ = detail::split_heads(W_q.forward(ctx, queries), H);
+  K_ = detail::split_heads(W_k.forward(ctx, keys), H);
+  V_ = detail::split_heads(W_v.forward(ctx, values), H);
+  core_ = ring_attention(ctx, *sequence_parallel, Q_, K_, V_, valid_lens, ring_options_);
+  return W_o.forward(ctx, detail::merge_heads(core_.output, H));
+}
+
+AttentionInputGrads MultiHeadAttention::ring_backward(Context& ctx, const Tensor& dconcat) {
+  const int64_t H = num_heads_;
+  const AttentionGrads gh =
+      ring_attention_backward(ctx, *sequence_parallel, detail::split_heads(dconcat, H), Q_, K_, V_,
+                              valid_lens_, core_, ring_options_);
+  AttentionInputGrads g;
+  g.dqueries = W_q.backward(ctx, detail::merge_heads(gh.dq, H));
+  g.dkeys = W_k.backward(ctx, detail::merge_heads(gh.dk, H));
+  g.dvalues = W_v.backward(ctx, detail::merge_heads(gh.dv, H));
   return g;
 }
 

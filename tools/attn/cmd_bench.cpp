@@ -281,6 +281,8 @@ std::vector<Command> add_bench_command(CLI::App& app) {
   std::vector<Command> commands = {{sub, run}};
   for (auto& c : add_bench_comm_command(*bench))
     commands.push_back(std::move(c));
+  for (auto& c : add_bench_ring_command(*bench))
+    commands.push_back(std::move(c));
   commands.push_back({bench, [] {}});
   return commands;
 }

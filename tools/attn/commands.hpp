@@ -160,6 +160,8 @@ std::vector<Command> add_tour_command(CLI::App& app);
 std::vector<Command> add_bench_command(CLI::App& app);
 // attn bench comm (tools/attn/cmd_bench_comm.cpp), a subcommand of `bench`.
 std::vector<Command> add_bench_comm_command(CLI::App& bench);
+// attn bench ring (tools/attn/cmd_bench_ring.cpp), a subcommand of `bench`.
+std::vector<Command> add_bench_ring_command(CLI::App& bench);
 
 // The whole command line (app.cpp): parses argv, runs the chosen subcommand and returns the exit
 // status (0 success or --help, 2 bad flag or value with one line on stderr, 1 internal error).

@@ -6,6 +6,7 @@
 #include "attn/nn/module.hpp"
 #include "attn/ops/attention.hpp"
 #include "attn/ops/relative_position.hpp"
+#include "attn/ops/ring_attention.hpp"
 
 #include <optional>
 
@@ -116,6 +117,19 @@ class MultiHeadAttention : public Module {
   // whose sum it is. Saves two (B, T, E) GEMM outputs and the caller's sum; off by default
   // (d2l's contract). Ignored (three terms returned) when queries, keys, values differ.
   bool self_attention_input_grad = false;
+  // Sequence parallelism (not in d2l; null by default): when set, queries, keys, values (and a
+  // per-query valid_lens (B, T_local)) are this rank's shard of the sequence, cut as ring_shard
+  // cuts it (attn/ops/ring_attention.hpp; layout `sequence_layout`, default zigzag when causal),
+  // and the attention core runs ring_attention over the communicator: the projections are per
+  // token and stay local. Outputs and input gradients are the rank's rows of the
+  // single-process module's on the whole sequence; PARAMETER gradients are this rank's partial
+  // sums: all-reduce them (sum) across ranks before the optimizer step. float32 and bfloat16;
+  // dropout must be 0 in training, attention_weights() stays undefined, RoPE/ALiBi are refused;
+  // the padding guard for non-finite padding rows is not applied; self_attention_input_grad is
+  // ignored (three input gradients). Every rank calls forward and
+  // backward together (collective).
+  Communicator* sequence_parallel = nullptr;
+  std::optional<RingLayout> sequence_layout;
 
  private:
   int64_t num_hiddens_, num_heads_;
@@ -132,6 +146,13 @@ class MultiHeadAttention : public Module {
   Tensor W_qkv_, b_qkv_;  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v], packed per forward
   AttentionResult core_;
   AttentionOptions core_options_;
+  // Sequence-parallel core (sequence_parallel set): head copies (B*H, T_local, D) and options.
+  bool ring_ = false;
+  Tensor valid_lens_;
+  RingOptions ring_options_;
+  Tensor ring_forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
+                      const Tensor& valid_lens);
+  AttentionInputGrads ring_backward(Context& ctx, const Tensor& dconcat);
 };
 
 }  // namespace attn::nn
