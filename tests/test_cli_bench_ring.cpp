@@ -3,6 +3,7 @@
 // (exit status 2, one line). Its runs under mpirun are scripts/bench-ring.sh's.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -30,7 +31,9 @@ std::string slurp(const fs::path& p) {
 }
 
 Result run(const std::string& args) {
-  const fs::path dir = fs::temp_directory_path() / "attn_test_cli_bench_ring";
+  // One folder per process: ctest runs this file's tests as concurrent processes.
+  const fs::path dir =
+      fs::temp_directory_path() / ("attn_test_cli_bench_ring_" + std::to_string(getpid()));
   fs::create_directories(dir);
   const fs::path o = dir / "stdout", e = dir / "stderr";
   const std::string cmd = "OMP_WAIT_POLICY=PASSIVE '" + std::string(ATTN_CLI_PATH) + "' " + args +
