@@ -347,7 +347,14 @@ void Linear::materialize(int64_t in_features, const char* op) {
 }
 
 Tensor Linear::forward(Context& ctx, const Tensor& x) {
+  return forward(ctx, x, detail::autocasts(ctx, dtype_) && x.defined() ? x.dtype() : dtype_);
+}
+
+Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
   autocast_ = detail::autocasts(ctx, dtype_);
+  check(y_dtype == dtype_ || (autocast_ && y_dtype == DType::BF16), "Linear",
+        "output dtype {} unsupported, expected the module's {} (or BF16 under autocast)",
+        dtype_name(y_dtype), dtype_name(dtype_));
   if (autocast_ && x.defined() && x.dtype() == DType::BF16) {
     detail::check_input("Linear", "input", x, 0, DType::BF16);
   } else {
@@ -364,7 +371,7 @@ Tensor Linear::forward(Context& ctx, const Tensor& x) {
     w_bf16_ = weight.value.to(DType::BF16);
     b_bf16_ = has_bias_ ? bias.value.to(DType::BF16) : Tensor();
     Tensor y = linear(ctx, x_, w_bf16_, b_bf16_);
-    return x_dtype_ == DType::BF16 ? y : y.to(x_dtype_);
+    return y.to(y_dtype);
   }
   w_bf16_ = b_bf16_ = Tensor();
   x_ = x;
