@@ -1,5 +1,7 @@
 // The fast paths of mixed precision (Context::autocast_bf16) against the paths they replace,
 // forward and backward, bit for bit where the arithmetic is the same:
+//   - the bulk float32 <-> bfloat16 conversions (Tensor::to, one clone per SIMD target) are the
+//     scalar float_to_bf16 / bf16_to_float element by element, special values and tails included;
 //   - bf16 relu / relu_backward (ops/activation) are the float32 ones on the widened values,
 //     rounded back (exact), on the reference and the CPU backend, across chunk boundaries;
 //   - Linear::forward(ctx, x, BF16) on a float32 x is Linear::forward(ctx, x) rounded to bf16;
@@ -14,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -53,6 +56,33 @@ Tensor special_bf16(int64_t n, uint64_t seed) {
   for (int64_t i = 0; i < n; i += 7)
     p[i] = specials[(i / 7) % std::size(specials)];
   return t.to(DType::BF16);
+}
+
+TEST(AutocastFast, BulkConversionsAreTheScalarOnes) {
+  // Counts 0..2x the widest vector (16 lanes) and more, at an aligned and a misaligned start.
+  for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 100, 1000}) {
+    for (int64_t start : {0, 1}) {
+      const Tensor whole = special_bf16(n + start, 5 + static_cast<uint64_t>(n)).to(DType::F32);
+      // Values that are not bf16 values (so the rounding is exercised), plus exact ties.
+      float* p = whole.data<float>();
+      for (int64_t i = 0; i < whole.numel(); ++i)
+        if (i % 7 != 0) p[i] = p[i] * 1.0009765f + (i % 3 == 0 ? 0.0f : 1e-3f);
+      for (int64_t i = 3; i < whole.numel(); i += 11) {
+        uint32_t u = 0x3f808000u + (static_cast<uint32_t>(i % 2) << 16);  // a tie, odd or even
+        std::memcpy(&p[i], &u, 4);
+      }
+      const Tensor x = whole.slice(0, start, start + n);
+      const Tensor y = x.to(DType::BF16);
+      const auto* yb = static_cast<const uint16_t*>(y.raw_data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(yb[i], float_to_bf16(x.data<float>()[i])) << "n=" << n << " i=" << i;
+      const Tensor back = y.slice(0, 0, n).to(DType::F32);
+      for (int64_t i = 0; i < n; ++i) {
+        const float f = back.data<float>()[i], g = bf16_to_float(yb[i]);
+        ASSERT_EQ(std::memcmp(&f, &g, 4), 0) << "widening n=" << n << " i=" << i;
+      }
+    }
+  }
 }
 
 TEST(AutocastFast, Bf16ReluIsTheFloat32ReluRounded) {
