@@ -56,6 +56,12 @@ void accumulate_typed(T* dst, const Tensor& g) {
     const T* src = g.data<T>();
     for (int64_t i = 0; i < g.numel(); ++i)
       dst[i] += src[i];
+  } else if (g.dtype() == DType::BF16 && g.is_contiguous()) {
+    // Mixed precision's weight gradients (bf16 products into float32 masters): the widening is
+    // exact, so this is the generic loop's value without its per-element index arithmetic.
+    const auto* src = static_cast<const uint16_t*>(g.raw_data());
+    for (int64_t i = 0; i < g.numel(); ++i)
+      dst[i] += static_cast<T>(bf16_to_float(src[i]));
   } else {
     for (int64_t i = 0; i < g.numel(); ++i)
       dst[i] += static_cast<T>(g.flat(i));

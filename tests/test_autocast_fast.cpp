@@ -4,6 +4,8 @@
 //     scalar float_to_bf16 / bf16_to_float element by element, special values and tails included;
 //   - bf16 relu / relu_backward (ops/activation) are the float32 ones on the widened values,
 //     rounded back (exact), on the reference and the CPU backend, across chunk boundaries;
+//   - accumulating a bf16 gradient into a float32 one (nn/internal.hpp's accumulate, every
+//     autocast weight gradient) is the generic element-by-element sum;
 //   - Linear::forward(ctx, x, BF16) on a float32 x is Linear::forward(ctx, x) rounded to bf16;
 //   - PositionWiseFFN under autocast, whose hidden layer stays bf16 from dense1 to dense2, is the
 //     float32 round trip (dense1's y widened, relu in float32, rounded again by dense2) that it
@@ -11,6 +13,7 @@
 #include "attn/nn/module.hpp"
 #include "attn/nn/transformer.hpp"
 #include "attn/ops/activation.hpp"
+#include "nn/internal.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -105,6 +108,19 @@ TEST(AutocastFast, Bf16ReluIsTheFloat32ReluRounded) {
                          "relu_backward " + what);
       }
     }
+  }
+}
+
+TEST(AutocastFast, Bf16GradientAccumulatesAsTheGenericSum) {
+  for (int64_t n : {1, 17, 300}) {
+    Tensor grad = random_tensor({n}, DType::F32, 31);
+    const Tensor g = special_bf16(n, 32);
+    // The generic path's value: float(grad) + float(double(g)), element by element.
+    Tensor want = grad.clone();
+    for (int64_t i = 0; i < n; ++i)
+      want.data<float>()[i] += static_cast<float>(g.flat(i));
+    nn::detail::accumulate(grad, g);
+    expect_same_bits(grad, want, "n=" + std::to_string(n));
   }
 }
 
