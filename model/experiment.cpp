@@ -51,6 +51,7 @@ TrainOptions positional_run_options(const PositionalExperimentOptions& o, Genera
   const int64_t longest = *std::max_element(o.length_factors.begin(), o.length_factors.end());
   r.model.max_len = o.train_len * longest;
   r.adamw.lr = o.lr;
+  r.precision = o.precision;
   r.seed = seed;
   r.threads = 1;
   return r;

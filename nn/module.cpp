@@ -56,6 +56,12 @@ void accumulate_typed(T* dst, const Tensor& g) {
     const T* src = g.data<T>();
     for (int64_t i = 0; i < g.numel(); ++i)
       dst[i] += src[i];
+  } else if (g.dtype() == DType::BF16 && g.is_contiguous()) {
+    // Mixed precision's weight gradients (bf16 products into float32 masters): the widening is
+    // exact, so this is the generic loop's value without its per-element index arithmetic.
+    const auto* src = static_cast<const uint16_t*>(g.raw_data());
+    for (int64_t i = 0; i < g.numel(); ++i)
+      dst[i] += static_cast<T>(bf16_to_float(src[i]));
   } else {
     for (int64_t i = 0; i < g.numel(); ++i)
       dst[i] += static_cast<T>(g.flat(i));
@@ -347,7 +353,14 @@ void Linear::materialize(int64_t in_features, const char* op) {
 }
 
 Tensor Linear::forward(Context& ctx, const Tensor& x) {
+  return forward(ctx, x, detail::autocasts(ctx, dtype_) && x.defined() ? x.dtype() : dtype_);
+}
+
+Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
   autocast_ = detail::autocasts(ctx, dtype_);
+  check(y_dtype == dtype_ || (autocast_ && y_dtype == DType::BF16), "Linear",
+        "output dtype {} unsupported, expected the module's {} (or BF16 under autocast)",
+        dtype_name(y_dtype), dtype_name(dtype_));
   if (autocast_ && x.defined() && x.dtype() == DType::BF16) {
     detail::check_input("Linear", "input", x, 0, DType::BF16);
   } else {
@@ -364,7 +377,7 @@ Tensor Linear::forward(Context& ctx, const Tensor& x) {
     w_bf16_ = weight.value.to(DType::BF16);
     b_bf16_ = has_bias_ ? bias.value.to(DType::BF16) : Tensor();
     Tensor y = linear(ctx, x_, w_bf16_, b_bf16_);
-    return x_dtype_ == DType::BF16 ? y : y.to(x_dtype_);
+    return y.to(y_dtype);
   }
   w_bf16_ = b_bf16_ = Tensor();
   x_ = x;

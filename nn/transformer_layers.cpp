@@ -141,8 +141,14 @@ void PositionWiseFFN::train(bool on) {
 
 Tensor PositionWiseFFN::forward(Context& ctx, const Tensor& X) {
   detail::check_input("PositionWiseFFN", "X", X, 0, dtype_);
-  hidden_ = dense1.forward(ctx, X);  // (..., F)
-  return dense2.forward(ctx, relu(ctx, hidden_));
+  // Under autocast the hidden layer stays bf16 from dense1's product to dense2's: relu commutes
+  // with the rounding (it keeps a value or gives 0), so these are the bits of the float32 round
+  // trip (dense1's y widened, relu, rounded again in dense2) without its two conversions. The
+  // backward follows: dense2's dx comes back bf16 (its input was), relu_backward in bf16, and
+  // dense1 takes the bf16 dy as it would have rounded the float32 one.
+  const DType hidden_dtype = detail::autocasts(ctx, dtype_) ? DType::BF16 : dtype_;
+  hidden_ = dense1.forward(ctx, X, hidden_dtype);  // (..., F)
+  return dense2.forward(ctx, relu(ctx, hidden_), dtype_);
 }
 
 Tensor PositionWiseFFN::backward(Context& ctx, const Tensor& dout) {

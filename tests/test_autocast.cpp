@@ -8,6 +8,7 @@
 // values; the results differ only by a widening to float32, which is exact. The parameter
 // gradients are the bf16 module's widened (PyTorch autocast's are too: the bf16 product's
 // gradient cast to the float32 leaf).
+#include "attn/model/experiment.hpp"
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
 #include "attn/nn/attention.hpp"
@@ -16,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <numeric>
 
@@ -258,6 +260,31 @@ TEST(AutocastTrainer, PrecisionNames) {
   EXPECT_EQ(model::parse_precision("bf16"), model::Precision::kBFloat16);
   EXPECT_STREQ(model::precision_name(model::Precision::kFloat32), "fp32");
   EXPECT_THROW(model::parse_precision("fp16"), Error);
+}
+
+// `attn experiment --precision bf16`: the positional experiment's runs train in mixed precision
+// (the switch reaches the Trainer, and the runs differ from fp32's but still learn something).
+TEST(AutocastTrainer, PositionalExperimentRunsInEitherPrecision) {
+  model::PositionalExperimentOptions o;
+  o.seeds = 1;
+  o.steps = 20;
+  o.eval_examples = 16;
+  o.length_factors = {1};
+  o.variants = {nn::PositionalKind::kSinusoidal};
+  EXPECT_EQ(
+      model::positional_run_options(o, model::GeneratedTask::kShift, o.variants[0], 0).precision,
+      model::Precision::kFloat32);
+  const auto fp32 = model::run_positional_experiment(o);
+  o.precision = model::Precision::kBFloat16;
+  EXPECT_EQ(
+      model::positional_run_options(o, model::GeneratedTask::kShift, o.variants[0], 0).precision,
+      model::Precision::kBFloat16);
+  const auto bf16 = model::run_positional_experiment(o);
+  ASSERT_EQ(fp32.size(), 1u);
+  ASSERT_EQ(bf16.size(), 1u);
+  EXPECT_TRUE(std::isfinite(bf16[0].final_loss));
+  EXPECT_NE(bf16[0].final_loss, fp32[0].final_loss);
+  EXPECT_NEAR(bf16[0].final_loss, fp32[0].final_loss, 0.5);
 }
 
 }  // namespace

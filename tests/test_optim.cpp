@@ -16,7 +16,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 namespace attn::nn {
 namespace {
@@ -86,6 +88,43 @@ TEST(AdamW, MatchesPyTorch) {
   const std::vector<double> want = {0.8433294795899422, -2.2715493671916107, 0.40935650430178394};
   expect_near_all(three_steps<AdamW>(o), want, 1e-15);
   expect_near_all(three_steps<AdamW>(o, DType::F32), want, 1e-6);
+}
+
+// The float32 update is vectorised per SIMD target (nn/optim.cpp); every lane must give the
+// scalar loop's bits: the loop as it was, copied here (compiled for the baseline target: no FMA),
+// on a length with vector tails, values of both signs and of many magnitudes, 3 steps.
+TEST(AdamW, Float32UpdateIsTheScalarLoopBitForBit) {
+  const int64_t n = 1037;
+  AdamWOptions o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.05;
+  Parameter p;
+  p.value = testing::random_tensor({n}, DType::F32, 41);
+  p.grad = Tensor::zeros({n}, DType::F32);
+  std::vector<float> w(p.value.data<float>(), p.value.data<float>() + n), m(n, 0.0f), v(n, 0.0f);
+  AdamW opt({{"p", &p}}, o);
+  for (int t = 1; t <= 3; ++t) {
+    const Tensor g = testing::random_tensor({n}, DType::F32, 50 + static_cast<uint64_t>(t));
+    float* gp = g.data<float>();
+    for (int64_t j = 0; j < n; j += 5)
+      gp[j] *= static_cast<float>(std::pow(10.0, static_cast<double>(j % 13) - 6.0));
+    p.grad.copy_from(g);
+    opt.step();
+    const double bias_correction1 = 1.0 - std::pow(o.beta1, t);
+    const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
+    const double step_size = o.lr / bias_correction1;
+    for (int64_t j = 0; j < n; ++j) {
+      const double gj = gp[j];
+      const double wj = static_cast<float>(w[j] * (1.0 - o.lr * o.weight_decay));
+      m[j] = static_cast<float>(o.beta1 * m[j] + (1.0 - o.beta1) * gj);
+      v[j] = static_cast<float>(o.beta2 * v[j] + (1.0 - o.beta2) * gj * gj);
+      const double denom = std::sqrt(static_cast<double>(v[j])) / bias_correction2_sqrt + o.eps;
+      w[j] = static_cast<float>(wj - step_size * m[j] / denom);
+    }
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_EQ(std::memcmp(&w[j], p.value.data<float>() + j, 4), 0)
+          << "step " << t << " element " << j << ": " << w[j] << " vs " << p.value.data<float>()[j];
+  }
 }
 
 TEST(AdamW, FirstStepByHand) {

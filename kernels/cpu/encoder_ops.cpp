@@ -2,6 +2,8 @@
 // arithmetic, in parallel over chunks that the shape alone fixes.
 #include "kernels/cpu/encoder_ops.hpp"
 
+#include "attn/core/dtype.hpp"
+
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/layer_norm_simd.hpp"
 
@@ -78,6 +80,32 @@ void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, in
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk;
     relu_backward_chunk(dy + begin, x + begin, dx + begin, std::min(kChunk, n - begin));
+  }
+}
+
+// bf16 relu: widen (a shift), compare in float, keep the bits or 0; the select vectorises.
+void relu_forward_bf16(const uint16_t* x, uint16_t* y, int64_t n, int threads) {
+  const int64_t chunks = chunks_of(n, kChunk);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i)
+      y[i] = bf16_to_float(x[i]) < 0.0f ? uint16_t{0} : x[i];
+  }
+}
+
+void relu_backward_bf16(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,
+                        int threads) {
+  const int64_t chunks = chunks_of(n, kChunk);
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t g = dy[i];  // loaded unconditionally, so the select vectorises
+      dx[i] = bf16_to_float(x[i]) > 0.0f ? g : uint16_t{0};
+    }
   }
 }
 

@@ -30,6 +30,10 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
 // x and y (dy, x and dx) must not overlap.
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads);
 void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, int threads);
+// bfloat16 (uint16_t bits): ref::relu_forward_bf16 / relu_backward_bf16 in parallel chunks.
+void relu_forward_bf16(const uint16_t* x, uint16_t* y, int64_t n, int threads);
+void relu_backward_bf16(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,
+                        int threads);
 
 // x (R, E) -> y (R, E), mean (R), rstd (R); gamma, beta (E) or both null.
 void layer_norm_forward_f32(const float* x, const float* gamma, const float* beta, float* y,

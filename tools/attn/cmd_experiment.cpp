@@ -29,6 +29,7 @@ struct ExperimentArgs {
   int64_t seeds = 0, steps = 0;    // 0: the setting's default
   int jobs = 0;                    // 0: one run per hardware thread
   std::vector<std::string> tasks;  // empty: the setting's default
+  std::string precision = "fp32";
 };
 
 // quick: the tour's setting (about a minute on 2 cores); full: more seeds, steps and both tasks.
@@ -41,6 +42,7 @@ model::PositionalExperimentOptions experiment_options(const ExperimentArgs& a) {
                    : std::vector<model::GeneratedTask>{model::GeneratedTask::kShift};
   if (a.seeds > 0) o.seeds = a.seeds;
   if (a.steps > 0) o.steps = a.steps;
+  o.precision = model::parse_precision(a.precision);
   if (!a.tasks.empty()) {
     o.tasks.clear();
     for (const auto& t : a.tasks)
@@ -124,9 +126,10 @@ viz::Table results_table(const model::PositionalExperimentOptions& o,
   }
   t.caption = fmt::format(
       "Accuracy on held-out sequences (mean over {} seed{}{}); encoder E={}, {} heads, {} "
-      "blocks, {} steps of batch {}, trained on lengths {}..{}",
+      "blocks, {} steps of batch {}, trained on lengths {}..{}{}",
       o.seeds, o.seeds > 1 ? "s" : "", o.seeds > 1 ? ", min-max in parentheses" : "", o.num_hiddens,
-      o.num_heads, o.num_blks, o.steps, o.batch_size, o.train_len / 2, o.train_len);
+      o.num_heads, o.num_blks, o.steps, o.batch_size, o.train_len / 2, o.train_len,
+      o.precision == model::Precision::kFloat32 ? "" : ", precision bf16 (mixed)");
   return t;
 }
 
@@ -237,6 +240,10 @@ std::vector<Command> add_experiment_command(CLI::App& app) {
   sub->add_option("--seeds", args->seeds, "seeds per variant (default 1 quick, 3 full)");
   sub->add_option("--steps", args->steps, "training steps per run (default 1500 quick, 3000 full)");
   sub->add_option("--tasks", args->tasks, "tasks, comma-separated: shift, sorted")->delimiter(',');
+  sub->add_option("--precision", args->precision,
+                  "fp32, or bf16: mixed precision as `attn train --precision bf16` (linear layers "
+                  "and attention in bfloat16, float32 master weights)")
+      ->capture_default_str();
   sub->add_option("--jobs", args->jobs,
                   "runs trained at the same time, one thread each (0: one per hardware thread; "
                   "the results do not depend on it)")

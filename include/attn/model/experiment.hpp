@@ -28,6 +28,9 @@ struct PositionalExperimentOptions {
   int64_t eval_examples = 256;
   int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
   double lr = 3e-3;
+  // fp32, or bf16 mixed precision (TrainOptions::precision): the same runs, to compare the
+  // accuracies within their seed-to-seed spread.
+  Precision precision = Precision::kFloat32;
   int jobs = 1;  // runs trained at the same time, each on its own thread; results do not depend
                  // on it
 };

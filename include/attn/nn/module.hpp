@@ -78,6 +78,13 @@ class Linear : public Module {
   // (a bf16 y as computed; a float32 y widened from it). The backward takes dy in either dtype,
   // returns dx in x's dtype and accumulates the bf16 weight gradients widened to float32.
 
+  // The same, with y in `y_dtype`: the module's dtype, or under autocast F32 or BF16 whatever
+  // x's dtype (a float32 x giving a bf16 y keeps an activation that only feeds another bf16
+  // product in bf16, e.g. the FFN's hidden layer: no widening here and no rounding there, the
+  // same bits as the float32 round trip). The backward is unchanged: dy in either dtype, dx in
+  // x's dtype.
+  Tensor forward(Context& ctx, const Tensor& x, DType y_dtype);
+
   // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.
   void materialize(int64_t in_features, const char* op);
   // 0 while lazy; a loaded state dict fixes it as the first input does.

@@ -1,0 +1,189 @@
+// The fast paths of mixed precision (Context::autocast_bf16) against the paths they replace,
+// forward and backward, bit for bit where the arithmetic is the same:
+//   - the bulk float32 <-> bfloat16 conversions (Tensor::to, one clone per SIMD target) are the
+//     scalar float_to_bf16 / bf16_to_float element by element, special values and tails included;
+//   - bf16 relu / relu_backward (ops/activation) are the float32 ones on the widened values,
+//     rounded back (exact), on the reference and the CPU backend, across chunk boundaries;
+//   - accumulating a bf16 gradient into a float32 one (nn/internal.hpp's accumulate, every
+//     autocast weight gradient) is the generic element-by-element sum;
+//   - Linear::forward(ctx, x, BF16) on a float32 x is Linear::forward(ctx, x) rounded to bf16;
+//   - PositionWiseFFN under autocast, whose hidden layer stays bf16 from dense1 to dense2, is the
+//     float32 round trip (dense1's y widened, relu in float32, rounded again by dense2) that it
+//     replaced, output and every gradient.
+#include "attn/nn/module.hpp"
+#include "attn/nn/transformer.hpp"
+#include "attn/ops/activation.hpp"
+#include "nn/internal.hpp"
+#include "testing.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace attn {
+namespace {
+
+using testing::random_tensor;
+
+// Bitwise equality of two tensors of the same dtype, with the first difference in the message.
+void expect_same_bits(const Tensor& a, const Tensor& b, const std::string& what) {
+  ASSERT_EQ(a.shape(), b.shape()) << what;
+  ASSERT_EQ(a.dtype(), b.dtype()) << what;
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  const auto* x = static_cast<const unsigned char*>(ac.raw_data());
+  const auto* y = static_cast<const unsigned char*>(bc.raw_data());
+  const size_t width = dtype_size(a.dtype());
+  for (int64_t i = 0; i < a.numel(); ++i)
+    for (size_t k = 0; k < width; ++k)
+      ASSERT_EQ(x[i * width + k], y[i * width + k]) << what << ": first difference at index " << i;
+}
+
+// n bf16 values: random ones with the special values (+-0, NaN, +-inf, subnormals, the smallest
+// normals) sprinkled in.
+Tensor special_bf16(int64_t n, uint64_t seed) {
+  Tensor t = random_tensor({n}, DType::F32, seed);
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            1e-40f,
+                            -1e-40f,
+                            std::numeric_limits<float>::min(),
+                            -std::numeric_limits<float>::min()};
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < n; i += 7)
+    p[i] = specials[(i / 7) % std::size(specials)];
+  return t.to(DType::BF16);
+}
+
+TEST(AutocastFast, BulkConversionsAreTheScalarOnes) {
+  // Counts 0..2x the widest vector (16 lanes) and more, at an aligned and a misaligned start.
+  for (int64_t n : {0, 1, 7, 15, 16, 17, 31, 33, 100, 1000}) {
+    for (int64_t start : {0, 1}) {
+      const Tensor whole = special_bf16(n + start, 5 + static_cast<uint64_t>(n)).to(DType::F32);
+      // Values that are not bf16 values (so the rounding is exercised), plus exact ties.
+      float* p = whole.data<float>();
+      for (int64_t i = 0; i < whole.numel(); ++i)
+        if (i % 7 != 0) p[i] = p[i] * 1.0009765f + (i % 3 == 0 ? 0.0f : 1e-3f);
+      for (int64_t i = 3; i < whole.numel(); i += 11) {
+        uint32_t u = 0x3f808000u + (static_cast<uint32_t>(i % 2) << 16);  // a tie, odd or even
+        std::memcpy(&p[i], &u, 4);
+      }
+      const Tensor x = whole.slice(0, start, start + n);
+      const Tensor y = x.to(DType::BF16);
+      const auto* yb = static_cast<const uint16_t*>(y.raw_data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(yb[i], float_to_bf16(x.data<float>()[i])) << "n=" << n << " i=" << i;
+      const Tensor back = y.slice(0, 0, n).to(DType::F32);
+      for (int64_t i = 0; i < n; ++i) {
+        const float f = back.data<float>()[i], g = bf16_to_float(yb[i]);
+        ASSERT_EQ(std::memcmp(&f, &g, 4), 0) << "widening n=" << n << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(AutocastFast, Bf16ReluIsTheFloat32ReluRounded) {
+  // Sizes around the CPU kernel's parallel chunk (16384) and threshold (32768).
+  for (int64_t n : {0, 1, 15, 17, 16384, 16385, 40000}) {
+    for (Backend backend : {Backend::kReference, Backend::kCpu}) {
+      for (int threads : {1, 2}) {
+        Context ctx;
+        ctx.backend = backend;
+        ctx.threads = threads;
+        const Tensor x = special_bf16(n, 3 + static_cast<uint64_t>(n));
+        const Tensor dy = special_bf16(n, 4 + static_cast<uint64_t>(n));
+        const std::string what = "n=" + std::to_string(n) + " threads=" + std::to_string(threads) +
+                                 (backend == Backend::kReference ? " ref" : " cpu");
+        const Tensor y = relu(ctx, x);
+        ASSERT_EQ(y.dtype(), DType::BF16);
+        expect_same_bits(y, relu(ctx, x.to(DType::F32)).to(DType::BF16), "relu " + what);
+        expect_same_bits(relu_backward(ctx, dy, x),
+                         relu_backward(ctx, dy.to(DType::F32), x.to(DType::F32)).to(DType::BF16),
+                         "relu_backward " + what);
+      }
+    }
+  }
+}
+
+TEST(AutocastFast, Bf16GradientAccumulatesAsTheGenericSum) {
+  for (int64_t n : {1, 17, 300}) {
+    Tensor grad = random_tensor({n}, DType::F32, 31);
+    const Tensor g = special_bf16(n, 32);
+    // The generic path's value: float(grad) + float(double(g)), element by element.
+    Tensor want = grad.clone();
+    for (int64_t i = 0; i < n; ++i)
+      want.data<float>()[i] += static_cast<float>(g.flat(i));
+    nn::detail::accumulate(grad, g);
+    expect_same_bits(grad, want, "n=" + std::to_string(n));
+  }
+}
+
+TEST(AutocastFast, LinearBf16OutputIsTheFloat32OutputRounded) {
+  Context ctx;
+  ctx.threads = 1;
+  ctx.autocast_bf16 = true;
+  nn::Linear l(24, 40, true, DType::F32, 3);
+  const Tensor x = random_tensor({2, 5, 40}, DType::F32, 7);
+  const Tensor y32 = l.forward(ctx, x);
+  const Tensor y16 = l.forward(ctx, x, DType::BF16);
+  EXPECT_EQ(y32.dtype(), DType::F32);
+  ASSERT_EQ(y16.dtype(), DType::BF16);
+  expect_same_bits(y16, y32.to(DType::BF16), "y");
+  // Without autocast a float32 layer only gives float32.
+  ctx.autocast_bf16 = false;
+  EXPECT_THROW(l.forward(ctx, x, DType::BF16), Error);
+}
+
+// The path PositionWiseFFN took before its hidden layer stayed bf16: each Linear widens its
+// bf16 product to float32, relu runs in float32, dense2 rounds its input to bf16 again.
+struct Float32RoundTripFFN {
+  nn::Linear dense1, dense2;
+  Tensor hidden;
+  Tensor forward(Context& ctx, const Tensor& X) {
+    hidden = dense1.forward(ctx, X);
+    return dense2.forward(ctx, relu(ctx, hidden));
+  }
+  Tensor backward(Context& ctx, const Tensor& dout) {
+    return dense1.backward(ctx, relu_backward(ctx, dense2.backward(ctx, dout), hidden));
+  }
+};
+
+TEST(AutocastFast, FfnWithBf16HiddenIsTheFloat32RoundTrip) {
+  const int64_t B = 3, T = 11, E = 32, F = 64;
+  for (int threads : {1, 2}) {
+    Context ctx;
+    ctx.threads = threads;
+    ctx.autocast_bf16 = true;
+    nn::PositionWiseFFN ffn(F, E, DType::F32, 9);
+    const Tensor X = random_tensor({B, T, E}, DType::F32, 21);
+    const Tensor dout = random_tensor({B, T, E}, DType::F32, 22);
+    ffn.forward(ctx, X);  // materialises the lazy layers
+    ffn.zero_grad();
+    Float32RoundTripFFN old{nn::Linear(F, E, true, DType::F32), nn::Linear(E, F, true, DType::F32),
+                            Tensor()};
+    old.dense1.load_state_dict(ffn.dense1.state_dict());
+    old.dense2.load_state_dict(ffn.dense2.state_dict());
+
+    const Tensor y = ffn.forward(ctx, X);
+    const Tensor y_old = old.forward(ctx, X);
+    ASSERT_EQ(y.dtype(), DType::F32);
+    expect_same_bits(y, y_old, "output");
+    const Tensor dX = ffn.backward(ctx, dout);
+    const Tensor dX_old = old.backward(ctx, dout);
+    ASSERT_EQ(dX.dtype(), DType::F32);
+    expect_same_bits(dX, dX_old, "dX");
+    expect_same_bits(ffn.dense1.weight.grad, old.dense1.weight.grad, "dense1.weight.grad");
+    expect_same_bits(ffn.dense1.bias.grad, old.dense1.bias.grad, "dense1.bias.grad");
+    expect_same_bits(ffn.dense2.weight.grad, old.dense2.weight.grad, "dense2.weight.grad");
+    expect_same_bits(ffn.dense2.bias.grad, old.dense2.bias.grad, "dense2.bias.grad");
+  }
+}
+
+}  // namespace
+}  // namespace attn
