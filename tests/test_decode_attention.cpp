@@ -235,6 +235,24 @@ TEST(DecodeAttention, EverySimdTarget) {
   }
 }
 
+// bfloat16 rows of a multiple of 2L features are read in pairs of vectors (even and odd
+// features) with deinterleaved queries; the scores of a key are reduced four at a time across
+// heads (T = 1, 2) or queries. Every target (its own L), every T, head counts that leave a
+// partial group of heads, and a V width that pairs on some targets and not on others.
+TEST(DecodeAttention, Bf16PairedRowsEveryTarget) {
+  for (int64_t target : cpu::flash_attention_targets()) {
+    SCOPED_TRACE(cpu::flash_attention_target_name(target));
+    for (int64_t T = 1; T <= 8; ++T)
+      for (int64_t heads : {1, 3}) {
+        Case c;
+        c.batch = 2, c.heads = heads, c.T = T, c.S = 150, c.D = 64, c.Dv = T % 2 ? 32 : 48;
+        c.lens = T % 3 ? Case::kPerQuery : Case::kRagged, c.bf16 = true, c.simd_targets = target;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+  }
+}
+
 TEST(DecodeAttention, RejectsWhatItDoesNotServe) {
   Case c;
   c.T = 2, c.S = 5;
