@@ -11,6 +11,7 @@ gradients with respect to X itself), where d2l and the oracle write -1e6 into th
 import importlib.util
 import math
 import os
+import sys
 import warnings
 
 import numpy as np
@@ -24,19 +25,12 @@ _ORACLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".
 _spec = importlib.util.spec_from_file_location("attn_d2l_oracle", _ORACLE_PATH)
 _oracle = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_oracle)
+sys.modules["attn_d2l_oracle"] = _oracle
 
-AddNorm = _oracle.AddNorm
-DotProductAttention = _oracle.DotProductAttention
-EncoderClassifier = _oracle.EncoderClassifier
-EncoderDecoder = _oracle.EncoderDecoder
-PositionalEncoding = _oracle.PositionalEncoding
-PositionWiseFFN = _oracle.PositionWiseFFN
-TransformerDecoder = _oracle.TransformerDecoder
-TransformerDecoderBlock = _oracle.TransformerDecoderBlock
-TransformerEncoder = _oracle.TransformerEncoder
-TransformerEncoderBlock = _oracle.TransformerEncoderBlock
-d2l_positional_table = _oracle.d2l_positional_table
-seq2seq_loss = _oracle.seq2seq_loss
+from attn_d2l_oracle import (AddNorm, DotProductAttention, EncoderClassifier,  # noqa: E402,F401
+                             EncoderDecoder, PositionalEncoding, PositionWiseFFN,
+                             TransformerDecoder, TransformerDecoderBlock, TransformerEncoder,
+                             TransformerEncoderBlock, d2l_positional_table, seq2seq_loss)
 
 
 def masked_softmax(X, valid_lens):

@@ -34,15 +34,27 @@ def test_decoder_names_shapes_and_backward(rng):
     assert np.all(np.triu(self_w[0][0], 1) == 0)  # causal
 
 
-def test_step_with_cache_equals_forward(rng):
-    dec = attn.TransformerDecoder(11, 16, 32, 4, 2, 0.0, seed=1).eval()
+def decode_incrementally(dec, ids, state, first=2):
+    """Logits of ids (B, T) from dec.step: the first `first` positions in one step, then one a
+    step (the cache grows past a small capacity)."""
+    return np.concatenate([dec.step(ids[:, :first], state)] +
+                          [dec.step(ids[:, t:t + 1], state) for t in range(first, ids.shape[1])],
+                          axis=1)
+
+
+def decoder_case(rng, num_hiddens, num_heads):
+    """An eval-mode decoder, ids (3, 6), enc_outputs (3, 4, E), ragged lengths, forward's logits."""
+    dec = attn.TransformerDecoder(11, num_hiddens, 32, num_heads, 2, 0.0, seed=1).eval()
     ids = rng.integers(0, 11, size=(3, 6))
-    enc = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    enc = rng.standard_normal((3, 4, num_hiddens)).astype(np.float32)
     lens = np.array([4, 1, 3])
-    want = dec(ids, enc, lens)
+    return dec, ids, enc, lens, dec(ids, enc, lens)
+
+
+def test_step_with_cache_equals_forward(rng):
+    dec, ids, enc, lens, want = decoder_case(rng, 16, 4)
     state = dec.init_state(enc, lens, capacity=2)
-    got = np.concatenate([dec.step(ids[:, :2], state)] +
-                         [dec.step(ids[:, t:t + 1], state) for t in range(2, 6)], axis=1)
+    got = decode_incrementally(dec, ids, state)
     assert state.length == 6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
@@ -50,17 +62,12 @@ def test_step_with_cache_equals_forward(rng):
 def test_bf16_cache_step_and_search(rng):
     # cache_dtype='bfloat16': the cached keys and values (self-attention and encoder projections)
     # are rounded to bfloat16, attention accumulates in float32 (the decode kernel's bf16 path).
-    dec = attn.TransformerDecoder(11, 64, 32, 2, 2, 0.0, seed=1).eval()
-    ids = rng.integers(0, 11, size=(3, 6))
-    enc = rng.standard_normal((3, 4, 64)).astype(np.float32)
-    lens = np.array([4, 1, 3])
-    want = dec(ids, enc, lens)
+    dec, ids, enc, lens, want = decoder_case(rng, 64, 2)
     state32 = dec.init_state(enc, lens)
     state16 = dec.init_state(enc, lens, capacity=2, cache_dtype="bfloat16")
     assert state32.cache_dtype == "float32" and state16.cache_dtype == "bfloat16"
-    got32 = np.concatenate([dec.step(ids[:, t:t + 1], state32) for t in range(6)], axis=1)
-    got16 = np.concatenate([dec.step(ids[:, :2], state16)] +
-                           [dec.step(ids[:, t:t + 1], state16) for t in range(2, 6)], axis=1)
+    got32 = decode_incrementally(dec, ids, state32, first=1)
+    got16 = decode_incrementally(dec, ids, state16)
     np.testing.assert_allclose(got32, want, rtol=0, atol=1e-5)
     err = np.abs(got16 - want).max()
     assert 0 < err < 0.05 * np.abs(want).max()  # rounded, but close
