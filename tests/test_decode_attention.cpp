@@ -235,11 +235,9 @@ TEST(DecodeAttention, EverySimdTarget) {
   }
 }
 
-// bfloat16 rows of a multiple of 2L features are read in pairs of vectors (even and odd
-// features) with deinterleaved queries; the scores of a key are reduced four at a time across
-// heads (T = 1, 2) or queries. Every target (its own L), every T, head counts that leave a
-// partial group of heads, and a V width that pairs on some targets and not on others.
-TEST(DecodeAttention, Bf16PairedRowsEveryTarget) {
+// A bfloat16 cache of the benchmark's head width (D = 64: whole vectors on every target) on every
+// target, every T, and head counts 1 and 3 with V widths 32 and 48.
+TEST(DecodeAttention, Bf16CacheEveryTargetAndQueryCount) {
   for (int64_t target : cpu::flash_attention_targets()) {
     SCOPED_TRACE(cpu::flash_attention_target_name(target));
     for (int64_t T = 1; T <= 8; ++T)

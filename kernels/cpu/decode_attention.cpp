@@ -30,7 +30,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
 // Target-independent helpers, compiled once.
 #ifndef ATTN_DECODE_ATTENTION_SHARED_
@@ -49,7 +48,6 @@ inline float to_float(uint16_t h) {
 struct Plan {
   int64_t T = 0, D = 0, Dv = 0;
   int64_t part_stride = 0;  // floats per query in a partial: o (Dv) | m | l
-  int64_t x_stride = 0;     // floats per key in the scores scratch: H*T rows + 4, to 16
   float qscale = 0.0f;      // scale * log2 e
 };
 
@@ -74,43 +72,6 @@ HWY_INLINE VF LoadRow(DF d, const uint16_t* p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, p))));
 }
 
-// 2L bfloat16 features of a K or V row as float, in two vectors: one load gives the even
-// features (the low halves, shifted up) and the odd ones (the high halves, masked): 3 instructions
-// per 2L features where LoadRow takes 4 (a zero-extending load and a shift per L).
-HWY_INLINE void LoadRowPairs(DF d, const uint16_t* p, VF& even, VF& odd) {
-#if HWY_TARGET == HWY_SCALAR  // one lane: never paired (PairRows)
-  even = LoadRow(d, p), odd = LoadRow(d, p + 1);
-#else
-  const hn::Repartition<uint16_t, DF> d16;
-  const hn::RebindToUnsigned<DF> d32;
-  const auto u = hn::BitCast(d32, hn::LoadU(d16, p));
-  even = hn::BitCast(d, hn::ShiftLeft<16>(u));
-  odd = hn::BitCast(d, hn::And(u, hn::Set(d32, 0xFFFF0000u)));
-#endif
-}
-
-// Whether this target reads a bfloat16 row of `width` features by LoadRowPairs.
-HWY_INLINE bool PairRows(int64_t width) {
-  const DF d;
-  return HWY_TARGET != HWY_SCALAR && width % (2 * static_cast<int64_t>(hn::Lanes(d))) == 0;
-}
-
-// The queries' order for LoadRowPairs: each block of 2L features of the `rows` rows of D in qs
-// becomes its L even features, then its L odd ones (in place; a dot product with a row read by
-// LoadRowPairs then pairs the same features). No-op when the rows are not read in pairs.
-void DeinterleaveQueries(float* qs, int64_t rows, int64_t D) {
-  const DF d;
-  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
-  if (!PairRows(D)) return;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t i = 0; i < D; i += 2 * L) {
-      VF even, odd;
-      hn::LoadInterleaved2(d, qs + r * D + i, even, odd);
-      hn::StoreU(even, d, qs + r * D + i);
-      hn::StoreU(odd, d, qs + r * D + i + L);
-    }
-}
-
 // Fetches a row into L2 (prefetcht1): the V rows of a chunk, streamed alongside its K rows, are
 // read again from L2 by WeightedSumV in another order.
 HWY_INLINE void PrefetchToL2(const void* p, int64_t bytes) {
@@ -120,57 +81,14 @@ HWY_INLINE void PrefetchToL2(const void* p, int64_t bytes) {
   __builtin_prefetch(c + bytes - 1, 0, 2);
 }
 
-// Sums of the lanes of a, b, c and e in lanes 0..3 of one 128-bit vector: a transpose-and-add
-// tree (13 instructions on AVX-512) in place of four horizontal sums (~8 each, then a scalar
-// add, compare and store per score).
-#if HWY_TARGET != HWY_SCALAR
-using D4 = hn::Full128<float>;
-HWY_INLINE hn::Vec<D4> Reduce4(DF d, VF a, VF b, VF c, VF e) {
-  const hn::RepartitionToWide<DF> dw;
-  const VF ab = hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));
-  const VF ce = hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
-  const auto abw = hn::BitCast(dw, ab), cew = hn::BitCast(dw, ce);
-  const VF s = hn::Add(hn::BitCast(d, hn::InterleaveLower(dw, abw, cew)),
-                       hn::BitCast(d, hn::InterleaveUpper(dw, abw, cew)));
-#if HWY_TARGET <= HWY_AVX3
-  const hn::Half<DF> d8;
-  const auto s8 = hn::Add(hn::LowerHalf(d8, s), hn::UpperHalf(d8, s));
-  const D4 d4;
-  return hn::Add(hn::LowerHalf(d4, s8), hn::UpperHalf(d4, s8));
-#elif HWY_TARGET == HWY_AVX2
-  const D4 d4;
-  return hn::Add(hn::LowerHalf(d4, s), hn::UpperHalf(d4, s));
-#else
-  return s;  // 128-bit vectors
-#endif
-}
-#endif
-
-// dst[j] = (sum of the lanes of acc[j]) + tail[j] for j < NA (a multiple of 4).
-template <int NA>
-HWY_INLINE void StoreScores(DF d, const VF* acc, const float* tail, float* dst) {
-#if HWY_TARGET == HWY_SCALAR
-  for (int j = 0; j < NA; ++j)
-    dst[j] = hn::GetLane(acc[j]) + tail[j];
-#else
-  const D4 d4;
-  HWY_UNROLL(2)
-  for (int j = 0; j < NA; j += 4)
-    hn::StoreU(
-        hn::Add(Reduce4(d, acc[j], acc[j + 1], acc[j + 2], acc[j + 3]), hn::LoadU(d4, tail + j)),
-        d4, dst + j);
-#endif
-}
-
 // The loops over the NQ queries are unrolled by hand (HWY_UNROLL): GCC 12 -O2 kept the NQ
 // accumulator vectors in a stack array, each FMA a load and a store on the previous key's store,
 // ~10 cycles per key and feature block (perf annotate: 33% of the samples on one such loop).
 //
 // Partials of the nh heads of one batch row (rows b0 .. b0 + nh - 1, sharing the cache's
-// positions) over keys [s0, s1), NQ queries each; row r = h * NQ + t below (R = nh * NQ rows).
-// qs: R rows of D, pre-scaled; lim: kept keys per row r; x: scratch of kDecodeChunkKeys keys of
-// plan.x_stride floats, key-major (x[j * x_stride + r] for key s0 + j), rows past R zero or
-// finite; mx: 2 * x_stride floats; ends: R; part: R partials of Dv + 2 floats.
+// positions) over keys [s0, s1), NQ queries each; row r = h * NQ + t below. qs: nh*NQ rows of D,
+// pre-scaled; lim: kept keys per row r; x: scratch of nh*NQ rows of kDecodeChunkKeys + L floats;
+// ends: nh*NQ; part: nh*NQ partials of Dv + 2 floats.
 // All heads of a key are read together: a (capacity, H*D) cache then streams through contiguous
 // memory that the hardware prefetchers follow. Reading one head at a time (its rows H*D apart)
 // stalled on the first load of every row (~85% of the kernel's samples in a perf profile, 2-4
@@ -178,120 +96,85 @@ HWY_INLINE void StoreScores(DF d, const VF* acc, const float* tail, float* dst) 
 template <int NQ, class KV>
 void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, const float* qs,
                   const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                  float* mx, int64_t* ends, float* part) {
+                  int64_t* ends, float* part) {
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const int64_t D = plan.D, Dv = plan.Dv, n = s1 - s0, ps = plan.part_stride;
-  const int64_t xs = plan.x_stride, R = nh * NQ;
+  const int64_t xs = kDecodeChunkKeys + L;  // row stride of x
   const int64_t Dm = D / L * L, Dvm = Dv / L * L;
   const KV* kb = a.k.data + a.row_offset(b0, a.k.sb, a.k.sh);
   const KV* vb = a.v.data + a.row_offset(b0, a.v.sb, a.v.sh);
   const int64_t ksh = nh > 1 ? a.k.sh : 0, vsh = nh > 1 ? a.v.sh : 0;
-  // The V rows of one key's heads are one block when the heads are adjacent (the cache layout).
-  const bool v_block = nh == 1 || vsh == Dv;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // bfloat16 rows whose width is a multiple of 2L are read by LoadRowPairs.
-  constexpr bool kBf16 = std::is_same_v<KV, uint16_t>;
-  const bool k_pairs = kBf16 && PairRows(D), v_pairs = kBf16 && PairRows(Dv);
-  // Heads per group and the group's accumulators (rows h0 * NQ ..): every score of a group is
-  // reduced by StoreScores, four at a time; accumulators past the group's rows stay zero (their
-  // sums land in the next group's rows, written after, or in rows past R).
-  constexpr int HG = NQ <= 4 ? 4 / NQ : 1;
-  constexpr int NA = (HG * NQ + 3) / 4 * 4;
 
-  // QDotK: x[s, r] = q_r . k_s over the chunk. Each K row is loaded (and a bfloat16 one widened)
-  // once per L features and dotted with the NQ queries of its head.
+  // QDotK: x[r, s] = q_r . k_s over the chunk, -inf past the row's kept keys.
   for (int64_t s = s0; s < s1; ++s) {
-    if (v_block) {
-      PrefetchToL2(vb + s * a.v.st, nh * Dv * static_cast<int64_t>(sizeof(KV)));
-    } else {
-      for (int64_t h = 0; h < nh; ++h)
-        PrefetchToL2(vb + s * a.v.st + h * vsh, Dv * static_cast<int64_t>(sizeof(KV)));
-    }
-    float* xk = x + (s - s0) * xs;
-    for (int64_t h0 = 0; h0 < nh; h0 += HG) {
-      const KV* kr[HG];
-      const float* qh[HG];
-      HWY_UNROLL(4)
-      for (int hh = 0; hh < HG; ++hh) {
-        const int64_t hk = std::min<int64_t>(h0 + hh, nh - 1);  // past nh: rows past R
-        kr[hh] = kb + s * a.k.st + hk * ksh;
-        qh[hh] = qs + hk * NQ * D;
-      }
-      VF acc[NA];
+    for (int64_t h = 0; h < nh; ++h)
+      PrefetchToL2(vb + s * a.v.st + h * vsh, Dv * static_cast<int64_t>(sizeof(KV)));
+    for (int64_t h = 0; h < nh; ++h) {
+      const KV* kr = kb + s * a.k.st + h * ksh;
+      const float* qh = qs + h * NQ * D;
+      VF acc[NQ];
       HWY_UNROLL(8)
-      for (int j = 0; j < NA; ++j)
-        acc[j] = hn::Zero(d);
-      if (k_pairs) {  // qs deinterleaved by DeinterleaveQueries
-        for (int64_t i = 0; i < D; i += 2 * L) {
-          HWY_UNROLL(4)
-          for (int hh = 0; hh < HG; ++hh) {
-            VF even, odd;
-            LoadRowPairs(d, reinterpret_cast<const uint16_t*>(kr[hh] + i), even, odd);
-            HWY_UNROLL(8)
-            for (int t = 0; t < NQ; ++t) {
-              const float* qi = qh[hh] + t * D + i;
-              acc[hh * NQ + t] = hn::MulAdd(hn::LoadU(d, qi), even, acc[hh * NQ + t]);
-              acc[hh * NQ + t] = hn::MulAdd(hn::LoadU(d, qi + L), odd, acc[hh * NQ + t]);
-            }
-          }
-        }
-      } else {
-        for (int64_t i = 0; i < Dm; i += L) {
-          HWY_UNROLL(4)
-          for (int hh = 0; hh < HG; ++hh) {
-            const VF kv = LoadRow(d, kr[hh] + i);
-            HWY_UNROLL(8)
-            for (int t = 0; t < NQ; ++t)
-              acc[hh * NQ + t] = hn::MulAdd(hn::LoadU(d, qh[hh] + t * D + i), kv, acc[hh * NQ + t]);
-          }
-        }
+      for (int t = 0; t < NQ; ++t)
+        acc[t] = hn::Zero(d);
+      for (int64_t i = 0; i < Dm; i += L) {
+        const VF kv = LoadRow(d, kr + i);
+        HWY_UNROLL(8)
+        for (int t = 0; t < NQ; ++t)
+          acc[t] = hn::MulAdd(hn::LoadU(d, qh + t * D + i), kv, acc[t]);
       }
-      float tail[NA] = {};
-      for (int64_t i = k_pairs ? D : Dm; i < D; ++i)
-        for (int hh = 0; hh < HG; ++hh) {
-          const float kf = decode_detail::to_float(kr[hh][i]);
-          for (int t = 0; t < NQ; ++t)
-            tail[hh * NQ + t] += qh[hh][t * D + i] * kf;
-        }
-      StoreScores<NA>(d, acc, tail, xk + h0 * NQ);
+      float tail[NQ] = {};
+      for (int64_t i = Dm; i < D; ++i) {
+        const float kf = decode_detail::to_float(kr[i]);
+        HWY_UNROLL(8)
+        for (int t = 0; t < NQ; ++t)
+          tail[t] += qh[t * D + i] * kf;
+      }
+      HWY_UNROLL(8)
+      for (int t = 0; t < NQ; ++t) {
+        const int64_t r = h * NQ + t;
+        x[r * xs + (s - s0)] =
+            s < lim[r] ? hn::GetLane(hn::SumOfLanes(d, acc[t])) + tail[t] : kNegInf;
+      }
     }
   }
-  // Keys past a row's kept count: -inf.
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t s = std::max(s0, lim[r]); s < s1; ++s)
-      x[(s - s0) * xs + r] = kNegInf;
 
-  // Softmax of the chunk per row, L rows at a time: m_r, p = 2^(x - m_r) in place, l_r. A row
-  // without kept keys in the chunk has m = -inf and weights 2^(-inf - 0) = 0.
-  const int64_t Rr = (R + L - 1) / L * L;
-  for (int64_t rb = 0; rb < Rr; rb += L) {
-    VF vm = hn::Set(d, kNegInf);
-    for (int64_t j = 0; j < n; ++j)
-      vm = hn::Max(vm, hn::LoadU(d, x + j * xs + rb));
-    const VF vsub = hn::IfThenZeroElse(hn::Eq(vm, hn::Set(d, kNegInf)), vm);
-    VF vl = hn::Zero(d);
-    for (int64_t j = 0; j < n; ++j) {
-      const VF p = Exp2(d, hn::Sub(hn::LoadU(d, x + j * xs + rb), vsub));
-      hn::StoreU(p, d, x + j * xs + rb);
-      vl = hn::Add(vl, p);
-    }
-    hn::StoreU(vm, d, mx + rb);
-    hn::StoreU(vl, d, mx + xs + rb);
-  }
-  for (int64_t r = 0; r < R; ++r) {
+  // Softmax of the chunk per row: m_r, p = 2^(x - m_r) in place, l_r; o_r zeroed.
+  const int64_t np = (n + L - 1) / L * L;  // padded with -inf: weight exactly 0
+  for (int64_t r = 0; r < nh * NQ; ++r) {
+    float* xr = x + r * xs;
     float* o = part + r * ps;
+    for (int64_t j = n; j < np; ++j)
+      xr[j] = kNegInf;
+    VF vm = hn::Set(d, kNegInf);
+    for (int64_t j = 0; j < np; j += L)
+      vm = hn::Max(vm, hn::LoadU(d, xr + j));
+    const float m = hn::GetLane(hn::MaxOfLanes(d, vm));
     for (int64_t i = 0; i < Dv; ++i)
       o[i] = 0.0f;
-    o[Dv] = mx[r];
-    o[Dv + 1] = mx[xs + r];
-    ends[r] = mx[r] == kNegInf ? s0 : std::min(s1, lim[r]);
+    o[Dv] = m;
+    o[Dv + 1] = 0.0f;
+    ends[r] = s0;
+    if (m == kNegInf) {  // no kept key in this chunk: weights 0
+      for (int64_t j = 0; j < np; ++j)
+        xr[j] = 0.0f;
+      continue;
+    }
+    ends[r] = std::min(s1, lim[r]);
+    const VF vmax = hn::Set(d, m);
+    VF vl = hn::Zero(d);
+    for (int64_t j = 0; j < np; j += L) {
+      const VF p = Exp2(d, hn::Sub(hn::LoadU(d, xr + j), vmax));
+      hn::StoreU(p, d, xr + j);
+      vl = hn::Add(vl, p);
+    }
+    o[Dv + 1] = hn::GetLane(hn::SumOfLanes(d, vl));
   }
 
-  // WeightedSumV: o_r = sum_s p_rs v_s, per head and L features at a time with the NQ sums in
-  // registers over the chunk's keys (the V rows are in L2: the QDotK pass prefetched them); each
-  // V row is loaded (and widened) once per L features for the NQ queries. A weight past a
-  // query's kept keys is exactly 0; keys past every query's are not read.
+  // WeightedSumV: o_r = sum_s p_rs v_s, per head and L features at a time with the T sums in
+  // registers over the chunk's keys (the V rows are in L2: the QDotK pass prefetched them). A
+  // weight past a query's kept keys is exactly 0; keys past every query's are not read.
   for (int64_t h = 0; h < nh; ++h) {
     const int64_t r0 = h * NQ;
     int64_t e = s0;
@@ -299,29 +182,6 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
     for (int t = 0; t < NQ; ++t)
       e = std::max(e, ends[r0 + t]);
     const KV* vh = vb + h * vsh;
-    if (v_pairs) {  // even and odd features' sums, interleaved again on the store
-      for (int64_t i = 0; i < Dv; i += 2 * L) {
-        VF acc_e[NQ], acc_o[NQ];
-        HWY_UNROLL(8)
-        for (int t = 0; t < NQ; ++t)
-          acc_e[t] = hn::Zero(d), acc_o[t] = hn::Zero(d);
-        for (int64_t s = s0; s < e; ++s) {
-          VF even, odd;
-          LoadRowPairs(d, reinterpret_cast<const uint16_t*>(vh + s * a.v.st + i), even, odd);
-          const float* p = x + (s - s0) * xs + r0;
-          HWY_UNROLL(8)
-          for (int t = 0; t < NQ; ++t) {
-            const VF w = hn::Set(d, p[t]);
-            acc_e[t] = hn::MulAdd(w, even, acc_e[t]);
-            acc_o[t] = hn::MulAdd(w, odd, acc_o[t]);
-          }
-        }
-        HWY_UNROLL(8)
-        for (int t = 0; t < NQ; ++t)
-          hn::StoreInterleaved2(acc_e[t], acc_o[t], d, part + (r0 + t) * ps + i);
-      }
-      continue;
-    }
     for (int64_t i = 0; i < Dvm; i += L) {
       VF acc[NQ];
       HWY_UNROLL(8)
@@ -329,10 +189,9 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
         acc[t] = hn::Zero(d);
       for (int64_t s = s0; s < e; ++s) {
         const VF vv = LoadRow(d, vh + s * a.v.st + i);
-        const float* p = x + (s - s0) * xs + r0;
         HWY_UNROLL(8)
         for (int t = 0; t < NQ; ++t)
-          acc[t] = hn::MulAdd(hn::Set(d, p[t]), vv, acc[t]);
+          acc[t] = hn::MulAdd(hn::Set(d, x[(r0 + t) * xs + (s - s0)]), vv, acc[t]);
       }
       HWY_UNROLL(8)
       for (int t = 0; t < NQ; ++t)
@@ -341,10 +200,9 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
     for (int64_t i = Dvm; i < Dv; ++i)
       for (int64_t s = s0; s < e; ++s) {
         const float vf = decode_detail::to_float(vh[s * a.v.st + i]);
-        const float* p = x + (s - s0) * xs + r0;
         HWY_UNROLL(8)
         for (int t = 0; t < NQ; ++t)
-          part[(r0 + t) * ps + i] += p[t] * vf;
+          part[(r0 + t) * ps + i] += x[(r0 + t) * xs + (s - s0)] * vf;
       }
   }
 }
@@ -352,11 +210,11 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
 template <class KV>
 void ChunkPartialAny(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, const float* qs,
                      const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                     float* mx, int64_t* ends, float* part) {
+                     int64_t* ends, float* part) {
   switch (plan.T) {
 #define ATTN_DECODE_CASE(N) \
   case N:                   \
-    return ChunkPartial<N, KV>(a, plan, qs, lim, b0, nh, s0, s1, x, mx, ends, part);
+    return ChunkPartial<N, KV>(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
     ATTN_DECODE_CASE(1)
     ATTN_DECODE_CASE(2)
     ATTN_DECODE_CASE(3)
@@ -373,13 +231,13 @@ void ChunkPartialAny(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, c
 
 void ChunkPartialF32(const DecodeArgs<float>& a, const decode_detail::Plan& plan, const float* qs,
                      const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                     float* mx, int64_t* ends, float* part) {
-  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, mx, ends, part);
+                     int64_t* ends, float* part) {
+  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
 }
 void ChunkPartialBF16(const DecodeArgs<uint16_t>& a, const decode_detail::Plan& plan,
                       const float* qs, const int64_t* lim, int64_t b0, int64_t nh, int64_t s0,
-                      int64_t s1, float* x, float* mx, int64_t* ends, float* part) {
-  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, mx, ends, part);
+                      int64_t s1, float* x, int64_t* ends, float* part) {
+  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
 }
 
 // Merge of one query's partials p_c (stride `cs` floats apart, n of them) into acc (Dv floats):
@@ -432,7 +290,6 @@ HWY_EXPORT(DecodeTargetName);
 HWY_EXPORT(ChunkPartialF32);
 HWY_EXPORT(ChunkPartialBF16);
 HWY_EXPORT(MergePartials);
-HWY_EXPORT(DeinterleaveQueries);
 
 namespace {
 
@@ -481,12 +338,11 @@ void run(const DecodeArgs<KV>& a) {
     first[static_cast<size_t>(g + 1)] =
         first[static_cast<size_t>(g)] + (top + kDecodeChunkKeys - 1) / kDecodeChunkKeys;
   }
-  plan.x_stride = (HT + 4 + 15) / 16 * 16;  // a multiple of every target's lanes
   const int64_t items = first.back();
   const int64_t item_floats = HT * plan.part_stride;
   const int threads = std::max(1, a.threads);
-  const int64_t x_floats = kDecodeChunkKeys * plan.x_stride;
-  const size_t per_thread = static_cast<size_t>(x_floats + 2 * plan.x_stride + HT * a.D + a.Dv);
+  const int64_t L = 16;  // >= every target's lanes (x scratch padding)
+  const size_t per_thread = static_cast<size_t>(HT * (kDecodeChunkKeys + L) + HT * a.D + a.Dv);
   const Scratch<float> scratch(op, per_thread, static_cast<size_t>(threads));
   const Scratch<float> parts(op, static_cast<size_t>(std::max<int64_t>(1, items * item_floats)));
   auto* item_fn = chunk_fn(a);
@@ -505,9 +361,7 @@ void run(const DecodeArgs<KV>& a) {
   {
     float* own = scratch.get(omp_get_thread_num());
     float* x = own;
-    std::fill(x, x + x_floats, 0.0f);  // rows past H*T: finite
-    float* mx = x + x_floats;
-    float* qs = mx + 2 * plan.x_stride;
+    float* qs = own + HT * (kDecodeChunkKeys + L);
     float* acc = qs + HT * a.D;
     std::vector<int64_t> ends(static_cast<size_t>(HT));
     int64_t q_group = -1;
@@ -517,15 +371,10 @@ void run(const DecodeArgs<KV>& a) {
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), it) -
                                              first.begin() - 1);
-      if (g != q_group) {
-        load_q(g, qs), q_group = g;
-        if constexpr (std::is_same_v<KV, uint16_t>)
-          HWY_DYNAMIC_DISPATCH(DeinterleaveQueries)(qs, HT, a.D);
-      }
+      if (g != q_group) load_q(g, qs), q_group = g;
       const int64_t s0 = (it - first[static_cast<size_t>(g)]) * kDecodeChunkKeys;
-      const int64_t top = tops[static_cast<size_t>(g)];
-      const int64_t s1 = std::min(top, s0 + kDecodeChunkKeys);
-      item_fn(a, plan, qs, &lims[static_cast<size_t>(g * HT)], g * H, H, s0, s1, x, mx, ends.data(),
+      item_fn(a, plan, qs, &lims[static_cast<size_t>(g * HT)], g * H, H, s0,
+              std::min(tops[static_cast<size_t>(g)], s0 + kDecodeChunkKeys), x, ends.data(),
               parts.get(0) + it * item_floats);
     }
 
