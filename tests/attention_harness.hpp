@@ -1,10 +1,10 @@
-// The one attention test harness. Kernel level (test_flash_cpu.cpp for float32,
-// test_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers (misaligned and
-// non-unit strides, out-of-bounds writes detected), the case struct with its printable name,
-// the valid lengths of a case and the per-row key limits that the ops layer would pass
-// (kernels/attention_problem.hpp). Op and module level (test_mha_heads.cpp): the same cases and
-// lengths as Tensors, d2l's head split and merge, bitwise Tensor equality. A new kernel (decode,
-// ring step, CUDA) joins by building its arguments from these.
+// The one attention test harness. Kernel level (test_kernels_flash_cpu.cpp for float32,
+// test_kernels_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers
+// (misaligned and non-unit strides, out-of-bounds writes detected), the case struct with its
+// printable name, the valid lengths of a case and the per-row key limits that the ops layer would
+// pass (kernels/attention_problem.hpp). Op and module level (test_nn_mha_heads.cpp): the same cases
+// and lengths as Tensors, d2l's head split and merge, bitwise Tensor equality. A new kernel
+// (decode, ring step, CUDA) joins by building its arguments from these.
 #pragma once
 
 #include "kernels/attention_problem.hpp"

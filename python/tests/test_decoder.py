@@ -1,6 +1,7 @@
 """The Transformer decoder and encoder-decoder from Python: d2l's names, forward/backward, the KV
 cache against the whole-prefix forward, greedy and beam search. (The C++ suite holds the
-gradchecks and the PyTorch parity: tests/test_decoder.cpp, tests/test_parity_seq2seq.cpp.)"""
+gradchecks and the PyTorch parity: tests/test_nn_decoder.cpp,
+tests/test_model_parity_seq2seq.cpp.)"""
 
 import numpy as np
 import pytest

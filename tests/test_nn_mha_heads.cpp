@@ -9,8 +9,8 @@
 //    by a sentinel.
 // 2. Module level: the fused path (need_weights = false) against the d2l path (need_weights =
 //    true: the reference kernels, double accumulation) within the fp32 tolerances of
-//    tests/test_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and bitwise
-//    equal for 1 and 2 threads.
+//    tests/test_kernels_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and
+//    bitwise equal for 1 and 2 threads.
 #include "attention_harness.hpp"
 #include "attn/nn/attention.hpp"
 #include "attn/ops/attention.hpp"
