@@ -7,7 +7,8 @@
 // The cache (batch, S, H*D) is sized to >= 256 MiB (batch raised at short S) so it does not fit
 // the last-level cache; the probe reads its own 512 MiB buffer.
 //
-//   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds]   ATTN_THREADS (2)
+//   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds [fp32|bf16 [T]]]
+//   ATTN_THREADS (2); the optional dtype and T run only those cells (a profile of one case).
 // PASSIVE: on a machine shared with other processes, OpenMP threads spinning at the end of a
 // parallel region take turns from the threads still working (the kernel's ratio at T = 1 went
 // from ~60% to ~85% of the probe at load 10 on 2 cores).
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <string>
 #include <vector>
 
 namespace {
@@ -95,9 +97,13 @@ Rate kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
 }
 
 template <class KV>
-void run(const char* dtype, int64_t S, int rounds, int threads, const std::vector<float>& probe) {
+void run(const char* dtype, int64_t S, int rounds, int threads, const std::vector<float>& probe,
+         int64_t only_T) {
   const int64_t row_bytes = 2 * kH * kD * static_cast<int64_t>(sizeof(KV));
-  const int64_t batch = std::max<int64_t>(1, (int64_t{256} << 20) / (S * row_bytes));
+  const char* mib = std::getenv("ATTN_BENCH_CACHE_MIB");  // e.g. 8: in L3, the compute bound
+  const int64_t cache_bytes =
+      (mib != nullptr ? std::max(1, std::atoi(mib)) : 256) * (int64_t{1} << 20);
+  const int64_t batch = std::max<int64_t>(1, cache_bytes / (S * row_bytes));
   std::vector<KV> k(static_cast<size_t>(batch * S * kH * kD)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
     const float x = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
@@ -107,6 +113,7 @@ void run(const char* dtype, int64_t S, int rounds, int threads, const std::vecto
       k[i] = x, v[i] = -x;
   }
   for (int64_t T = 1; T <= 4; ++T) {
+    if (only_T != 0 && T != only_T) continue;
     std::vector<float> q(static_cast<size_t>(batch * T * kH * kD), 0.01f), out(q.size());
     std::vector<double> ks, ps, kc, pc;
     kernel_gbs(batch, S, T, k, v, q, out, threads);  // warm-up (scratch, pages)
@@ -133,13 +140,17 @@ int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
   const char* env = std::getenv("ATTN_THREADS");
   const int threads = env != nullptr ? std::max(1, std::atoi(env)) : 2;
+  const std::string only_dtype = argc > 2 ? argv[2] : "";
+  const int64_t only_T = argc > 3 ? std::atoi(argv[3]) : 0;
   std::vector<float> probe(static_cast<size_t>(128) << 20, 1.0f);  // 512 MiB
   std::printf("decode kernel, H=%lld D=%lld, %d threads, %d rounds, target %s\n",
               static_cast<long long>(kH), static_cast<long long>(kD), threads, rounds,
               attn::cpu::decode_attention_target());
   for (int64_t S : {4096, 16384, 65536}) {
-    run<float>("fp32", S, rounds, threads, probe);
-    run<uint16_t>("bf16", S, rounds, threads, probe);
+    if (only_dtype.empty() || only_dtype == "fp32")
+      run<float>("fp32", S, rounds, threads, probe, only_T);
+    if (only_dtype.empty() || only_dtype == "bf16")
+      run<uint16_t>("bf16", S, rounds, threads, probe, only_T);
   }
   return 0;
 }

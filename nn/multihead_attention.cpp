@@ -18,7 +18,7 @@
 //
 // bfloat16 (dtype BF16): the bf16 linear (f32 accumulation, one rounding) and the same fused path
 // on kernels/cpu/flash_bf16, which takes head strides as the fp32 kernel does (bitwise equal to
-// the bf16 op on d2l's head copies, tests/test_mha_heads.cpp). Where the fused path does not
+// the bf16 op on d2l's head copies, tests/test_nn_mha_heads.cpp). Where the fused path does not
 // serve (need_weights, ALiBi, the reference backend) the bf16 attention op runs on head copies.
 // Self-attention packs the Q/K/V projection in both dtypes.
 #include "attn/nn/attention.hpp"

@@ -1,17 +1,21 @@
-// Shared pieces of the fused-attention kernel tests (test_flash_cpu.cpp for float32,
-// test_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers (misaligned and
-// non-unit strides, out-of-bounds writes detected), the case struct with its printable name,
-// and the per-row key limits that the ops layer would pass (kernels/attention_problem.hpp). A new
-// kernel (decode, ring step, CUDA) joins by building its arguments from these.
+// The one attention test harness. Kernel level (test_kernels_flash_cpu.cpp for float32,
+// test_kernels_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers
+// (misaligned and non-unit strides, out-of-bounds writes detected), the case struct with its
+// printable name, the valid lengths of a case and the per-row key limits that the ops layer would
+// pass (kernels/attention_problem.hpp). Op and module level (test_nn_mha_heads.cpp): the same cases
+// and lengths as Tensors, d2l's head split and merge, bitwise Tensor equality. A new kernel
+// (decode, ring step, CUDA) joins by building its arguments from these.
 #pragma once
 
 #include "kernels/attention_problem.hpp"
 
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
+#include "attn/core/tensor.hpp"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -99,7 +103,8 @@ int64_t guard_damage(const HarnessView<E>& v) {
 
 enum class Lens { kNone, k1D, k2D };
 
-// One case of a kernel sweep; the name is what GoogleTest prints.
+// One case of a kernel sweep; the name is what GoogleTest prints. H: heads of a (B, T, H*D)
+// multi-head case (op and module tests; the kernel tests have one head per batch row).
 struct KernelCase {
   int64_t B, T, S, D, Dv;
   Lens lens;
@@ -107,34 +112,57 @@ struct KernelCase {
   bool zero_rows;
   float dropout;
   int layout;
+  int64_t H = 1;
   std::string name() const {
     static const char* kLens[] = {"none", "lens1d", "lens2d"};
-    return "B" + std::to_string(B) + "_T" + std::to_string(T) + "_S" + std::to_string(S) + "_D" +
-           std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" + kLens[int(lens)] +
-           (causal ? "_causal" : "") + (zero_rows ? "_zero" : "_uniform") + "_p" +
-           std::to_string(int(dropout * 100)) + "_layout" + std::to_string(layout);
+    return "B" + std::to_string(B) + (H != 1 ? "_H" + std::to_string(H) : "") + "_T" +
+           std::to_string(T) + "_S" + std::to_string(S) + "_D" + std::to_string(D) + "_Dv" +
+           std::to_string(Dv) + "_" + kLens[int(lens)] + (causal ? "_causal" : "") +
+           (zero_rows ? "_zero" : "_uniform") + "_p" + std::to_string(int(dropout * 100)) +
+           "_layout" + std::to_string(layout);
   }
   kernels::MaskedRows masked_rows() const {
     return zero_rows ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
   }
 };
 
-// Kept-key counts per (b, t) row as the ops layer passes them: clamped to [0, S], including 0
-// (a fully masked row: batch 0 with 1-D lengths, query 1 with 2-D ones) and lengths past S; 1-D
-// lengths repeat over the rows of a batch. Empty without lengths.
-inline std::vector<int32_t> case_key_limits(const KernelCase& c) {
-  std::vector<int32_t> limit;
-  if (c.lens == Lens::kNone) return limit;
+// d2l's valid_lens of a case, as a caller passes them: (B) for 1-D lengths, (B*T) row-major for
+// 2-D ones, in [0, S + 2] (past S too), including 0 (a fully masked row: batch 0 with 1-D
+// lengths, query 1 with 2-D ones). Empty without lengths.
+inline std::vector<int64_t> case_valid_lens(const KernelCase& c) {
+  std::vector<int64_t> lens;
+  if (c.lens == Lens::kNone) return lens;
   Rng rng(7, 1);
-  limit.resize(c.B * c.T);
   for (int64_t b = 0; b < c.B; ++b) {
     const int64_t len_b = b == 0 ? 0 : int64_t(rng.below(c.S + 3));
-    for (int64_t t = 0; t < c.T; ++t) {
-      int64_t len = c.lens == Lens::k1D ? len_b : int64_t(rng.below(c.S + 3));
-      if (c.lens == Lens::k2D && t == 1) len = 0;
-      limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
+    if (c.lens == Lens::k1D) lens.push_back(len_b);
+    for (int64_t t = 0; c.lens == Lens::k2D && t < c.T; ++t) {
+      const int64_t len = int64_t(rng.below(c.S + 3));
+      lens.push_back(t == 1 ? 0 : len);
     }
   }
+  return lens;
+}
+
+// The same as a Tensor ((B) or (B, T) int64), undefined without lengths.
+inline Tensor case_valid_lens_tensor(const KernelCase& c) {
+  const std::vector<int64_t> lens = case_valid_lens(c);
+  if (lens.empty()) return {};
+  return Tensor::from_vector(lens, c.lens == Lens::k1D ? Shape{c.B} : Shape{c.B, c.T});
+}
+
+// Kept-key counts per (b, t) row as the ops layer passes them: the valid lengths clamped to
+// [0, S]; 1-D lengths repeat over the rows of a batch. Empty without lengths.
+inline std::vector<int32_t> case_key_limits(const KernelCase& c) {
+  std::vector<int32_t> limit;
+  const std::vector<int64_t> lens = case_valid_lens(c);
+  if (lens.empty()) return limit;
+  limit.resize(c.B * c.T);
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t t = 0; t < c.T; ++t) {
+      const int64_t len = c.lens == Lens::k1D ? lens[b] : lens[b * c.T + t];
+      limit[b * c.T + t] = int32_t(std::clamp<int64_t>(len, 0, c.S));
+    }
   return limit;
 }
 
@@ -144,6 +172,31 @@ inline int64_t case_row_limit(const KernelCase& c, const std::vector<int32_t>& l
   int64_t lim = limit.empty() ? c.S : limit[b * c.T + t];
   if (c.causal) lim = std::min(lim, t + 1);
   return std::clamp<int64_t>(lim, 0, c.S);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Op and module level
+
+// Same shape, dtype and bytes.
+inline bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape() || a.dtype() != b.dtype()) return false;
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  return std::memcmp(ac.raw_data(), bc.raw_data(), ac.nbytes()) == 0;
+}
+
+// (B, L, H*W) -> (B*H, L, W) contiguous: d2l's transpose_qkv.
+inline Tensor split_heads(const Tensor& x, int64_t H) {
+  const int64_t B = x.dim(0), L = x.dim(1), W = x.dim(2) / H;
+  return x.contiguous()
+      .reshape({B, L, H, W})
+      .permute({0, 2, 1, 3})
+      .contiguous()
+      .reshape({B * H, L, W});
+}
+// (B*H, L, W) -> (B, L, H*W) contiguous: d2l's transpose_output.
+inline Tensor merge_heads(const Tensor& y, int64_t H) {
+  const int64_t B = y.dim(0) / H, L = y.dim(1), W = y.dim(2);
+  return y.reshape({B, H, L, W}).permute({0, 2, 1, 3}).contiguous().reshape({B, L, H * W});
 }
 
 }  // namespace attn::testing

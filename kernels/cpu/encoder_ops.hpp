@@ -13,7 +13,7 @@
 //                      and dx agree with the reference to float32 rounding (a few ulp at most)
 //   layer_norm_backward dgamma / dbeta summed in double per chunk of kLayerNormChunkRows rows,
 //                      the chunks added in order
-// Tested against the reference over sweeps in tests/test_encoder_ops_cpu.cpp.
+// Tested against the reference over sweeps in tests/test_kernels_encoder_ops_cpu.cpp.
 #pragma once
 
 #include <cstdint>

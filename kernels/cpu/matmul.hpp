@@ -29,13 +29,14 @@
 // is part of the cache key, because oneDNN fixes its work partition when the primitive is
 // created. Call from outside an OpenMP parallel region (inside one, oneDNN runs serially).
 // Determinism: for a fixed `threads` results are bitwise reproducible run to run. Across thread
-// counts oneDNN 2.6 gives no promise, and we probed it (1 vs 2 threads, tests/test_matmul_cpu.cpp
-// and a sweep M, N in 1..512, K in 1e3..1e5): the plain and trans_b products (forward x W^T,
-// input grad dy W) were identical on every probed shape; the trans_a product (weight grad dy^T x)
-// is split along K by oneDNN when the output is small next to the contraction and then differs in
-// the last bits, e.g. (M, N, K) = (512, 64, 4096) or (16, 16, 20000). MultiHeadAttention's
-// (512, 512, 2048 | 8192) agree. Making those bitwise would cost an explicit transpose of dy
-// (measured 2-3x the GEMM's own time with a plain loop), so we accept it and say so here.
+// counts oneDNN 2.6 gives no promise, and we probed it (1 vs 2 threads,
+// tests/test_kernels_matmul_cpu.cpp and a sweep M, N in 1..512, K in 1e3..1e5): the plain and
+// trans_b products (forward x W^T, input grad dy W) were identical on every probed shape; the
+// trans_a product (weight grad dy^T x) is split along K by oneDNN when the output is small next to
+// the contraction and then differs in the last bits, e.g. (M, N, K) = (512, 64, 4096) or (16, 16,
+// 20000). MultiHeadAttention's (512, 512, 2048 | 8192) agree. Making those bitwise would cost an
+// explicit transpose of dy (measured 2-3x the GEMM's own time with a plain loop), so we accept it
+// and say so here.
 //
 // Cache: one primitive per (shape, strides, flags, dtype, threads), in a mutex-protected map;
 // one engine for the process, one stream per calling thread. Kernels never throw on user input:

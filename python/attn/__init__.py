@@ -35,10 +35,12 @@ grads, zero_grad(), named_parameters(), context)
                        use_bias=False)
     TransformerDecoder(vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks, dropout,
                        use_bias=False): forward(X, enc_outputs, enc_valid_lens), backward,
-                       init_state(enc_outputs, enc_valid_lens) and step(X, state) (KV cache)
+                       init_state(enc_outputs, enc_valid_lens, cache_dtype=None|'bfloat16') and
+                       step(X, state) (KV cache)
     EncoderDecoder(src_vocab_size, tgt_vocab_size, num_hiddens, ffn_num_hiddens, num_heads,
                    num_enc_blks, num_dec_blks, dropout): forward(enc_X, dec_X, enc_valid_lens),
-                   backward, greedy_search(src, lens, bos=, eos=), beam_search(...)
+                   backward, greedy_search(src, lens, bos=, eos=, cache_dtype=None|'bfloat16'),
+                   beam_search(...)
 
 Training: Linear(in_features, out_features, bias=True) (an output head; in_features=None: lazy),
 cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) (the loss and

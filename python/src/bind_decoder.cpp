@@ -77,6 +77,14 @@ values of the decoded positions and the projected encoder outputs. .length is th
 positions decoded; reorder(rows) makes row i continue row rows[i] (beam search).)doc")
       .def_property_readonly("length", [](const PyDecoderState& s) { return s.state.length; })
       .def_property_readonly("batch", [](const PyDecoderState& s) { return s.state.batch; })
+      .def_property_readonly(
+          "cache_dtype",
+          [](const PyDecoderState& s) {
+            return s.state.blocks.empty()
+                       ? std::string()
+                       : std::string(python_dtype_name(s.state.blocks[0].keys.dtype()));
+          },
+          "dtype of the cached keys and values ('float32', 'float64' or 'bfloat16').")
       .def(
           "reorder",
           [](PyDecoderState& s, const std::vector<int64_t>& rows) { s.state.reorder(rows); },
@@ -144,19 +152,24 @@ blks.block{i}.ffn.dense{1,2}.*, dense.weight, dense.bias.)doc");
       .def(
           "init_state",
           [](PyTransformerDecoder& self, py::handle enc_outputs, py::handle enc_valid_lens,
-             int64_t capacity) {
+             int64_t capacity, py::handle cache_dtype) {
             const char* op = "TransformerDecoder.init_state";
             Input enc = module_input(enc_outputs, op, "enc_outputs", self.m.dtype());
             Input lens = lens_input(enc_valid_lens, op);
+            const DType cache = parse_float_dtype(cache_dtype, op, /*allow_bf16=*/true);
             PyDecoderState s;
             s.state = run_locked(self, {}, [&](Context& c) {
-              return self.m.init_state(c, enc.tensor, lens.tensor, capacity);
+              return self.m.init_state(c, enc.tensor, lens.tensor, capacity, cache);
             });
             return s;
           },
           py::arg("enc_outputs"), py::arg("enc_valid_lens") = py::none(), py::arg("capacity") = 64,
+          py::arg("cache_dtype") = py::none(),
           "d2l's init_state: projects enc_outputs (B, S, num_hiddens) once per block and returns "
-          "an empty DecoderState.")
+          "an empty DecoderState. cache_dtype: the cached keys' and values' dtype, None (the "
+          "decoder's) or 'bfloat16' for a float32 decoder (half the memory and the bytes each "
+          "step reads; the projections are rounded to bfloat16, attention accumulates in "
+          "float32).")
       .def(
           "step",
           [](PyTransformerDecoder& self, py::handle X, PyDecoderState& s) {
@@ -269,24 +282,27 @@ greedy_search / beam_search generate with the decoder's key/value cache.)doc");
       .def(
           "greedy_search",
           [search](PyEncoderDecoder& self, py::handle src, py::handle src_valid_lens, int64_t bos,
-                   int64_t eos, int64_t max_len, bool use_cache) {
+                   int64_t eos, int64_t max_len, bool use_cache, py::handle cache_dtype) {
             model::GenerationOptions o;
             o.bos = bos;
             o.eos = eos;
             o.max_len = max_len;
             o.use_cache = use_cache;
+            o.cache_dtype = parse_float_dtype(cache_dtype, "greedy_search", /*allow_bf16=*/true);
             return search(self, src, src_valid_lens, o, false);
           },
           py::arg("src"), py::arg("src_valid_lens") = py::none(), py::kw_only(), py::arg("bos"),
           py::arg("eos"), py::arg("max_len") = 32, py::arg("use_cache") = true,
+          py::arg("cache_dtype") = py::none(),
           "Greedy decoding of source ids (B, S) (eval mode; stops each sequence at eos) -> dict "
           "tokens (per source, without bos/eos), ended, scores (sum of log-probabilities), "
-          "steps.")
+          "steps. cache_dtype (use_cache): None (the model's dtype) or 'bfloat16' for a float32 "
+          "model, as TransformerDecoder.init_state.")
       .def(
           "beam_search",
           [search](PyEncoderDecoder& self, py::handle src, py::handle src_valid_lens, int64_t bos,
                    int64_t eos, int64_t max_len, int64_t beam_size, double length_penalty,
-                   bool use_cache) {
+                   bool use_cache, py::handle cache_dtype) {
             model::GenerationOptions o;
             o.bos = bos;
             o.eos = eos;
@@ -294,13 +310,15 @@ greedy_search / beam_search generate with the decoder's key/value cache.)doc");
             o.beam_size = beam_size;
             o.length_penalty = length_penalty;
             o.use_cache = use_cache;
+            o.cache_dtype = parse_float_dtype(cache_dtype, "beam_search", /*allow_bf16=*/true);
             return search(self, src, src_valid_lens, o, true);
           },
           py::arg("src"), py::arg("src_valid_lens") = py::none(), py::kw_only(), py::arg("bos"),
           py::arg("eos"), py::arg("max_len") = 32, py::arg("beam_size") = 4,
           py::arg("length_penalty") = 0.75, py::arg("use_cache") = true,
+          py::arg("cache_dtype") = py::none(),
           "Beam search (d2l 10.8: score log P / L^length_penalty) -> dict tokens, ended, scores, "
-          "steps, as greedy_search.");
+          "steps, as greedy_search (cache_dtype too).");
 }
 
 }  // namespace attn::python

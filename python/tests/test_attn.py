@@ -271,7 +271,8 @@ def test_multihead_attention_with_torch_multihead_weights(rng, bias, B, T, E, H)
             ref.in_proj_bias.normal_()
             ref.out_proj.bias.normal_()
     # The reference backend (double accumulation): the fast paths' float32 accuracy has its own
-    # tests (test_matmul_cpu, test_flash_cpu); this one is about names and semantics.
+    # tests (test_kernels_matmul_cpu, test_kernels_flash_cpu); this one is about names and
+    # semantics.
     layer = attn.MultiHeadAttention(E, H, 0.0, bias=bias, backend="reference").eval()
     layer.load_state_dict(ref.state_dict())  # torch tensors and torch names, as they come
     X = rng.standard_normal((B, T, E)).astype(np.float32)

@@ -325,9 +325,9 @@ def test_module_works_without_torch():
 # ------------------------------------------------------------------------------------------------
 # linear: dtype="bfloat16" and torch.bfloat16
 #
-# Tolerance (tests/test_bf16_linear_mha.cpp derives it in full). Let y* be the exact result on the
-# bf16 inputs: products of bf16 numbers are exact in float32 and float64, so NumPy's float64 sum
-# is y* up to ~K 2^-53 of the magnitude M = |x| |W|^T + |b|, negligible. The fast path
+# Tolerance (tests/test_nn_bf16_linear_mha.cpp derives it in full). Let y* be the exact result on
+# the bf16 inputs: products of bf16 numbers are exact in float32 and float64, so NumPy's float64
+# sum is y* up to ~K 2^-53 of the magnitude M = |x| |W|^T + |b|, negligible. The fast path
 # (auto/cpu) accumulates in float32 in any order, |y~ - y*| <= e = gamma_{K+2} M (Higham, Thm
 # 3.1; gamma_n = n u32 / (1 - n u32), u32 = 2^-24; K products, the bias and one spare add), then
 # rounds once to bf16: |y - y*| <= U (|y*| + e) + e. The reference backend sums in double and
@@ -488,7 +488,7 @@ def test_linear_mixed_bf16_dtypes_are_errors(rng):
 # ------------------------------------------------------------------------------------------------
 # MultiHeadAttention(dtype="bfloat16")
 #
-# Tolerance (derived in tests/test_bf16_linear_mha.cpp, which this restates): against a float64
+# Tolerance (derived in tests/test_nn_bf16_linear_mha.cpp, which this restates): against a float64
 # module with the same bf16 weights on the same bf16 inputs, each stage of the bf16 module rounds
 # its output once, a relative perturbation of at most U of that stage; with PyTorch's small init
 # nothing amplifies it much (|scores| < 1, softmax Lipschitz 1). With every error lined up, first

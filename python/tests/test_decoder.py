@@ -1,6 +1,7 @@
 """The Transformer decoder and encoder-decoder from Python: d2l's names, forward/backward, the KV
 cache against the whole-prefix forward, greedy and beam search. (The C++ suite holds the
-gradchecks and the PyTorch parity: tests/test_decoder.cpp, tests/test_parity_seq2seq.cpp.)"""
+gradchecks and the PyTorch parity: tests/test_nn_decoder.cpp,
+tests/test_model_parity_seq2seq.cpp.)"""
 
 import numpy as np
 import pytest
@@ -34,17 +35,67 @@ def test_decoder_names_shapes_and_backward(rng):
     assert np.all(np.triu(self_w[0][0], 1) == 0)  # causal
 
 
-def test_step_with_cache_equals_forward(rng):
-    dec = attn.TransformerDecoder(11, 16, 32, 4, 2, 0.0, seed=1).eval()
+def decode_incrementally(dec, ids, state, first=2):
+    """Logits of ids (B, T) from dec.step: the first `first` positions in one step, then one a
+    step (the cache grows past a small capacity)."""
+    return np.concatenate([dec.step(ids[:, :first], state)] +
+                          [dec.step(ids[:, t:t + 1], state) for t in range(first, ids.shape[1])],
+                          axis=1)
+
+
+def decoder_case(rng, num_hiddens, num_heads):
+    """An eval-mode decoder, ids (3, 6), enc_outputs (3, 4, E), ragged lengths, forward's logits."""
+    dec = attn.TransformerDecoder(11, num_hiddens, 32, num_heads, 2, 0.0, seed=1).eval()
     ids = rng.integers(0, 11, size=(3, 6))
-    enc = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    enc = rng.standard_normal((3, 4, num_hiddens)).astype(np.float32)
     lens = np.array([4, 1, 3])
-    want = dec(ids, enc, lens)
+    return dec, ids, enc, lens, dec(ids, enc, lens)
+
+
+def test_step_with_cache_equals_forward(rng):
+    dec, ids, enc, lens, want = decoder_case(rng, 16, 4)
     state = dec.init_state(enc, lens, capacity=2)
-    got = np.concatenate([dec.step(ids[:, :2], state)] +
-                         [dec.step(ids[:, t:t + 1], state) for t in range(2, 6)], axis=1)
+    got = decode_incrementally(dec, ids, state)
     assert state.length == 6
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_bf16_cache_step_and_search(rng):
+    # cache_dtype='bfloat16': the cached keys and values (self-attention and encoder projections)
+    # are rounded to bfloat16, attention accumulates in float32 (the decode kernel's bf16 path).
+    dec, ids, enc, lens, want = decoder_case(rng, 64, 2)
+    state32 = dec.init_state(enc, lens)
+    state16 = dec.init_state(enc, lens, capacity=2, cache_dtype="bfloat16")
+    assert state32.cache_dtype == "float32" and state16.cache_dtype == "bfloat16"
+    got32 = decode_incrementally(dec, ids, state32, first=1)
+    got16 = decode_incrementally(dec, ids, state16)
+    np.testing.assert_allclose(got32, want, rtol=0, atol=1e-5)
+    err = np.abs(got16 - want).max()
+    assert 0 < err < 0.05 * np.abs(want).max()  # rounded, but close
+
+    model = make_model()
+    model.eval()
+    src = rng.integers(0, 13, size=(5, 6))
+    slens = np.array([6, 3, 1, 5, 2])
+    for search, extra in (("greedy_search", {}), ("beam_search", {"beam_size": 3})):
+        out = getattr(model, search)(src, slens, bos=0, eos=10, max_len=6,
+                                     cache_dtype="bfloat16", **extra)
+        assert len(out["tokens"]) == 5 and all(len(t) <= 6 for t in out["tokens"])
+        assert np.all(np.isfinite(out["scores"]))
+        default = getattr(model, search)(src, slens, bos=0, eos=10, max_len=6, **extra)
+        same = getattr(model, search)(src, slens, bos=0, eos=10, max_len=6,
+                                      cache_dtype="float32", **extra)
+        assert same == default
+
+    with pytest.raises(attn.Error, match="cache_dtype F64 for a F32 decoder"):
+        dec.init_state(enc, lens, cache_dtype="float64")
+    dec64 = attn.TransformerDecoder(11, 16, 32, 2, 1, 0.0, dtype="float64", seed=1).eval()
+    enc64 = rng.standard_normal((3, 4, 16))
+    assert dec64.init_state(enc64, lens).cache_dtype == "float64"
+    with pytest.raises(attn.Error, match="cache_dtype BF16 for a F64 decoder"):
+        dec64.init_state(enc64, lens, cache_dtype="bfloat16")
+    with pytest.raises(attn.Error, match="not a NumPy dtype"):
+        model.greedy_search(src, slens, bos=0, eos=10, cache_dtype="half-ish")
 
 
 def test_encoder_decoder_state_dict_and_search(rng):

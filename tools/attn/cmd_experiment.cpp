@@ -49,7 +49,7 @@ model::PositionalExperimentOptions experiment_options(const ExperimentArgs& a) {
       o.tasks.push_back(model::parse_generated_task(t));
   }
   // Each run trains on one thread and is a pure function of (task, variant, seed), so running
-  // several at once changes the wall time only (tests/test_threads.cpp checks it).
+  // several at once changes the wall time only (tests/test_model_threads.cpp checks it).
   check(a.jobs >= 0, kOp, "--jobs {}: expected >= 1, or 0 for one run per hardware thread", a.jobs);
   o.jobs = a.jobs > 0 ? a.jobs : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   return o;

@@ -13,7 +13,7 @@
 //   kExact    (default for float64, and on request): angles and sin/cos in double, rounded once,
 //             within 3e-8 of the true values.
 // The float32 chain drifts from the true values by up to ~i * 2^-24 (2.8e-5 at d = 32,
-// 6.2e-5 at d = 512 over positions 0..999; tests/test_positional_op.cpp prints the table).
+// 6.2e-5 at d = 512 over positions 0..999; tests/test_ops_positional.cpp prints the table).
 #pragma once
 
 #include "attn/core/tensor.hpp"

@@ -49,7 +49,7 @@ class Seq2SeqFixture {
   Tensor get(const std::string& c, const std::string& key) const {
     auto it = file_.tensors.find(c + "." + key);
     if (it == file_.tensors.end())
-      throw Error("test_parity_seq2seq",
+      throw Error("test_model_parity_seq2seq",
                   "fixture case " + c + " has no tensor '" + key + "'\n" + kRegenerate);
     return it->second;
   }

@@ -9,8 +9,9 @@
 //    by a sentinel.
 // 2. Module level: the fused path (need_weights = false) against the d2l path (need_weights =
 //    true: the reference kernels, double accumulation) within the fp32 tolerances of
-//    tests/test_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and bitwise
-//    equal for 1 and 2 threads.
+//    tests/test_kernels_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and
+//    bitwise equal for 1 and 2 threads.
+#include "attention_harness.hpp"
 #include "attn/nn/attention.hpp"
 #include "attn/ops/attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
@@ -34,44 +35,18 @@ using testing::random_tensor;
 
 constexpr float kSentinel = -768.0f;  // exact in bfloat16 too
 
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape()) return false;
-  if (a.dtype() != b.dtype()) return false;
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.raw_data(), bc.raw_data(), ac.nbytes()) == 0;
-}
+using testing::bitwise_equal;
+using testing::Lens;
+using testing::merge_heads;
+using testing::split_heads;
+using Case = testing::KernelCase;  // H heads of (B, T, H*D) inputs
 
-// (B, L, H*W) -> (B*H, L, W) contiguous: d2l's transpose_qkv.
-Tensor split(const Tensor& x, int64_t H) {
-  const int64_t B = x.dim(0), L = x.dim(1), W = x.dim(2) / H;
-  return x.contiguous()
-      .reshape({B, L, H, W})
-      .permute({0, 2, 1, 3})
-      .contiguous()
-      .reshape({B * H, L, W});
+double max_abs(const Tensor& t) {
+  double m = 0;
+  for (int64_t i = 0; i < t.numel(); ++i)
+    m = std::max(m, std::abs(t.flat(i)));
+  return m;
 }
-// (B*H, L, W) -> (B, L, H*W) contiguous: d2l's transpose_output.
-Tensor merge(const Tensor& y, int64_t H) {
-  const int64_t B = y.dim(0) / H, L = y.dim(1), W = y.dim(2);
-  return y.reshape({B, H, L, W}).permute({0, 2, 1, 3}).contiguous().reshape({B, L, H * W});
-}
-
-enum class Lens { kNone, k1D, k2D };
-
-struct Case {
-  int64_t B, H, T, S, D, Dv;
-  Lens lens;
-  bool causal;
-  bool zero_rows;
-  double dropout;
-  std::string name() const {
-    static const char* kLens[] = {"none", "lens1d", "lens2d"};
-    return "B" + std::to_string(B) + "_H" + std::to_string(H) + "_T" + std::to_string(T) + "_S" +
-           std::to_string(S) + "_D" + std::to_string(D) + "_Dv" + std::to_string(Dv) + "_" +
-           kLens[int(lens)] + (causal ? "_causal" : "") + (zero_rows ? "_zero" : "") + "_p" +
-           std::to_string(int(dropout * 100));
-  }
-};
 
 std::vector<Case> cases() {
   std::vector<Case> out;
@@ -84,25 +59,10 @@ std::vector<Case> cases() {
                                                                       {2, 8, 97, 97, 64, 64}})
     for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D})
       for (bool causal : {false, true})
-        out.push_back({B, H, T, S, D, Dv, lens, causal, lens == Lens::k2D && causal,
-                       (lens == Lens::k1D && !causal) || (B == 2 && H == 2) ? 0.2 : 0.0});
+        out.push_back({B, T, S, D, Dv, lens, causal, lens == Lens::k2D && causal,
+                       (lens == Lens::k1D && !causal) || (B == 2 && H == 2) ? 0.2f : 0.0f,
+                       /*layout=*/0, H});
   return out;
-}
-
-Tensor valid_lens(const Case& c) {
-  if (c.lens == Lens::kNone) return {};
-  Rng rng(11, 3);
-  if (c.lens == Lens::k1D) {
-    std::vector<int64_t> v;
-    for (int64_t b = 0; b < c.B; ++b)
-      v.push_back(b == 0 ? 0 : int64_t(rng.below(uint64_t(c.S + 3))));  // 0: a fully masked batch
-    return Tensor::from_vector(v, {c.B});
-  }
-  std::vector<int64_t> v;
-  for (int64_t b = 0; b < c.B; ++b)
-    for (int64_t t = 0; t < c.T; ++t)
-      v.push_back(t == 1 ? 0 : int64_t(rng.below(uint64_t(c.S + 3))));
-  return Tensor::from_vector(v, {c.B, c.T});
 }
 
 struct Outcome {
@@ -124,18 +84,27 @@ Context make_context(int threads, const Switches& sw) {
   return ctx;
 }
 
-// The fused op on column slices of one (B, L, 3 * width + 3) buffer per input (offset 1, so every
-// row is misaligned), gradients into slices of a sentinel-filled buffer.
+// The case's (B, T|S, H*D) inputs as column slices of one (B, L, 2E + Ev + 3) buffer per input
+// (offset 1, so every row is misaligned), and the output gradient.
+struct Inputs {
+  Tensor q, k, v, dout;
+};
+Inputs make_inputs(const Case& c, DType dt) {
+  const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
+  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
+  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
+  return {qbuf.slice(2, 1, 1 + E), kvbuf.slice(2, 1 + E, 1 + 2 * E),
+          kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev),
+          random_tensor({c.B, c.T, Ev}, DType::F32, 3).to(dt)};
+}
+
+// The fused op on make_inputs' slices, gradients into slices of a sentinel-filled buffer.
 Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DType dt = DType::F32,
                   const Switches& sw = {}) {
   Context ctx = make_context(threads, sw);
   const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
-  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
-  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
-  const Tensor q = qbuf.slice(2, 1, 1 + E);
-  const Tensor k = kvbuf.slice(2, 1 + E, 1 + 2 * E), v = kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev);
+  const auto [q, k, v, dout] = make_inputs(c, dt);
   AttentionResult r = detail::multi_head_attention_forward(ctx, q, k, v, c.H, opts);
-  const Tensor dout = random_tensor({c.B, c.T, Ev}, DType::F32, 3).to(dt);
   Tensor gq = Tensor::full({c.B, c.T, E + 2}, kSentinel, dt),
          gkv = Tensor::full({c.B, c.S, E + Ev + 2}, kSentinel, dt);
   Tensor dq = gq.slice(2, 1, 1 + E), dk = gkv.slice(2, 1, 1 + E),
@@ -151,29 +120,31 @@ Outcome run_heads(const Case& c, int threads, const AttentionOptions& opts, DTyp
   return {r.output, r.logsumexp, dq, dk, dv};
 }
 
+// d2l's copying path on make_inputs' values: split the heads, sdpa on ctx's backend, merge.
+Outcome run_split_sdpa(Context& ctx, const Case& c, const AttentionOptions& opts, DType dt) {
+  const Inputs in = make_inputs(c, dt);
+  const Tensor q = split_heads(in.q, c.H), k = split_heads(in.k, c.H), v = split_heads(in.v, c.H);
+  AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, opts);
+  const Tensor dout = split_heads(in.dout, c.H);
+  AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, opts);
+  return {merge_heads(r.output, c.H), r.logsumexp, merge_heads(g.dq, c.H), merge_heads(g.dk, c.H),
+          merge_heads(g.dv, c.H)};
+}
+
 // The copying path on the same values: split, sdpa on kCpu (the fused kernel), merge.
 Outcome run_split(const Case& c, int threads, const AttentionOptions& heads_opts,
                   DType dt = DType::F32, const Switches& sw = {}) {
   Context ctx = make_context(threads, sw);
   ctx.backend = Backend::kCpu;
-  const int64_t E = c.H * c.D, Ev = c.H * c.Dv;
-  const Tensor qbuf = random_tensor({c.B, c.T, 2 * E + Ev + 3}, DType::F32, 1).to(dt);
-  const Tensor kvbuf = random_tensor({c.B, c.S, 2 * E + Ev + 3}, DType::F32, 2).to(dt);
-  const Tensor q = split(qbuf.slice(2, 1, 1 + E), c.H);
-  const Tensor k = split(kvbuf.slice(2, 1 + E, 1 + 2 * E), c.H);
-  const Tensor v = split(kvbuf.slice(2, 1 + 2 * E, 1 + 2 * E + Ev), c.H);
   AttentionOptions opts = heads_opts;
   opts.mask.lens_repeat = c.H;
-  AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, opts);
-  const Tensor dout = split(random_tensor({c.B, c.T, Ev}, DType::F32, 3).to(dt), c.H);
-  AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, opts);
-  return {merge(r.output, c.H), r.logsumexp, merge(g.dq, c.H), merge(g.dk, c.H), merge(g.dv, c.H)};
+  return run_split_sdpa(ctx, c, opts, dt);
 }
 
 // The case's mask, masked-row policy and dropout, in training mode.
 AttentionOptions case_options(const Case& c) {
   AttentionOptions opts;
-  opts.mask.valid_lens = valid_lens(c);
+  opts.mask.valid_lens = testing::case_valid_lens_tensor(c);
   opts.mask.causal = c.causal;
   opts.mask.masked_rows = c.zero_rows ? MaskedRowPolicy::kZero : MaskedRowPolicy::kUniform;
   opts.dropout = c.dropout;
@@ -232,7 +203,7 @@ INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),
 TEST(MhaHeadsOp, PerTileAndWholeRowPackingMatchTheReference) {
   for (int64_t T : {int64_t{300}, int64_t{8200}}) {
     SCOPED_TRACE("T " + std::to_string(T));
-    const Case c{1, 2, T, 40, 64, 64, Lens::kNone, true, false, 0.0};
+    const Case c{1, T, 40, 64, 64, Lens::kNone, true, false, 0.0f, /*layout=*/0, /*H=*/2};
     AttentionOptions opts;
     opts.mask.causal = true;
     const Outcome got = run_heads(c, 2, opts);
@@ -240,23 +211,11 @@ TEST(MhaHeadsOp, PerTileAndWholeRowPackingMatchTheReference) {
     ref_opts.mask.lens_repeat = c.H;
     Context ctx;
     ctx.backend = Backend::kReference;
-    const int64_t E = c.H * c.D;
-    const Tensor qbuf = random_tensor({c.B, c.T, 3 * E + 3}, DType::F32, 1);
-    const Tensor kvbuf = random_tensor({c.B, c.S, 3 * E + 3}, DType::F32, 2);
-    const Tensor q = split(qbuf.slice(2, 1, 1 + E), c.H);
-    const Tensor k = split(kvbuf.slice(2, 1 + E, 1 + 2 * E), c.H);
-    const Tensor v = split(kvbuf.slice(2, 1 + 2 * E, 1 + 3 * E), c.H);
-    AttentionResult r = scaled_dot_product_attention(ctx, q, k, v, ref_opts);
-    const Tensor dout = split(random_tensor({c.B, c.T, E}, DType::F32, 3), c.H);
-    AttentionGrads g = scaled_dot_product_attention_backward(ctx, dout, q, k, v, r, ref_opts);
-    EXPECT_TRUE(testing::close(got.out, merge(r.output, c.H), 2e-6, 2e-6));
-    for (auto [got_g, want_g] : {std::pair{got.dq, g.dq}, {got.dk, g.dk}, {got.dv, g.dv}}) {
-      const Tensor want = merge(want_g, c.H);
-      double scale = 0;
-      for (int64_t i = 0; i < want.numel(); ++i)
-        scale = std::max(scale, std::abs(want.flat(i)));
-      EXPECT_TRUE(testing::close(got_g, want, 0.0, 1e-5 * scale));
-    }
+    const Outcome want_all = run_split_sdpa(ctx, c, ref_opts, DType::F32);
+    EXPECT_TRUE(testing::close(got.out, want_all.out, 2e-6, 2e-6));
+    for (auto [got_g, want] :
+         {std::pair{got.dq, want_all.dq}, {got.dk, want_all.dk}, {got.dv, want_all.dv}})
+      EXPECT_TRUE(testing::close(got_g, want, 0.0, 1e-5 * max_abs(want)));
   }
 }
 
@@ -314,13 +273,6 @@ ModuleRun run_module(Path path, int threads, bool causal, const Tensor& lens,
   for (auto& [name, p] : mha.named_parameters())
     r.param_grads.push_back(p->grad);
   return r;
-}
-
-double max_abs(const Tensor& t) {
-  double m = 0;
-  for (int64_t i = 0; i < t.numel(); ++i)
-    m = std::max(m, std::abs(t.flat(i)));
-  return m;
 }
 
 // |got - want| <= tol * max(max|want|, floor) everywhere. The floor matters for W_k.bias: its

@@ -235,6 +235,22 @@ TEST(DecodeAttention, EverySimdTarget) {
   }
 }
 
+// A bfloat16 cache of the benchmark's head width (D = 64: whole vectors on every target) on every
+// target, every T, and head counts 1 and 3 with V widths 32 and 48.
+TEST(DecodeAttention, Bf16CacheEveryTargetAndQueryCount) {
+  for (int64_t target : cpu::flash_attention_targets()) {
+    SCOPED_TRACE(cpu::flash_attention_target_name(target));
+    for (int64_t T = 1; T <= 8; ++T)
+      for (int64_t heads : {1, 3}) {
+        Case c;
+        c.batch = 2, c.heads = heads, c.T = T, c.S = 150, c.D = 64, c.Dv = T % 2 ? 32 : 48;
+        c.lens = T % 3 ? Case::kPerQuery : Case::kRagged, c.bf16 = true, c.simd_targets = target;
+        check_case(c);
+        if (HasFatalFailure()) return;
+      }
+  }
+}
+
 TEST(DecodeAttention, RejectsWhatItDoesNotServe) {
   Case c;
   c.T = 2, c.S = 5;

@@ -501,7 +501,7 @@ TEST(AttentionErrors, BadInputNamesTheOp) {
   expect_error([&] { sdpa(q, random_tensor({2, 5, 3}), v); }, op);     // width
   expect_error([&] { sdpa(q, k, random_tensor({2, 4, 6})); }, op);     // S
   expect_error([&] { sdpa(q.to(DType::F32), k, v); }, op);             // mixed dtypes
-  // all-BF16 is accepted (tests/test_flash_bf16.cpp); F16 and mixed BF16/F32 are not
+  // all-BF16 is accepted (tests/test_kernels_flash_bf16.cpp); F16 and mixed BF16/F32 are not
   expect_error([&] { sdpa(q.to(DType::F16), k.to(DType::F16), v.to(DType::F16)); }, op);
   expect_error([&] { sdpa(q.to(DType::BF16), k, v.to(DType::BF16)); }, op);
   expect_error([&] { sdpa(Tensor::zeros({2, 3, 4}, DType::I64), k, v); }, op);
@@ -577,7 +577,7 @@ std::vector<std::string> fixture_cases(const SafetensorsFile& f) {
 
 // Compares attn's result with the fixture's float32 (PyTorch) and exact values of `name`. The
 // tight "vs exact" bound holds for the reference kernels (double accumulation), so these tests
-// pin Backend::kReference; the fast paths meet the PyTorch tolerance in tests/test_parity.cpp.
+// pin Backend::kReference; the fast paths meet the PyTorch tolerance in tests/test_nn_parity.cpp.
 void expect_parity(const SafetensorsFile& f, const std::string& c, const std::string& name,
                    const Tensor& ours) {
   SCOPED_TRACE(c + "." + name +

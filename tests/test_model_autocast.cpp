@@ -200,7 +200,7 @@ struct Tiny {
 };
 
 TEST(AutocastTrainer, LearnsLikeFp32WithFloat32Masters) {
-  // As test_trainer's LossFallsOnATinyTask, in both precisions.
+  // As test_model_trainer's LossFallsOnATinyTask, in both precisions.
   for (model::Precision precision : {model::Precision::kFloat32, model::Precision::kBFloat16}) {
     Tiny tiny(precision);
     tiny.options.model.dropout = 0.0;

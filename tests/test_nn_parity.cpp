@@ -104,7 +104,7 @@ class Case {
   Tensor at(const std::string& key) const {
     Tensor t = get(key);
     if (!t.defined())
-      throw Error("test_parity",
+      throw Error("test_nn_parity",
                   "fixture " + label() + " has no tensor '" + key + "'\n" + kRegenerate);
     return t;
   }

@@ -535,7 +535,7 @@ TEST(SequenceLayersTorch, MatchesPyTorch) {
 // torch's float32 run and its float64 run of the same float32 inputs ("exact.<x>", stored rounded
 // to float32), loss sum(output * G) + sum(h_n * G_h_n). attn runs every case in float32 against
 // torch's float32 (rtol 1e-5 / atol 1e-6, DESIGN.md's float32 tolerance; an element also passes
-// within that tolerance of torch's float64 result, printed as a note, as in test_parity.cpp) and
+// within that tolerance of torch's float64 result, printed as a note, as in test_nn_parity.cpp) and
 // in float64 against torch's float64 (rtol 1e-6 / atol 1e-8). The parameters go in through
 // load_state_dict under PyTorch's names.
 constexpr const char* kRegenerate =

@@ -48,7 +48,7 @@ class ClassifierFixture {
   Tensor get(const std::string& c, const std::string& key) const {
     auto it = file_.tensors.find(c + "." + key);
     if (it == file_.tensors.end())
-      throw Error("test_parity_classifier",
+      throw Error("test_model_parity_classifier",
                   "fixture case " + c + " has no tensor '" + key + "'\n" + kRegenerate);
     return it->second;
   }
