@@ -19,10 +19,15 @@ configure() {  # configure SRC BUILD
     -DATTN_BUILD_TESTS=OFF -DATTN_BUILD_CLI=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_WITH_MPI=OFF >/dev/null
   nice -n 5 cmake --build "$2" --target bench_attention >/dev/null
 }
-rm -rf build/ab-old/src
-mkdir -p build/ab-old/src
-git archive "$old_ref" | tar -x -C build/ab-old/src
-cp bench/bench_attention.cpp build/ab-old/src/bench/bench_attention.cpp
+old_commit=$(git rev-parse "$old_ref^{commit}")
+if [[ "$(cat build/ab-old/src/.ab_ref 2>/dev/null)" != "$old_commit" ]]; then  # else reuse it
+  rm -rf build/ab-old
+  mkdir -p build/ab-old/src
+  git archive "$old_commit" | tar -x -C build/ab-old/src
+  echo "$old_commit" >build/ab-old/src/.ab_ref
+fi
+cmp -s bench/bench_attention.cpp build/ab-old/src/bench/bench_attention.cpp ||
+  cp bench/bench_attention.cpp build/ab-old/src/bench/bench_attention.cpp
 configure build/ab-old/src build/ab-old/build
 configure . build/ab-new
 echo "old: $(git rev-parse --short "$old_ref"), new: working tree of $(git rev-parse --short HEAD);" \
