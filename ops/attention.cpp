@@ -78,13 +78,6 @@ void check_dout(const char* op, const Tensor& dout, const Tensor& q, const ref::
   detail::check_same_dtype(op, "dout", dout, "q", q);
 }
 
-// The stream index of weight (0, 0, 0): a sample is lens_repeat rows (MultiHeadAttention's head
-// copies: H) of T x S weights (ops/attention_kernel.hpp's rule for the fused kernels).
-uint64_t dropout_index_base(const Context& ctx, const AttentionOptions& opts,
-                            const ref::AttentionDims& d) {
-  return ctx.dropout_index_base(static_cast<uint64_t>(opts.mask.lens_repeat * d.T * d.S));
-}
-
 // Dropout acts only in training with p > 0; only then does the call take a stream offset.
 ref::DropoutSpec forward_dropout(Context& ctx, const AttentionOptions& opts,
                                  const ref::AttentionDims& d) {
@@ -93,7 +86,7 @@ ref::DropoutSpec forward_dropout(Context& ctx, const AttentionOptions& opts,
   spec.p = opts.dropout;
   spec.seed = ctx.seed;
   spec.offset = spec.active ? ctx.next_dropout_offset() : 0;
-  spec.index_base = spec.active ? dropout_index_base(ctx, opts, d) : 0;
+  spec.index_base = spec.active ? detail::attention_dropout_index_base(ctx, opts, 1, d.T, d.S) : 0;
   return spec;
 }
 
@@ -106,7 +99,7 @@ ref::DropoutSpec backward_dropout(const Context& ctx, const AttentionOptions& op
   spec.p = opts.dropout;
   spec.seed = ctx.seed;
   spec.offset = offset;
-  spec.index_base = spec.active ? dropout_index_base(ctx, opts, d) : 0;
+  spec.index_base = spec.active ? detail::attention_dropout_index_base(ctx, opts, 1, d.T, d.S) : 0;
   return spec;
 }
 
