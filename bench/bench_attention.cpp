@@ -211,6 +211,28 @@ void BM_FlashBf16Backward(benchmark::State& state) {
 BENCHMARK(BM_FlashBf16Forward)->Apply(IssueShapes);
 BENCHMARK(BM_FlashBf16Backward)->Apply(IssueShapes);
 
+// A training step of the bf16 core with dropout (p = 0.1 on the weights): forward, then
+// backward, which redraws the mask; the Philox draws' share of the time shows here.
+// bench/ab_bf16_dropout.sh compares two builds on it. Args: BH, T (= S), D.
+void BM_FlashBf16DropoutStep(benchmark::State& state) {
+  Bf16Buffers buf(state.range(0), state.range(1), state.range(2), false, true);
+  buf.p.dropout = 0.1f;
+  buf.p.seed = 7;
+  buf.p.offset = 3;
+  for (auto _ : state) {
+    attn::cpu::flash_attention_forward_bf16(buf.p);
+    attn::cpu::flash_attention_backward_bf16(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+  }
+  set_counters(state, 3.5 * forward_flops(buf.f.BH, buf.f.T, buf.f.D, false));
+}
+BENCHMARK(BM_FlashBf16DropoutStep)
+    ->Args({16, 1024, 64})
+    ->Args({16, 1024, 128})
+    ->ArgNames({"BH", "T", "D"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
 // fp32 and bf16 alternately in each iteration, so both see the same machine load (this machine
 // is shared): fp32_ms and bf16_ms are the medians over iterations, speedup the median of the
 // per-iteration ratios fp32 time / bf16 time (wall clock), speedup_cpu the same ratio of the

@@ -11,7 +11,8 @@
 //   P[b,t,s]     = exp(score - lse[b,t]),  lse = log sum_s exp(score)   over kept keys
 //   out[b,t]     = sum_s P[b,t,s] * Z[b,t,s] * v[b,s]
 // where Z is the inverted-dropout multiplier (0 or 1/(1-p)) drawn from the dropout stream with
-// index (b*T + t)*S + s (attn/core/rng.hpp), or 1 without dropout. Dropout acts on normalized
+// index dropout_index_base + (b*T + t)*S + s (attn/core/rng.hpp; the base places a data-parallel
+// shard's rows in the global batch), or 1 without dropout. Dropout acts on normalized
 // weights: it does not enter the softmax denominator.
 //
 // Mask: key s of row (b, t) is kept iff s < kept_keys[b*T + t] (when kept_keys is given; the
@@ -57,6 +58,9 @@ struct AttentionProblem {
   // Dropout stream (attn/core/rng.hpp): p in [0, 1], 0 disables; (seed, offset) pick the stream.
   float dropout = 0.0f;
   uint64_t seed = 0, offset = 0;
+  // Stream index of element (0, 0, 0): the global index of this call's first sample times the
+  // elements per sample, heads * T * S (Context::dropout_index_base; 0 in a single process).
+  uint64_t dropout_index_base = 0;
 
   int threads = 1;
 
@@ -71,6 +75,11 @@ struct AttentionProblem {
   // Offset of row b of a view with batch stride sb and head stride sh.
   int64_t row_offset(int64_t b, int64_t sb, int64_t sh) const {
     return heads == 1 ? b * sb : (b / heads) * sb + (b % heads) * sh;
+  }
+
+  // The dropout stream index of weight (b, t, s).
+  uint64_t dropout_index(int64_t b, int64_t t, int64_t s) const {
+    return dropout_index_base + static_cast<uint64_t>((b * T + t) * S + s);
   }
 
   // Keys [0, limit) are kept by row (b, t): the length mask and the causal mask both keep a prefix.

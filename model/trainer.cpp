@@ -220,12 +220,6 @@ Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm
           name, dtype_name(p->grad.dtype()));
   }
   comm_->check_same(op, "the parameter sizes (numel of each, in order)", sizes);
-  // Masks are drawn from each rank's local tensor index, not the global sample's: refuse rather
-  // than train a model that differs from the 1-rank one (see trainer.hpp).
-  check(options_.model.dropout == 0.0, op,
-        "dropout {} with {} ranks: data-parallel training supports dropout 0 only (the dropout "
-        "stream indexes the local shard, so masks would differ from a 1-rank run)",
-        options_.model.dropout, comm_->size());
   buckets_.resize(static_cast<size_t>(model_->num_stages()));
   for (const auto& [name, p] : optimizer_->parameters())
     buckets_[static_cast<size_t>(model_->stage_of(name))].params.push_back(p);
@@ -297,6 +291,14 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
   optimizer_->zero_grad();
   CrossEntropyOptions ce;
   ce.reduction = Reduction::kSum;
+  // Dropout masks follow the global sample: this rank's rows are samples [lo, hi) of the global
+  // batch, so every dropout site draws the masks the 1-rank step draws for them
+  // (Context::dropout_first_sample), in the forward and again in the backward.
+  struct SampleWindow {
+    Context& ctx;
+    ~SampleWindow() { ctx.dropout_first_sample = 0; }
+  } window{ctx_};
+  ctx_.dropout_first_sample = static_cast<uint64_t>(lo);
   Tensor logits = model_->forward(ctx_, ids, valid_lens);
   const CrossEntropyResult local = softmax_cross_entropy(ctx_, logits, targets, ce);
   double loss_sum[1] = {local.loss};

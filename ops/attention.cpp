@@ -79,23 +79,27 @@ void check_dout(const char* op, const Tensor& dout, const Tensor& q, const ref::
 }
 
 // Dropout acts only in training with p > 0; only then does the call take a stream offset.
-ref::DropoutSpec forward_dropout(Context& ctx, const AttentionOptions& opts) {
+ref::DropoutSpec forward_dropout(Context& ctx, const AttentionOptions& opts,
+                                 const ref::AttentionDims& d) {
   ref::DropoutSpec spec;
   spec.active = opts.training && opts.dropout > 0.0;
   spec.p = opts.dropout;
   spec.seed = ctx.seed;
   spec.offset = spec.active ? ctx.next_dropout_offset() : 0;
+  spec.index_base = spec.active ? detail::attention_dropout_index_base(ctx, opts, 1, d.T, d.S) : 0;
   return spec;
 }
 
-// The backward redraws the forward's mask: same seed, the offset the forward stored.
+// The backward redraws the forward's mask: same seed, the offset the forward stored, the same
+// index base (the Context's sample window must not change in between).
 ref::DropoutSpec backward_dropout(const Context& ctx, const AttentionOptions& opts,
-                                  uint64_t offset) {
+                                  const ref::AttentionDims& d, uint64_t offset) {
   ref::DropoutSpec spec;
   spec.active = opts.training && opts.dropout > 0.0;
   spec.p = opts.dropout;
   spec.seed = ctx.seed;
   spec.offset = offset;
+  spec.index_base = spec.active ? detail::attention_dropout_index_base(ctx, opts, 1, d.T, d.S) : 0;
   return spec;
 }
 
@@ -226,7 +230,7 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   const DType dt = q.dtype();
   AttentionResult result;
   if (dt == DType::BF16) {
-    const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+    const ref::DropoutSpec drop = forward_dropout(ctx, opts, d);
     result.dropout_offset = drop.offset;
     sdpa_forward_bf16(ctx, q, k, v, d, opts, drop, result);
     return result;
@@ -234,7 +238,7 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
   result.logsumexp = Tensor::empty({d.B, d.T}, dt);
   if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
-  const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+  const ref::DropoutSpec drop = forward_dropout(ctx, opts, d);
   result.dropout_offset = drop.offset;
   if (use_flash(ctx, dt, opts)) {
     sdpa_fused_forward<float>(ctx, q, k, v, d, opts, result);
@@ -266,10 +270,10 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   const DType dt = q.dtype();
   if (dt == DType::BF16)
     return sdpa_backward_bf16(ctx, dout, q, k, v, forward, d, opts,
-                              backward_dropout(ctx, opts, forward.dropout_offset));
+                              backward_dropout(ctx, opts, d, forward.dropout_offset));
   AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
                        Tensor::empty(v.shape(), dt)};
-  const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
+  const ref::DropoutSpec drop = backward_dropout(ctx, opts, d, forward.dropout_offset);
   if (use_flash(ctx, dt, opts) && fused_backward_fits(forward, d, dt)) {
     sdpa_fused_backward<float>(ctx, dout, q, k, v, forward, d, opts, grads);
     return grads;
@@ -336,7 +340,7 @@ AdditiveResult additive_attention(Context& ctx, const Tensor& qp, const Tensor& 
   AdditiveResult result;
   result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
   result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
-  const ref::DropoutSpec drop = forward_dropout(ctx, opts);
+  const ref::DropoutSpec drop = forward_dropout(ctx, opts, d);
   result.dropout_offset = drop.offset;
   const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
                vc = v.contiguous();
@@ -360,7 +364,7 @@ AdditiveGrads additive_attention_backward(Context& ctx, const Tensor& dout, cons
   const DType dt = qp.dtype();
   AdditiveGrads grads{Tensor::empty(qp.shape(), dt), Tensor::empty(kp.shape(), dt),
                       Tensor::empty(w_v.shape(), dt), Tensor::empty(v.shape(), dt)};
-  const ref::DropoutSpec drop = backward_dropout(ctx, opts, forward.dropout_offset);
+  const ref::DropoutSpec drop = backward_dropout(ctx, opts, d, forward.dropout_offset);
   const Tensor qc = qp.contiguous(), kc = kp.contiguous(), wc = w_v.contiguous(),
                vc = v.contiguous(), gc = dout.contiguous();
   const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);

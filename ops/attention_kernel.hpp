@@ -28,10 +28,21 @@ kernels::StridedView<E> head_view(const Tensor& t, int64_t heads) {
   return {static_cast<E*>(t.raw_data()), st[0], t.shape()[2] / heads, st[1], st[2]};
 }
 
+// The dropout stream index of weight (0, 0, 0) of a call on (rows, T, S) weights, rows =
+// batch * heads (the heads path) or MultiHeadAttention's head copies to SDPA (B * H rows with
+// lens_repeat = H): a sample is heads * lens_repeat rows, and the Context's data-parallel sample
+// window (Context::dropout_first_sample) places this call's first sample in the global batch.
+// The one rule for the fused kernels (attention_args) and the reference paths (ops/attention.cpp).
+inline uint64_t attention_dropout_index_base(const Context& ctx, const AttentionOptions& opts,
+                                             int64_t heads, int64_t T, int64_t S) {
+  return ctx.dropout_index_base(static_cast<uint64_t>(heads * opts.mask.lens_repeat * T * S));
+}
+
 // Everything but the output views: shapes from q (B, T, heads*D), k (B, S, heads*D),
 // v (B, S, heads*Dv); the mask as kept-key counts (`kept`, from length_key_counts over the
 // B*heads rows; it must outlive the call); scale, the dropout stream (active only in training
-// with p > 0, at `dropout_offset`), threads and the test switches from ctx.
+// with p > 0, at `dropout_offset`, from attention_dropout_index_base), threads and the test
+// switches from ctx.
 template <class E>
 kernels::AttentionArgs<E> attention_args(const Context& ctx, const Tensor& q, const Tensor& k,
                                          const Tensor& v, int64_t heads,
@@ -50,6 +61,7 @@ kernels::AttentionArgs<E> attention_args(const Context& ctx, const Tensor& q, co
   p.dropout = drop ? static_cast<float>(opts.dropout) : 0.0f;
   p.seed = ctx.seed;
   p.offset = drop ? dropout_offset : 0;
+  p.dropout_index_base = drop ? attention_dropout_index_base(ctx, opts, heads, p.T, p.S) : 0;
   p.threads = ctx.resolved_threads();
   p.simd_targets = ctx.kernel_targets;
   p.force_bf16_fallback = ctx.force_bf16_fallback;

@@ -29,11 +29,34 @@ using VU = hn::Vec<DU>;
 constexpr size_t kMaxLanes = HWY_MAX_BYTES / sizeof(uint32_t);
 #endif
 
-// Elements [begin, end) of one dropout call; begin is a multiple of 4. `threshold` is the
-// smallest 24-bit integer r with r * 2^-24 >= p, so "u >= p" is "(word >> 8) >= threshold".
+// Elements [begin, end) of one dropout call, local element i at stream index index_base + i.
+// `threshold` is the smallest 24-bit integer r with r * 2^-24 >= p, so "u >= p" is
+// "(word >> 8) >= threshold".
 void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
-                  double scale, uint64_t seed, uint64_t offset) {
-  int64_t i0 = begin;
+                  double scale, uint64_t seed, uint64_t offset, uint64_t index_base) {
+  // One element at a time, one Philox block per 4 stream indices, as the reference: the elements
+  // before the first stream index that is a multiple of 4, the tail, and the scalar target.
+  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  const auto scalar = [&](int64_t from, int64_t to) {
+    uint32_t bits[4] = {};
+    uint64_t block = ~uint64_t{0};
+    for (int64_t i = from; i < to; ++i) {
+      const uint64_t g = index_base + static_cast<uint64_t>(i);
+      if ((g >> 2) != block) {
+        block = g >> 2;
+        const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                                 static_cast<uint32_t>(offset),
+                                 static_cast<uint32_t>(offset >> 32)};
+        philox4x32_10(key, ctr, bits);
+      }
+      const double f = (bits[g & 3] >> 8) >= threshold ? scale : 0.0;
+      y[i] = static_cast<float>(static_cast<double>(x[i]) * f);
+    }
+  };
+  const int64_t head =
+      static_cast<int64_t>((4 - ((index_base + static_cast<uint64_t>(begin)) & 3)) & 3);
+  int64_t i0 = std::min(end, begin + head);
+  scalar(begin, i0);
 #if HWY_TARGET != HWY_SCALAR
   const DU du;
   const int64_t L = static_cast<int64_t>(hn::Lanes(du));
@@ -50,7 +73,7 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
   const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
   const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
   for (; i0 + 4 * L <= end; i0 += 4 * L) {
-    const uint64_t block0 = static_cast<uint64_t>(i0) >> 2;
+    const uint64_t block0 = (index_base + static_cast<uint64_t>(i0)) >> 2;
     for (int64_t k = 0; k < L; ++k) {
       lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
       hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
@@ -76,20 +99,7 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
     }
   }
 #endif
-  // The tail (and the scalar target): one block at a time, as the reference.
-  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
-  for (; i0 < end; i0 += 4) {
-    const uint64_t block = static_cast<uint64_t>(i0) >> 2;
-    const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                             static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)};
-    uint32_t bits[4];
-    philox4x32_10(key, ctr, bits);
-    const int64_t m = std::min<int64_t>(4, end - i0);
-    for (int64_t j = 0; j < m; ++j) {
-      const double f = (bits[j] >> 8) >= threshold ? scale : 0.0;
-      y[i0 + j] = static_cast<float>(static_cast<double>(x[i0 + j]) * f);
-    }
-  }
+  scalar(i0, end);
 }
 
 }  // namespace attn::cpu::HWY_NAMESPACE
@@ -101,8 +111,8 @@ namespace attn::cpu {
 HWY_EXPORT(DropoutRange);
 
 void dropout_range_f32(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
-                       double scale, uint64_t seed, uint64_t offset) {
-  HWY_DYNAMIC_DISPATCH(DropoutRange)(x, y, begin, end, threshold, scale, seed, offset);
+                       double scale, uint64_t seed, uint64_t offset, uint64_t index_base) {
+  HWY_DYNAMIC_DISPATCH(DropoutRange)(x, y, begin, end, threshold, scale, seed, offset, index_base);
 }
 
 }  // namespace attn::cpu

@@ -30,10 +30,10 @@ inline void dropout_multipliers(float p, uint64_t seed, uint64_t offset, uint64_
   }
 }
 
-// y[i] = float(double(x[i]) * f_i) for i in [begin, end), begin a multiple of 4, where
-// f_i = scale if (philox word of element i >> 8) >= threshold, else 0 (attn/core/rng.hpp's
-// stream for (seed, offset)). x and y are the whole tensors (indexed from 0).
+// y[i] = float(double(x[i]) * f_i) for i in [begin, end), where f_i = scale if (philox word of
+// stream index index_base + i >> 8) >= threshold, else 0 (attn/core/rng.hpp's stream for
+// (seed, offset)). x and y are the whole tensors (indexed from 0).
 void dropout_range_f32(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
-                       double scale, uint64_t seed, uint64_t offset);
+                       double scale, uint64_t seed, uint64_t offset, uint64_t index_base);
 
 }  // namespace attn::cpu

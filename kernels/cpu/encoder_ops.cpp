@@ -42,7 +42,7 @@ void relu_backward_chunk(const float* __restrict dy, const float* __restrict x,
 }  // namespace
 
 void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, uint64_t offset,
-                 int threads) {
+                 uint64_t index_base, int threads) {
   if (!(p > 0.0)) {  // inactive: the identity (factor 1)
     if (x != y) std::copy(x, x + n, y);
     return;
@@ -62,7 +62,7 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
   for (int64_t c = 0; c < chunks; ++c)
     dropout_range_f32(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), threshold, scale, seed,
-                      offset);
+                      offset, index_base);
 }
 
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads) {

@@ -23,9 +23,10 @@ namespace attn::cpu {
 constexpr int64_t kLayerNormChunkRows = 64;
 
 // y[i] = float(double(x[i]) * factor), factor = 0 (dropped), 1 / (1 - p) (kept), as
-// ref::DropoutSpec::factor; keep iff dropout_uniform(seed, offset, i) >= p. x may alias y.
+// ref::DropoutSpec::factor; keep iff dropout_uniform(seed, offset, index_base + i) >= p. x may
+// alias y.
 void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, uint64_t offset,
-                 int threads);
+                 uint64_t index_base, int threads);
 
 // x and y (dy, x and dx) must not overlap.
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads);

@@ -171,23 +171,24 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
 }
 
 // P^T *= Z^T on the score tile xt (nk keys x mqp queries), lanes [c0, c_end), keys from s0.
-// Vectorized across queries when S % 4 == 0: then query t's run of keys starts at element
-// (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of every
-// lane is word j of its Philox block ((bT + t)S + s0)/4 + g: one draw per 4 keys per query, and
-// each word is a whole row of the tile. Returns false (nothing done) otherwise.
+// Vectorized across queries when S % 4 == 0 (and the index base is a multiple of 4, as a whole
+// number of samples of T x S weights then is): then query t's run of keys starts at stream index
+// base + (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of
+// every lane is word j of its Philox block ((bT + t)S + s0)/4 + g: one draw per 4 keys per query,
+// and each word is a whole row of the tile. Returns false (nothing done) otherwise.
 bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
                        int64_t c0, int64_t c_end, int64_t mqp, float* xt) {
 #if HWY_TARGET == HWY_SCALAR
   return false;
 #else
-  if (p.S % 4 != 0 || s0 % 4 != 0) return false;
+  if (p.S % 4 != 0 || s0 % 4 != 0 || p.dropout_index_base % 4 != 0) return false;
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
   HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
   for (int64_t c = c0; c < c_end; c += kL) {
     for (int64_t l = 0; l < kL; ++l) {
-      const uint64_t blk = static_cast<uint64_t>((b * p.T + t0 + c + l) * p.S + s0) >> 2;
+      const uint64_t blk = p.dropout_index(b, t0 + c + l, s0) >> 2;
       lo_w[l] = static_cast<uint32_t>(blk);
       hi_w[l] = static_cast<uint32_t>(blk >> 32);
     }
@@ -220,7 +221,7 @@ void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z)
   for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, p.S - s0);
     if (p.dropout > 0.0f) {
-      DropoutRow(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
+      DropoutRow(p, p.dropout_index(b, t, s0), nk, z);
     } else {
       std::fill(z, z + nk, 1.0f);
     }
@@ -396,7 +397,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
       if (p.dropout > 0.0f && !DropoutTransposed(p, b, t0, s0, nk, c1, c2, mqp, xt)) {
         for (int64_t r = std::max(r_first, c1); r < std::min(mq, c2); ++r) {
           const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
-          DropoutRow(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+          DropoutRow(p, p.dropout_index(b, t0 + r, s0), n, z);
           for (int64_t s = 0; s < n; ++s)
             xt[s * mqp + r] *= z[s];
         }
@@ -551,7 +552,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         std::fill(prow + n, prow + nkp, kNegInf);
         const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
         if (dropout) {
-          DropoutRow(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n, z);
+          DropoutRow(p, p.dropout_index(b, t, s0), n, z);
           std::fill(z + n, z + nkp, 0.0f);
         }
         for (int64_t k = 0; k < nkp; k += kL) {
@@ -598,7 +599,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
       for (int64_t t = 0; t < T; ++t) {
         if (limf[t] != 0.0f) continue;
         if (dropout) {
-          DropoutRow(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
+          DropoutRow(p, p.dropout_index(b, t, s0), nk, z);
         } else {
           std::fill(z, z + nk, 1.0f);
         }

@@ -61,6 +61,19 @@
 #include <type_traits>
 #include <vector>
 
+// The shared SIMD Philox (kernels/cpu/philox-inl.h) compiled for each Highway target; the native
+// kernels below call its AVX3 instance on raw registers (Philox16, flash_bf16_shared-inl.h).
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/philox-inl.h"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/highway.h"
+#include "kernels/cpu/philox-inl.h"
+
+#if !(HWY_TARGETS & HWY_AVX3) && HWY_STATIC_TARGET != HWY_AVX3
+#error "flash_bf16.cpp needs Highway's AVX3 target (the native kernels' Philox)"
+#endif
+
 namespace attn::cpu {
 namespace {
 
@@ -69,7 +82,12 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 bool CpuHasBf16() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  // Highway's AVX3 target (its extensions below AVX-512 come with every AVX-512 CPU, but the
+  // target region below is compiled for them) plus AVX512-BF16.
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+                          __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("aes") &&
+                          __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") &&
                           __builtin_cpu_supports("avx512dq") &&
                           __builtin_cpu_supports("avx512bf16");
@@ -171,12 +189,17 @@ void ForwardFallback(const FlashBf16Params& p) {
 // Native forward (AVX512-BF16). Everything from here to the pop_options is compiled for
 // AVX-512 + BF16 and reached only when CpuHasBf16().
 
+// The target is Highway's AVX3 (HWY_TARGET_STR_AVX3 in hwy/ops/set_macros-inl.h) plus
+// AVX512-BF16, so that the shared Philox (philox-inl.h, compiled for AVX3) inlines here.
 #if defined(__clang__)  // the fuzz build
-#pragma clang attribute push( \
-    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))), apply_to = function)
+#pragma clang attribute push(                                                               \
+    __attribute__((target("sse2,ssse3,sse4.1,sse4.2,pclmul,aes,avx,avx2,bmi,bmi2,fma,f16c," \
+                          "avx512f,avx512vl,avx512dq,avx512bw,avx512bf16"))),               \
+    apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("sse2,ssse3,sse4.1,sse4.2,pclmul,aes,avx,avx2,bmi,bmi2,fma,f16c", \
+                   "avx512f,avx512vl,avx512dq,avx512bw,avx512bf16")
 // GCC 12's avx512fintrin.h builds _mm512_max_ps and friends on `__m512 __Y = __Y;`
 // (_mm512_undefined_ps), which -Wmaybe-uninitialized reports once inlined here.
 #pragma GCC diagnostic push

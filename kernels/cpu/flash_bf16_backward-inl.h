@@ -363,7 +363,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
           l2[h] = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
           dd[h] = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
           if (dropout && n[h] > 0)
-            DropoutRow64(p, static_cast<uint64_t>((b * T + t) * p.S + s0), n[h], w.z + h * kBwdK);
+            DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
         }
         for (int64_t v2 = 0; v2 < nv; v2 += 2) {
           __m512 ds[2][2];
@@ -445,7 +445,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
         if (w.lim[t] != 0) continue;
         float* z = w.z;
         if (dropout) {
-          DropoutMultipliers(p, static_cast<uint64_t>((b * T + t) * p.S + s0), nk, z);
+          DropoutMultipliers(p, p.dropout_index(b, t, s0), nk, z);
         } else {
           std::fill(z, z + nk, 1.0f);
         }

@@ -115,14 +115,15 @@ inline __m512 Exp2Accurate(__m512 x) {
 }
 
 // X^T *= Z^T on the weight tile (nk keys x query lanes [c0, mqp)), keys from s0, vectorized
-// across queries. Needs S % 4 == 0: then query t's run of keys starts at element (bT + t)S + s0,
-// a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of every lane is word j of
-// Philox block ((bT + t)S + s0)/4 + g: one 16-lane Philox per 4 keys of 16 queries (the scalar
-// draw costs one call per 4 keys per query). Returns false (nothing done) otherwise. Masked keys
-// hold weight 0 and stay 0.
+// across queries. Needs S % 4 == 0 (and an index base that is a multiple of 4, as a whole
+// number of samples of T x S weights then is): then query t's run of keys starts at stream
+// index base + (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j
+// of every lane is word j of Philox block ((bT + t)S + s0)/4 + g: one 16-lane Philox per 4 keys of
+// 16 queries (the scalar draw costs one call per 4 keys per query). Returns false (nothing done)
+// otherwise. Masked keys hold weight 0 and stay 0.
 bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
                  int64_t c0, int64_t mqp, float* xt) {
-  if (p.S % 4 != 0) return false;
+  if (p.S % 4 != 0 || p.dropout_index_base % 4 != 0) return false;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
   const __m512 vp = _mm512_set1_ps(p.dropout), vkeep = _mm512_set1_ps(keep_scale);
   const __m512 two_m24 = _mm512_set1_ps(1.0f / 16777216.0f);
@@ -131,7 +132,7 @@ bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, in
   alignas(64) uint32_t lo_w[kL], hi_w[kL];
   for (int64_t q = c0; q < mqp; q += kL) {
     for (int64_t l = 0; l < kL; ++l) {
-      const uint64_t blk = static_cast<uint64_t>((b * p.T + t0 + q + l) * p.S + s0) >> 2;
+      const uint64_t blk = p.dropout_index(b, t0 + q + l, s0) >> 2;
       lo_w[l] = static_cast<uint32_t>(blk);
       hi_w[l] = static_cast<uint32_t>(blk >> 32);
     }
@@ -197,7 +198,7 @@ void MaskedRow(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, float
   for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, p.S - s0);
     if (p.dropout > 0.0f) {
-      DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t) * p.S + s0), nk, z);
+      DropoutMultipliers(p, p.dropout_index(b, t, s0), nk, z);
     } else {
       std::fill(z, z + nk, 1.0f);
     }
@@ -317,7 +318,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
     if (dropout && !DropoutTile(p, b, t0, s0, nk, c0, mqp, xt)) {
       for (int64_t r = r_first; r < mq; ++r) {
         const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
-        DropoutMultipliers(p, static_cast<uint64_t>((b * p.T + t0 + r) * p.S + s0), n, z);
+        DropoutMultipliers(p, p.dropout_index(b, t0 + r, s0), n, z);
         for (int64_t s = 0; s < n; ++s)
           xt[s * mqp + r] *= z[s];
       }

@@ -1,7 +1,7 @@
 // Native bf16 attention, the steps the forward and the backward share: the degree-3 exp2, the
-// pair rounding (two fp32 rows into bf16 pairs), the 16-lane Philox of the dropout stream, and
-// the packing of bf16 rows into pairs along either axis (with the finiteness flags that route
-// tiles holding Inf or NaN to the careful path).
+// pair rounding (two fp32 rows into bf16 pairs), the 16-lane Philox of the dropout stream (the
+// shared one of philox-inl.h), and the packing of bf16 rows into pairs along either axis (with
+// the finiteness flags that route tiles holding Inf or NaN to the careful path).
 // Part of kernels/cpu/flash_bf16.cpp, included once by it inside its anonymous namespace and
 // its AVX-512 + BF16 target region (not a standalone header: it uses that file's includes,
 // FlashBf16Params helpers and constants). Contract: kernels/cpu/flash_bf16.hpp.
@@ -35,33 +35,10 @@ inline __m512i PairBf16(__m512 lo, __m512 hi) {
 }
 
 // Philox 4x32-10 (attn/core/rng.hpp) on 16 counters at once: c[w] holds word w of every lane's
-// counter on entry and word w of its output on exit. 32 x 32 -> 64-bit products: vpmuludq on
-// the even lanes and on the odd lanes shifted down, merged by a blend.
-inline void MulHiLo(__m512i x, uint32_t m, __m512i& hi, __m512i& lo) {
-  const __m512i vm = _mm512_set1_epi32(static_cast<int>(m));
-  lo = _mm512_mullo_epi32(x, vm);
-  const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(x, vm), 32);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(x, 32), vm);
-  hi = _mm512_mask_blend_epi32(0xaaaa, even, odd);
-}
-
+// counter on entry and word w of its output on exit. The shared SIMD Philox (philox-inl.h, its
+// AVX3 instance, included by flash_bf16.cpp), the one the fp32 kernel and the dropout op draw.
 inline void Philox16(__m512i c[4], uint64_t seed) {
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    __m512i hi0, lo0, hi1, lo1;
-    MulHiLo(c[0], 0xD2511F53u, hi0, lo0);
-    MulHiLo(c[2], 0xCD9E8D57u, hi1, lo1);
-    const __m512i n0 =
-        _mm512_xor_si512(_mm512_xor_si512(hi1, c[1]), _mm512_set1_epi32(static_cast<int>(k0)));
-    const __m512i n2 =
-        _mm512_xor_si512(_mm512_xor_si512(hi0, c[3]), _mm512_set1_epi32(static_cast<int>(k1)));
-    c[0] = n0;
-    c[1] = lo1;
-    c[2] = n2;
-    c[3] = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
+  N_AVX3::Philox4x32Avx512(c, seed);
 }
 
 // True when a 16-word vector of bf16 pairs holds no Inf or NaN (exponent field all ones).

@@ -1,9 +1,8 @@
 // The SIMD Philox 4x32-10 of the dropout stream (attn/core/rng.hpp, the scalar original, round
-// for round), shared by every Highway kernel that drops: the fused fp32 attention
-// (flash_kernels-inl.h) and the elementwise dropout (dropout_simd.cpp). Included once per SIMD
-// target through hwy/foreach_target.h. The AVX-512 bf16 kernel's Philox16 (flash_bf16_shared-inl.h)
-// is the same rounds on 16 lanes in intrinsics; test_dropout and the bf16 dropout tests check all
-// of them against the scalar stream.
+// for round), shared by every kernel that drops: the fused fp32 attention (flash_kernels-inl.h),
+// the elementwise dropout (dropout_simd.cpp) and, through Philox4x32Avx512 on raw registers, the
+// AVX-512 bf16 attention (flash_bf16_shared-inl.h). Included once per SIMD target through
+// hwy/foreach_target.h. The dropout and bf16 dropout tests check it against the scalar stream.
 
 // Per-target include guard, the Highway idiom: toggles once per target.
 #if defined(ATTN_PHILOX_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -57,6 +56,20 @@ HWY_INLINE void Philox4x32(DU du, hn::Vec<DU> c[4], uint64_t seed) {
   }
 }
 #endif  // HWY_TARGET != HWY_SCALAR
+
+#if HWY_TARGET == HWY_AVX3
+// Philox4x32 on 16 counters held in raw AVX-512 registers, for the bf16 attention kernel, which
+// is written in intrinsics (kernels/cpu/flash_bf16.cpp): Highway's 512-bit vectors wrap the same
+// registers, so this compiles to the same instructions as a call from Highway code. Its callers
+// must be compiled for (a superset of) Highway's AVX3 target to inline it.
+HWY_INLINE void Philox4x32Avx512(__m512i c[4], uint64_t seed) {
+  using DU = hn::Full512<uint32_t>;
+  hn::Vec<DU> v[4] = {hn::Vec<DU>{c[0]}, hn::Vec<DU>{c[1]}, hn::Vec<DU>{c[2]}, hn::Vec<DU>{c[3]}};
+  Philox4x32(DU(), v, seed);
+  for (int w = 0; w < 4; ++w)
+    c[w] = v[w].raw;
+}
+#endif  // HWY_TARGET == HWY_AVX3
 
 }  // namespace attn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();

@@ -4,14 +4,16 @@
 # the given mpirun command line in two halves (10 steps with a checkpoint, which rank 0 writes,
 # then --resume to 20, which every rank reads), and compares the evaluation losses and the
 # averaged training losses of the metrics files (within 1e-5 relative). Also checks that the
-# final line is printed once, not once per rank.
+# final line is printed once, not once per rank. CHECK_TRAIN_DROPOUT (default 0) is the model's
+# dropout: the masks follow the global sample, so the losses agree with dropout too.
 set -euo pipefail
 attn=$1
 shift
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 common=(--task shift --length 8 --symbols 4 --num-hiddens 16 --ffn-num-hiddens 32 --num-blks 2
-        --batch-size 8 --eval-every 10 --eval-examples 64 --threads 1 --seed 3)
+        --batch-size 8 --eval-every 10 --eval-examples 64 --threads 1 --seed 3
+        --dropout "${CHECK_TRAIN_DROPOUT:-0}")
 "$attn" train "${common[@]}" --steps 20 --metrics "$tmp/single.json" >"$tmp/single.out"
 "$@" "$attn" train "${common[@]}" --steps 10 --checkpoint "$tmp/ck.safetensors" >"$tmp/first.out"
 "$@" "$attn" train --resume "$tmp/ck.safetensors" --steps 20 --threads 1 \

@@ -44,6 +44,18 @@ struct Context {
   uint64_t dropout_offset() const { return dropout_offset_; }
   void set_dropout_offset(uint64_t offset) { dropout_offset_ = offset; }
 
+  // Data parallelism: the global index of the first sample (the outermost axis of every dropped
+  // tensor; for attention weights (batch * heads, T, S) the batch) that this process holds; rank
+  // r of a run that splits a global batch by samples holds [dropout_first_sample,
+  // dropout_first_sample + B_local). Every dropout site draws element i of its tensor at stream
+  // index dropout_index_base(elements per sample) + i (attn/core/rng.hpp), so a shard draws
+  // exactly the masks the whole batch draws for its samples. 0 (the default) is the stream of a
+  // single process. model::Trainer sets it per step; a forward and its backward must see the same.
+  uint64_t dropout_first_sample = 0;
+  uint64_t dropout_index_base(uint64_t elements_per_sample) const {
+    return dropout_first_sample * elements_per_sample;
+  }
+
   // Threads to use for a parallel region (resolves 0 to the hardware count).
   int resolved_threads() const;
 

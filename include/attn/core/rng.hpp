@@ -8,8 +8,11 @@
 //   u_i     = (philox(key, counter)[i % 4] >> 8) * 2^-24          uniform in [0, 1)
 //   element i is kept iff u_i >= p, and then scaled by 1 / (1 - p) (inverted dropout).
 // i is the element's row-major index in the tensor being dropped (for attention weights
-// (B, T, S): (b * T + t) * S + s). `offset` identifies the call: Context hands out a fresh one
-// per dropout site and step (Context::next_dropout_offset).
+// (B, T, S): (b * T + t) * S + s), plus an index base: the tensor's first sample's global index
+// times the elements per sample at that site (Context::dropout_index_base; 0 in a single
+// process), so that a data-parallel rank holding samples [s0, s0 + B) of a global batch draws
+// the masks one process draws for them. `offset` identifies the call: Context hands out a fresh
+// one per dropout site and step (Context::next_dropout_offset).
 #pragma once
 
 #include <array>

@@ -23,10 +23,11 @@
 // allreduce as soon as that block's backward has finished, and waited for before clipping and
 // the AdamW step; every rank then takes the same step. So N ranks train the model 1 rank trains
 // at the same global batch, up to float32 rounding of the reduction order (losses agree within
-// 1e-5 relative after 20 steps; tests/mpi/test_mpi_trainer.cpp). Dropout needs the masks of a
-// sample to depend on its global index, which the kernels' dropout stream does not offer yet
-// (it indexes the local tensor): dropout > 0 with N > 1 is an Error rather than a silently
-// different model. Rank 0 writes checkpoints (atomically); every rank loads them.
+// 1e-5 relative after 20 steps; tests/mpi/test_mpi_trainer.cpp), with dropout too: each step
+// sets the Context's sample window (Context::dropout_first_sample) to the rank's first global
+// sample, and every dropout site draws its masks at the global sample's stream index, so a
+// sample's masks do not depend on the rank that holds it. Rank 0 writes checkpoints
+// (atomically); every rank loads them.
 #pragma once
 
 #include "attn/core/comm.hpp"

@@ -7,7 +7,10 @@
 //
 // Masks are those of masked_softmax (valid_lens (B,) or (B, T), causal, fully-masked-row policy).
 // Dropout acts on the weights, only when `training` and p > 0, as inverted dropout drawn from the
-// Philox dropout stream (attn/core/rng.hpp) with index (b*T + t)*S + s; p = 1 gives zeros.
+// Philox dropout stream (attn/core/rng.hpp) with index base + (b*T + t)*S + s, base =
+// ctx.dropout_index_base(lens_repeat * T * S) (0 unless a data-parallel shard sets the Context's
+// sample window; a sample is lens_repeat rows, MultiHeadAttention's H head copies); p = 1 gives
+// zeros.
 // `weights` (B, T, S) are returned pre-dropout (as d2l stores attention_weights) when
 // need_weights is set. `logsumexp` (B, T) is always returned: lse[b,t] = log sum_s exp(score)
 // over kept keys (for the fast backward and for merging key blocks); -inf for rows without keys.
