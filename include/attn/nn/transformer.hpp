@@ -105,6 +105,10 @@ class AddNorm : public Module {
  private:
   bool dropped_ = false;
   uint64_t dropout_offset_ = 0;
+  // The fused float32 CPU path (kernels/cpu/add_norm.hpp) keeps its own saved state: the sum Z,
+  // LayerNorm's mean and rstd; otherwise ln holds them.
+  bool fused_ = false;
+  Tensor z_, mean_, rstd_;
 };
 
 // d2l TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False):
