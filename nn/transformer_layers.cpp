@@ -212,7 +212,11 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   mean_ = Tensor::empty(rows, DType::F32);
   rstd_ = Tensor::empty(rows, DType::F32);
   Tensor out = Tensor::empty(X.shape(), DType::F32);
-  const cpu::AddNormDropout drop = add_norm_dropout(ctx, Y, dropout, dropout_offset_);
+  cpu::AddNormDropout drop = add_norm_dropout(ctx, Y, dropout, dropout_offset_);
+  if (dropped_) {
+    keep_.resize(static_cast<size_t>(X.numel()));
+    drop.keep = keep_.data();
+  }
   const Tensor gamma = ln.weight.value.contiguous(), beta = ln.bias.value.contiguous();
   cpu::add_norm_forward_f32(Xc.data<float>(), Yc.data<float>(), gamma.data<float>(),
                             beta.data<float>(), z_.data<float>(), out.data<float>(),
@@ -237,7 +241,10 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   g.dX = Tensor::empty(z_.shape(), DType::F32);
   g.dY = dropped_ ? Tensor::empty(z_.shape(), DType::F32) : g.dX;
   Tensor dgamma = Tensor::empty({E}, DType::F32), dbeta = Tensor::empty({E}, DType::F32);
-  const cpu::AddNormDropout drop = add_norm_dropout(ctx, z_, dropout, dropout_offset_);
+  // The forward's mask (keep_) and p; the stream is not drawn again.
+  cpu::AddNormDropout drop;
+  drop.p = dropout;
+  drop.keep = keep_.data();
   const Tensor gamma = ln.weight.value.contiguous();
   cpu::add_norm_backward_f32(doutc.data<float>(), z_.data<float>(), gamma.data<float>(),
                              mean_.data<float>(), rstd_.data<float>(), g.dX.data<float>(),

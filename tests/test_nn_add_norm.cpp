@@ -5,15 +5,21 @@
 // the LayerNorm parameter gradients must agree bit for bit: dropout 0, > 0 and 1, eval mode, odd
 // E, a strided Y, 1 and 2 threads, shapes over several chunks of rows, a nonzero
 // Context::dropout_first_sample. Against the reference backend (unfused, double accumulation) to
-// float32 rounding.
+// float32 rounding. And the mask helpers it uses (kernels/cpu/dropout_simd.hpp: the mask drawn once
+// as bytes, then applied) against cpu::dropout_range_f32's draw, bitwise, at unaligned starts.
 #include "attn/core/context.hpp"
 #include "attn/nn/transformer.hpp"
 #include "attn/ops/dropout.hpp"
 #include "attn/ops/layer_norm.hpp"
+#include "kernels/cpu/dropout_simd.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -166,6 +172,40 @@ TEST(AddNormFused, ChecksAsTheSeparateOps) {
   an.forward(ctx, Tensor::zeros({2, 8}), Tensor::zeros({2, 8}));
   EXPECT_THROW(an.backward(ctx, Tensor::zeros({2, 9}, DType::F32)), Error);  // dout's shape
   EXPECT_THROW(an.backward(ctx, Tensor::zeros({2, 8}, DType::F64)), Error);  // dout's dtype
+}
+
+TEST(AddNormFused, SavedMaskIsDropoutRangesDraw) {
+  constexpr int64_t n = 300;
+  std::vector<float> x(n), add(n), want(n), got(n), got_sum(n);
+  for (int64_t i = 0; i < n; ++i) {
+    x[static_cast<size_t>(i)] = std::sin(0.37f * static_cast<float>(i)) * 3.0f;
+    add[static_cast<size_t>(i)] = std::cos(0.11f * static_cast<float>(i));
+  }
+  x[5] = -0.0f;  // dropped: -0 * 0.0 stays -0
+  x[9] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<uint8_t> keep(n);
+  for (double p : {0.1, 0.5, 1.0})
+    for (uint64_t index_base : {uint64_t{0}, uint64_t{1}, uint64_t{6}, uint64_t{4099}})
+      for (int64_t begin : {int64_t{0}, int64_t{3}, int64_t{130}}) {
+        const uint32_t threshold = static_cast<uint32_t>(
+            std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
+        const double scale = p < 1.0 ? 1.0 / (1.0 - p) : 0.0;
+        std::fill(want.begin(), want.end(), 7.0f);
+        std::fill(got.begin(), got.end(), 7.0f);
+        cpu::dropout_range_f32(x.data(), want.data(), begin, n, threshold, scale, 42, 3,
+                               index_base);
+        cpu::dropout_keep_range(keep.data(), begin, n, threshold, 42, 3, index_base);
+        cpu::dropout_apply_keep_f32(x.data(), keep.data(), nullptr, got.data(), begin, n, scale);
+        EXPECT_EQ(std::memcmp(want.data(), got.data(), sizeof(float) * n), 0)
+            << "p " << p << " index_base " << index_base << " begin " << begin;
+        cpu::dropout_apply_keep_f32(x.data(), keep.data(), add.data(), got_sum.data(), begin, n,
+                                    scale);
+        for (int64_t i = begin; i < n; ++i) {
+          const float sum = want[static_cast<size_t>(i)] + add[static_cast<size_t>(i)];
+          EXPECT_EQ(std::memcmp(&sum, &got_sum[static_cast<size_t>(i)], sizeof(float)), 0)
+              << "sum at " << i << " p " << p << " index_base " << index_base;
+        }
+      }
 }
 
 }  // namespace

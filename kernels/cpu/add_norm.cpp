@@ -1,5 +1,5 @@
 // Fused AddNorm for float32 (see add_norm.hpp): per chunk of rows, dropout + add + LayerNorm, and
-// LayerNorm backward + dropout backward, with the separate ops' arithmetic.
+// LayerNorm backward + dropout backward from the saved mask, with the separate ops' arithmetic.
 #include "kernels/cpu/add_norm.hpp"
 
 #include "kernels/cpu/dropout_simd.hpp"
@@ -48,12 +48,10 @@ void add_norm_forward_f32(const float* x, const float* y, const float* gamma, co
     const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
     const int64_t begin = r0 * E, end = r1 * E;
     if (dropping) {
-      // z = dropout(y), then z + x: add_all({dropout(Y), X})'s float sum.
-      dropout_range_f32(y, z, begin, end, dc.threshold, dc.scale, drop->seed, drop->offset,
-                        drop->index_base);
-#pragma omp simd
-      for (int64_t i = begin; i < end; ++i)
-        z[i] = z[i] + x[i];
+      // z = dropout(y) + x: add_all({dropout(Y), X})'s float sum of dropout_f32's output.
+      dropout_keep_range(drop->keep, begin, end, dc.threshold, drop->seed, drop->offset,
+                         drop->index_base);
+      dropout_apply_keep_f32(y, drop->keep, x, z, begin, end, dc.scale);
     } else {
 #pragma omp simd
       for (int64_t i = begin; i < end; ++i)
@@ -84,9 +82,7 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
       layer_norm_backward_rows_f32(dout, z, gamma, mean, rstd, dx, dg, db, scratch.data(), r0, r1,
                                    E);
       // dy = dropout_backward(dz): the forward's mask and scale.
-      if (dropping)
-        dropout_range_f32(dx, dy, r0 * E, r1 * E, dc.threshold, dc.scale, drop->seed, drop->offset,
-                          drop->index_base);
+      if (dropping) dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, r0 * E, r1 * E, dc.scale);
     }
   }
   if (gamma == nullptr) return;
