@@ -37,8 +37,9 @@ void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType
         dout.defined() ? dtype_name(dout.dtype()) : "none", shape_str(expected), dtype_name(dtype));
 }
 
-// AddNorm's dropout of Y (or of dZ, same shape) as ops::dropout draws it: the outermost axis is
-// the sample axis (Context::dropout_index_base).
+// AddNorm's dropout of Y as ops::dropout draws it: the outermost axis is the sample axis
+// (Context::dropout_index_base). The fused forward draws the mask once and keeps it for the
+// backward.
 cpu::AddNormDropout add_norm_dropout(const Context& ctx, const Tensor& Y, double p,
                                      uint64_t offset) {
   const uint64_t per_sample =
