@@ -10,11 +10,15 @@
 // side by side.
 //
 // Counter tokens_per_second = B * T per step / wall time. BM_TrainStepParts times the parts of a
-// step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf.
+// step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf;
+// BM_AddNorm one AddNorm site, the separate ops (/0) against the fused path (/1).
 //
 //   build/<dir>/bench/bench_train --benchmark_repetitions=5       (bench/run_train.sh runs it)
 #include "attn/model/trainer.hpp"
 #include "attn/nn/optim.hpp"
+#include "attn/nn/transformer.hpp"
+#include "attn/ops/dropout.hpp"
+#include "attn/ops/layer_norm.hpp"
 #include "attn/ops/loss.hpp"
 
 #include <benchmark/benchmark.h>
@@ -144,10 +148,49 @@ void BM_TrainStepParts(benchmark::State& state) {
   set_counters(state);
 }
 
+// One AddNorm site of the step, LayerNorm(dropout(Y) + X) at (B, T, E), training, forward and
+// backward: arg 0 the separate ops the module ran before the fused path (dropout, add,
+// layer_norm, layer_norm_backward, dropout_backward), arg 1 nn::AddNorm (kernels/cpu/add_norm).
+void BM_AddNorm(benchmark::State& state) {
+  const bool fused = state.range(0) == 1;
+  attn::Context ctx;
+  ctx.threads = bench_threads();
+  attn::nn::AddNorm an(kE, kDropout);
+  an.train();
+  attn::Tensor X = attn::Tensor::empty({kB, kT, kE}), Y = attn::Tensor::empty({kB, kT, kE});
+  attn::Tensor dout = attn::Tensor::empty({kB, kT, kE});
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (attn::Tensor* t : {&X, &Y, &dout})
+    for (int64_t i = 0; i < t->numel(); ++i)
+      t->data<float>()[i] = u(rng);
+  for (auto _ : state) {
+    if (fused) {
+      attn::Tensor out = an.forward(ctx, X, Y);
+      attn::nn::AddNormGrads g = an.backward(ctx, dout);
+      benchmark::DoNotOptimize(g.dY.data<float>());
+    } else {
+      const uint64_t offset = ctx.next_dropout_offset();
+      attn::Tensor Yd = attn::dropout(ctx, Y, kDropout, ctx.seed, offset);
+      attn::Tensor Z = attn::Tensor::empty(X.shape());
+      float* z = Z.data<float>();
+      const float *yd = Yd.data<float>(), *x = X.data<float>();
+      for (int64_t i = 0; i < Z.numel(); ++i)
+        z[i] = yd[i] + x[i];
+      attn::LayerNormResult f = attn::layer_norm(ctx, Z, an.ln.weight.value, an.ln.bias.value);
+      attn::LayerNormGrads g = attn::layer_norm_backward(ctx, dout, Z, an.ln.weight.value, f);
+      attn::Tensor dY = attn::dropout_backward(ctx, g.dx, kDropout, ctx.seed, offset);
+      benchmark::DoNotOptimize(dY.data<float>());
+    }
+  }
+  state.counters["threads"] = bench_threads();
+}
+
 }  // namespace
 
 BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
+BENCHMARK(BM_AddNorm)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 BENCHMARK_MAIN();

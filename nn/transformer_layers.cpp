@@ -8,6 +8,7 @@
 #include "attn/ops/activation.hpp"
 #include "attn/ops/dropout.hpp"
 #include "attn/ops/embedding.hpp"
+#include "kernels/cpu/add_norm.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
 
@@ -34,6 +35,16 @@ void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType
         "dout has shape {} and dtype {}, expected {} and {}",
         dout.defined() ? shape_str(dout.shape()) : std::string("undefined"),
         dout.defined() ? dtype_name(dout.dtype()) : "none", shape_str(expected), dtype_name(dtype));
+}
+
+// AddNorm's dropout of Y as ops::dropout draws it: the outermost axis is the sample axis
+// (Context::dropout_index_base). The fused forward draws the mask once and keeps it for the
+// backward.
+cpu::AddNormDropout add_norm_dropout(const Context& ctx, const Tensor& Y, double p,
+                                     uint64_t offset) {
+  const uint64_t per_sample =
+      Y.ndim() > 0 && Y.dim(0) > 0 ? static_cast<uint64_t>(Y.numel() / Y.dim(0)) : 0;
+  return {p, ctx.seed, offset, ctx.dropout_index_base(per_sample)};
 }
 
 }  // namespace
@@ -186,20 +197,63 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   check_dropout(op, dropout);
   // Dropout acts on the sublayer output Y only, never on the residual X (d2l).
   dropped_ = training_ && dropout > 0.0;
-  Tensor Yd = Y;
-  if (dropped_) {
-    dropout_offset_ = ctx.next_dropout_offset();
-    Yd = attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_);
+  if (dropped_) dropout_offset_ = ctx.next_dropout_offset();
+  // float32 on the CPU fast path: one fused pass per chunk of rows (kernels/cpu/add_norm.hpp),
+  // bitwise the separate ops below. Other cases (and a shape LayerNorm rejects) run those ops.
+  const int64_t E = ln.weight.value.dim(0);
+  fused_ = ctx.backend != Backend::kReference && dtype_ == DType::F32 && X.dim(-1) == E;
+  if (!fused_) {
+    Tensor Yd = dropped_ ? attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_) : Y;
+    return ln.forward(ctx, detail::add_all({Yd, X}));
   }
-  return ln.forward(ctx, detail::add_all({Yd, X}));
+  const Tensor Xc = X.contiguous(), Yc = Y.contiguous();
+  const int64_t R = X.numel() / E;
+  Shape rows(X.shape().begin(), X.shape().end() - 1);
+  z_ = Tensor::empty(X.shape(), DType::F32);
+  mean_ = Tensor::empty(rows, DType::F32);
+  rstd_ = Tensor::empty(rows, DType::F32);
+  Tensor out = Tensor::empty(X.shape(), DType::F32);
+  cpu::AddNormDropout drop = add_norm_dropout(ctx, Y, dropout, dropout_offset_);
+  if (dropped_) {
+    keep_.resize(static_cast<size_t>(X.numel()));
+    drop.keep = keep_.data();
+  }
+  const Tensor gamma = ln.weight.value.contiguous(), beta = ln.bias.value.contiguous();
+  cpu::add_norm_forward_f32(Xc.data<float>(), Yc.data<float>(), gamma.data<float>(),
+                            beta.data<float>(), z_.data<float>(), out.data<float>(),
+                            mean_.data<float>(), rstd_.data<float>(), R, E, ln.eps,
+                            dropped_ ? &drop : nullptr, ctx.resolved_threads());
+  return out;
 }
 
 AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   // forward: Z = dropout(Y) + X; out = ln(Z). So dX = dZ and dY = dropout_backward(dZ).
-  Tensor dZ = ln.backward(ctx, dout);
   AddNormGrads g;
-  g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
-  g.dX = dZ;
+  if (!fused_) {
+    Tensor dZ = ln.backward(ctx, dout);
+    g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
+    g.dX = dZ;
+    return g;
+  }
+  const char* op = "AddNorm::backward";
+  check_dout(op, dout, z_.shape(), dtype_);
+  const Tensor doutc = dout.contiguous();
+  const int64_t E = z_.dim(-1), R = z_.numel() / E;
+  g.dX = Tensor::empty(z_.shape(), DType::F32);
+  g.dY = dropped_ ? Tensor::empty(z_.shape(), DType::F32) : g.dX;
+  Tensor dgamma = Tensor::empty({E}, DType::F32), dbeta = Tensor::empty({E}, DType::F32);
+  // The forward's mask (keep_) and p; the stream is not drawn again.
+  cpu::AddNormDropout drop;
+  drop.p = dropout;
+  drop.keep = keep_.data();
+  const Tensor gamma = ln.weight.value.contiguous();
+  cpu::add_norm_backward_f32(doutc.data<float>(), z_.data<float>(), gamma.data<float>(),
+                             mean_.data<float>(), rstd_.data<float>(), g.dX.data<float>(),
+                             dropped_ ? g.dY.data<float>() : nullptr, dgamma.data<float>(),
+                             dbeta.data<float>(), R, E, dropped_ ? &drop : nullptr,
+                             ctx.resolved_threads());
+  detail::accumulate(ln.weight.grad, dgamma);
+  detail::accumulate(ln.bias.grad, dbeta);
   return g;
 }
 

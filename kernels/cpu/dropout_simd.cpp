@@ -102,6 +102,76 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
   scalar(i0, end);
 }
 
+// DropoutRange's draw, keeping the decisions instead of applying them.
+void DropoutKeepRange(uint8_t* keep, int64_t begin, int64_t end, uint32_t threshold, uint64_t seed,
+                      uint64_t offset, uint64_t index_base) {
+  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  const auto scalar = [&](int64_t from, int64_t to) {
+    uint32_t bits[4] = {};
+    uint64_t block = ~uint64_t{0};
+    for (int64_t i = from; i < to; ++i) {
+      const uint64_t g = index_base + static_cast<uint64_t>(i);
+      if ((g >> 2) != block) {
+        block = g >> 2;
+        const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                                 static_cast<uint32_t>(offset),
+                                 static_cast<uint32_t>(offset >> 32)};
+        philox4x32_10(key, ctr, bits);
+      }
+      keep[i] = (bits[g & 3] >> 8) >= threshold ? 1 : 0;
+    }
+  };
+  const int64_t head =
+      static_cast<int64_t>((4 - ((index_base + static_cast<uint64_t>(begin)) & 3)) & 3);
+  int64_t i0 = std::min(end, begin + head);
+  scalar(begin, i0);
+#if HWY_TARGET != HWY_SCALAR
+  const DU du;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(du));
+  HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
+  HWY_ALIGN uint32_t words[4][kMaxLanes];
+  const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
+  const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
+  const VU vthreshold = hn::Set(du, threshold);
+  const VU one = hn::Set(du, 1u);
+  for (; i0 + 4 * L <= end; i0 += 4 * L) {
+    const uint64_t block0 = (index_base + static_cast<uint64_t>(i0)) >> 2;
+    for (int64_t k = 0; k < L; ++k) {
+      lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
+      hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
+    }
+    VU c[4] = {hn::Load(du, lo), hn::Load(du, hi), off_lo, off_hi};
+    Philox4x32(du, c, seed);
+    // Lane k's word w decides element i0 + 4k + w: kept iff not (w >> 8) < threshold.
+    for (int w = 0; w < 4; ++w)
+      hn::Store(hn::IfThenZeroElse(hn::Lt(hn::ShiftRight<8>(c[w]), vthreshold), one), du, words[w]);
+    for (int64_t k = 0; k < L; ++k)
+      for (int64_t j = 0; j < 4; ++j)
+        keep[i0 + 4 * k + j] = static_cast<uint8_t>(words[j][k]);
+  }
+#endif
+  scalar(i0, end);
+}
+
+// Plain loops: compiled per target, so they vectorise with the target's widest vectors.
+void DropoutApplyKeep(const float* HWY_RESTRICT x, const uint8_t* HWY_RESTRICT keep,
+                      const float* HWY_RESTRICT add, float* HWY_RESTRICT y, int64_t begin,
+                      int64_t end, double scale) {
+  if (add != nullptr) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const double f = keep[i] != 0 ? scale : 0.0;
+      y[i] = static_cast<float>(static_cast<double>(x[i]) * f) + add[i];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) {
+      const double f = keep[i] != 0 ? scale : 0.0;
+      y[i] = static_cast<float>(static_cast<double>(x[i]) * f);
+    }
+  }
+}
+
 }  // namespace attn::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -109,6 +179,18 @@ HWY_AFTER_NAMESPACE();
 namespace attn::cpu {
 
 HWY_EXPORT(DropoutRange);
+HWY_EXPORT(DropoutKeepRange);
+HWY_EXPORT(DropoutApplyKeep);
+
+void dropout_keep_range(uint8_t* keep, int64_t begin, int64_t end, uint32_t threshold,
+                        uint64_t seed, uint64_t offset, uint64_t index_base) {
+  HWY_DYNAMIC_DISPATCH(DropoutKeepRange)(keep, begin, end, threshold, seed, offset, index_base);
+}
+
+void dropout_apply_keep_f32(const float* x, const uint8_t* keep, const float* add, float* y,
+                            int64_t begin, int64_t end, double scale) {
+  HWY_DYNAMIC_DISPATCH(DropoutApplyKeep)(x, keep, add, y, begin, end, scale);
+}
 
 void dropout_range_f32(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
                        double scale, uint64_t seed, uint64_t offset, uint64_t index_base) {

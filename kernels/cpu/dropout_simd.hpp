@@ -36,4 +36,15 @@ inline void dropout_multipliers(float p, uint64_t seed, uint64_t offset, uint64_
 void dropout_range_f32(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
                        double scale, uint64_t seed, uint64_t offset, uint64_t index_base);
 
+// keep[i] = 1 if element i (stream index index_base + i) is kept by dropout_range_f32's draw with
+// the same threshold, else 0, for i in [begin, end): a mask to apply more than once (a forward
+// and its backward) without redrawing. keep is the whole tensor's (indexed from 0).
+void dropout_keep_range(uint8_t* keep, int64_t begin, int64_t end, uint32_t threshold,
+                        uint64_t seed, uint64_t offset, uint64_t index_base);
+
+// y[i] = float(double(x[i]) * (keep[i] ? scale : 0.0)), plus add[i] in float when add is given,
+// for i in [begin, end): dropout_range_f32's output (then the residual sum) from a saved mask.
+void dropout_apply_keep_f32(const float* x, const uint8_t* keep, const float* add, float* y,
+                            int64_t begin, int64_t end, double scale);
+
 }  // namespace attn::cpu

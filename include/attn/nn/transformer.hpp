@@ -105,6 +105,12 @@ class AddNorm : public Module {
  private:
   bool dropped_ = false;
   uint64_t dropout_offset_ = 0;
+  // The fused float32 CPU path (kernels/cpu/add_norm.hpp) keeps its own saved state: the sum Z,
+  // LayerNorm's mean and rstd, and the dropout mask (one byte per element); otherwise ln holds
+  // them and the backward redraws the mask.
+  bool fused_ = false;
+  Tensor z_, mean_, rstd_;
+  std::vector<uint8_t> keep_;
 };
 
 // d2l TransformerEncoderBlock(num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False):

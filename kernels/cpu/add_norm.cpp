@@ -1,0 +1,100 @@
+// Fused AddNorm for float32 (see add_norm.hpp): per chunk of rows, dropout + add + LayerNorm, and
+// LayerNorm backward + dropout backward from the saved mask, with the separate ops' arithmetic.
+#include "kernels/cpu/add_norm.hpp"
+
+#include "kernels/cpu/dropout_simd.hpp"
+#include "kernels/cpu/encoder_ops.hpp"
+#include "kernels/cpu/layer_norm_simd.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace attn::cpu {
+
+namespace {
+
+constexpr int64_t kParallelMin = 32768;  // elements; as encoder_ops.cpp
+
+// The dropout draw's constants, as cpu::dropout_f32 derives them: keep iff (word >> 8) >=
+// threshold, i.e. u >= float(p); kept elements times 1 / (1 - p), dropped ones times 0.0. p >= 1
+// gives threshold 2^24, above every 24-bit word: all dropped, x * 0.0 as dropout_f32's own p >= 1
+// path.
+struct DropConstants {
+  uint32_t threshold;
+  double scale;
+};
+
+DropConstants drop_constants(double p) {
+  const uint32_t threshold =
+      static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
+  return {threshold, p < 1.0 ? 1.0 / (1.0 - p) : 0.0};
+}
+
+int64_t row_chunks(int64_t R) {
+  return (R + kLayerNormChunkRows - 1) / kLayerNormChunkRows;
+}
+
+}  // namespace
+
+void add_norm_forward_f32(const float* x, const float* y, const float* gamma, const float* beta,
+                          float* z, float* out, float* mean, float* rstd, int64_t R, int64_t E,
+                          double eps, const AddNormDropout* drop, int threads) {
+  const bool dropping = drop != nullptr && drop->p > 0.0;
+  const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
+  const int64_t chunks = row_chunks(R);
+#pragma omp parallel for schedule(static) num_threads(threads) if (R * E >= kParallelMin)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
+    const int64_t begin = r0 * E, end = r1 * E;
+    if (dropping) {
+      // z = dropout(y) + x: add_all({dropout(Y), X})'s float sum of dropout_f32's output.
+      dropout_keep_range(drop->keep, begin, end, dc.threshold, drop->seed, drop->offset,
+                         drop->index_base);
+      dropout_apply_keep_f32(y, drop->keep, x, z, begin, end, dc.scale);
+    } else {
+#pragma omp simd
+      for (int64_t i = begin; i < end; ++i)
+        z[i] = y[i] + x[i];
+    }
+    layer_norm_forward_rows_f32(z, gamma, beta, out, mean, rstd, r0, r1, E, eps);
+  }
+}
+
+void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
+                           const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
+                           int64_t R, int64_t E, const AddNormDropout* drop, int threads) {
+  const bool dropping = drop != nullptr && drop->p > 0.0;
+  const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
+  const int64_t chunks = row_chunks(R);
+  // Per chunk: its rows' sums of dout * zhat (dgamma) and dout (dbeta) in double, as
+  // cpu::layer_norm_backward_f32.
+  std::vector<double> partial(
+      gamma != nullptr ? static_cast<size_t>(chunks) * 2 * static_cast<size_t>(E) : 0, 0.0);
+#pragma omp parallel num_threads(threads) if (R * E >= kParallelMin)
+  {
+    std::vector<double> scratch(static_cast<size_t>(2 * E));
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
+      double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
+      double* db = gamma != nullptr ? dg + E : nullptr;
+      layer_norm_backward_rows_f32(dout, z, gamma, mean, rstd, dx, dg, db, scratch.data(), r0, r1,
+                                   E);
+      // dy = dropout_backward(dz): the forward's mask and scale.
+      if (dropping) dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, r0 * E, r1 * E, dc.scale);
+    }
+  }
+  if (gamma == nullptr) return;
+  for (int64_t e = 0; e < E; ++e) {
+    double g = 0.0, b = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      g += partial[static_cast<size_t>(c * 2 * E + e)];
+      b += partial[static_cast<size_t>(c * 2 * E + E + e)];
+    }
+    dgamma[e] = static_cast<float>(g);
+    dbeta[e] = static_cast<float>(b);
+  }
+}
+
+}  // namespace attn::cpu

@@ -1,0 +1,46 @@
+// d2l's AddNorm, LayerNorm(dropout(Y) + X), fused for the float32 fast path (internal; used by
+// nn::AddNorm on kAuto / kCpu).
+//
+// The separate ops it replaces run dropout over (R, E), then the add, then LayerNorm, each a
+// pass over the whole tensor, and in the backward LayerNorm's backward then dropout's. Here each
+// chunk of kLayerNormChunkRows rows is done start to end while it is in cache:
+//   forward   the dropout mask of y drawn once (cpu::dropout_keep_range: the mask ops::dropout
+//             draws, element i at stream index index_base + i) and kept as bytes, z = dropout(y)
+//             + x, then the LayerNorm rows of z (layer_norm_simd.hpp)
+//   backward  dx = LayerNorm backward rows (= dz), then dy = dropout(dx) with the saved mask
+// The arithmetic is the separate ops' exactly (dropout in double, the add in float, the same row
+// kernels, dgamma / dbeta summed per chunk of kLayerNormChunkRows rows and the chunks in order),
+// so every output is bitwise what cpu::dropout_f32 + add + layer_norm(_backward)_f32 give, for
+// any thread count. Tested against those ops in tests/test_nn_add_norm.cpp.
+#pragma once
+
+#include <cstdint>
+
+namespace attn::cpu {
+
+// Inverted dropout of the sublayer output y: drop probability p in [0, 1], the stream of
+// (seed, offset), element i of y at stream index index_base + i. keep: R * E bytes, the mask the
+// forward draws and its backward reads.
+struct AddNormDropout {
+  double p = 0.0;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  uint64_t index_base = 0;
+  uint8_t* keep = nullptr;
+};
+
+// x, y (R, E) -> z = dropout(y) + x (saved for the backward), out = LayerNorm(z) (R, E),
+// mean, rstd (R). gamma, beta (E) or both null. drop null: z = y + x (eval, or p == 0).
+// x, y, z, out must not overlap.
+void add_norm_forward_f32(const float* x, const float* y, const float* gamma, const float* beta,
+                          float* z, float* out, float* mean, float* rstd, int64_t R, int64_t E,
+                          double eps, const AddNormDropout* drop, int threads);
+
+// dout (R, E), the forward's z, mean, rstd -> dx = dz (R, E); dy = dropout(dz) (R, E) when drop is
+// given (its p and the keep mask its forward wrote; else dy is unused: the gradient for y is dz
+// itself); dgamma, dbeta (E) when gamma is given. dout, dx, dy must not overlap.
+void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
+                           const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
+                           int64_t R, int64_t E, const AddNormDropout* drop, int threads);
+
+}  // namespace attn::cpu
