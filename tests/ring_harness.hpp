@@ -1,7 +1,7 @@
 // One check of ring attention (attn/ops/ring_attention.hpp) against the single-process fused
 // scaled_dot_product_attention on the gathered sequence, shared by the single-process test
-// (tests/test_ops_ring_attention.cpp, N = 1) and the MPI test (tests/mpi/test_mpi_ring.cpp, N = 2, 4).
-// Every rank builds the same global inputs from fixed seeds, computes the reference itself, and
+// (tests/test_ops_ring_attention.cpp, N = 1) and the MPI test (tests/mpi/test_mpi_ring.cpp, N = 2,
+// 4). Every rank builds the same global inputs from fixed seeds, computes the reference itself, and
 // compares its own shard of the reference with what the ring returned.
 #pragma once
 
