@@ -29,38 +29,69 @@ using VU = hn::Vec<DU>;
 constexpr size_t kMaxLanes = HWY_MAX_BYTES / sizeof(uint32_t);
 #endif
 
+// The scalar draw of elements [from, to): use(i, r) with r = (Philox word of stream index
+// index_base + i) >> 8, one Philox block per 4 stream indices, as the reference. Serves the
+// elements before the first stream index that is a multiple of 4, the tail, and the scalar target.
+template <class Use>
+void ScalarDraw(int64_t from, int64_t to, uint64_t seed, uint64_t offset, uint64_t index_base,
+                const Use& use) {
+  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
+  uint32_t bits[4] = {};
+  uint64_t block = ~uint64_t{0};
+  for (int64_t i = from; i < to; ++i) {
+    const uint64_t g = index_base + static_cast<uint64_t>(i);
+    if ((g >> 2) != block) {
+      block = g >> 2;
+      const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                               static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)};
+      philox4x32_10(key, ctr, bits);
+    }
+    use(i, bits[g & 3] >> 8);
+  }
+}
+
+// The end of the scalar head: the first element at or after `begin` whose stream index is a
+// multiple of 4 (from there on, lane k of a SIMD step holds the block of elements 4k..4k+3).
+inline int64_t HeadEnd(int64_t begin, int64_t end, uint64_t index_base) {
+  const int64_t head =
+      static_cast<int64_t>((4 - ((index_base + static_cast<uint64_t>(begin)) & 3)) & 3);
+  return std::min(end, begin + head);
+}
+
+#if HWY_TARGET != HWY_SCALAR
+// Philox 4x32-10 of the L blocks starting at stream block block0, word w of lane k in c[w]
+// (philox-inl.h): lane k's words decide elements 4k..4k+3 of the step.
+HWY_INLINE void PhiloxBlocks(DU du, uint64_t block0, VU off_lo, VU off_hi, uint64_t seed, VU c[4]) {
+  HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
+  const int64_t L = static_cast<int64_t>(hn::Lanes(du));
+  for (int64_t k = 0; k < L; ++k) {
+    lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
+    hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
+  }
+  c[0] = hn::Load(du, lo);
+  c[1] = hn::Load(du, hi);
+  c[2] = off_lo;
+  c[3] = off_hi;
+  Philox4x32(du, c, seed);
+}
+#endif
+
 // Elements [begin, end) of one dropout call, local element i at stream index index_base + i.
 // `threshold` is the smallest 24-bit integer r with r * 2^-24 >= p, so "u >= p" is
 // "(word >> 8) >= threshold".
 void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t threshold,
                   double scale, uint64_t seed, uint64_t offset, uint64_t index_base) {
-  // One element at a time, one Philox block per 4 stream indices, as the reference: the elements
-  // before the first stream index that is a multiple of 4, the tail, and the scalar target.
-  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
   const auto scalar = [&](int64_t from, int64_t to) {
-    uint32_t bits[4] = {};
-    uint64_t block = ~uint64_t{0};
-    for (int64_t i = from; i < to; ++i) {
-      const uint64_t g = index_base + static_cast<uint64_t>(i);
-      if ((g >> 2) != block) {
-        block = g >> 2;
-        const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                                 static_cast<uint32_t>(offset),
-                                 static_cast<uint32_t>(offset >> 32)};
-        philox4x32_10(key, ctr, bits);
-      }
-      const double f = (bits[g & 3] >> 8) >= threshold ? scale : 0.0;
+    ScalarDraw(from, to, seed, offset, index_base, [&](int64_t i, uint32_t r) {
+      const double f = r >= threshold ? scale : 0.0;
       y[i] = static_cast<float>(static_cast<double>(x[i]) * f);
-    }
+    });
   };
-  const int64_t head =
-      static_cast<int64_t>((4 - ((index_base + static_cast<uint64_t>(begin)) & 3)) & 3);
-  int64_t i0 = std::min(end, begin + head);
+  int64_t i0 = HeadEnd(begin, end, index_base);
   scalar(begin, i0);
 #if HWY_TARGET != HWY_SCALAR
   const DU du;
   const int64_t L = static_cast<int64_t>(hn::Lanes(du));
-  HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
   HWY_ALIGN uint32_t words[4][kMaxLanes];
   HWY_ALIGN uint32_t ordered[4 * kMaxLanes];
   const hn::ScalableTag<double> dd;
@@ -73,14 +104,8 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
   const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
   const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
   for (; i0 + 4 * L <= end; i0 += 4 * L) {
-    const uint64_t block0 = (index_base + static_cast<uint64_t>(i0)) >> 2;
-    for (int64_t k = 0; k < L; ++k) {
-      lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
-      hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
-    }
-    // Philox 4x32-10, word w of every lane's counter in c[w] (philox-inl.h).
-    VU c[4] = {hn::Load(du, lo), hn::Load(du, hi), off_lo, off_hi};
-    Philox4x32(du, c, seed);
+    VU c[4];
+    PhiloxBlocks(du, (index_base + static_cast<uint64_t>(i0)) >> 2, off_lo, off_hi, seed, c);
     for (int w = 0; w < 4; ++w)
       hn::Store(c[w], du, words[w]);
     // Element i0 + e takes word e % 4 of lane e / 4: put the words in element order, then
@@ -105,43 +130,23 @@ void DropoutRange(const float* x, float* y, int64_t begin, int64_t end, uint32_t
 // DropoutRange's draw, keeping the decisions instead of applying them.
 void DropoutKeepRange(uint8_t* keep, int64_t begin, int64_t end, uint32_t threshold, uint64_t seed,
                       uint64_t offset, uint64_t index_base) {
-  const uint32_t key[2] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)};
   const auto scalar = [&](int64_t from, int64_t to) {
-    uint32_t bits[4] = {};
-    uint64_t block = ~uint64_t{0};
-    for (int64_t i = from; i < to; ++i) {
-      const uint64_t g = index_base + static_cast<uint64_t>(i);
-      if ((g >> 2) != block) {
-        block = g >> 2;
-        const uint32_t ctr[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                                 static_cast<uint32_t>(offset),
-                                 static_cast<uint32_t>(offset >> 32)};
-        philox4x32_10(key, ctr, bits);
-      }
-      keep[i] = (bits[g & 3] >> 8) >= threshold ? 1 : 0;
-    }
+    ScalarDraw(from, to, seed, offset, index_base,
+               [&](int64_t i, uint32_t r) { keep[i] = r >= threshold ? 1 : 0; });
   };
-  const int64_t head =
-      static_cast<int64_t>((4 - ((index_base + static_cast<uint64_t>(begin)) & 3)) & 3);
-  int64_t i0 = std::min(end, begin + head);
+  int64_t i0 = HeadEnd(begin, end, index_base);
   scalar(begin, i0);
 #if HWY_TARGET != HWY_SCALAR
   const DU du;
   const int64_t L = static_cast<int64_t>(hn::Lanes(du));
-  HWY_ALIGN uint32_t lo[kMaxLanes], hi[kMaxLanes];
   HWY_ALIGN uint32_t words[4][kMaxLanes];
   const VU off_lo = hn::Set(du, static_cast<uint32_t>(offset));
   const VU off_hi = hn::Set(du, static_cast<uint32_t>(offset >> 32));
   const VU vthreshold = hn::Set(du, threshold);
   const VU one = hn::Set(du, 1u);
   for (; i0 + 4 * L <= end; i0 += 4 * L) {
-    const uint64_t block0 = (index_base + static_cast<uint64_t>(i0)) >> 2;
-    for (int64_t k = 0; k < L; ++k) {
-      lo[k] = static_cast<uint32_t>(block0 + static_cast<uint64_t>(k));
-      hi[k] = static_cast<uint32_t>((block0 + static_cast<uint64_t>(k)) >> 32);
-    }
-    VU c[4] = {hn::Load(du, lo), hn::Load(du, hi), off_lo, off_hi};
-    Philox4x32(du, c, seed);
+    VU c[4];
+    PhiloxBlocks(du, (index_base + static_cast<uint64_t>(i0)) >> 2, off_lo, off_hi, seed, c);
     // Lane k's word w decides element i0 + 4k + w: kept iff not (w >> 8) < threshold.
     for (int w = 0; w < 4; ++w)
       hn::Store(hn::IfThenZeroElse(hn::Lt(hn::ShiftRight<8>(c[w]), vthreshold), one), du, words[w]);
