@@ -1,0 +1,104 @@
+"""Data-parallel training from Python under mpirun (CTest: python_mpi_*; not collected by pytest).
+
+    mpirun -np N python3 dp_train.py train      N ranks train a Transformer encoder with dropout
+                                                and a Linear head (attn.distributed's
+                                                DistributedDataParallel) for 20 steps on global
+                                                batches of 8; rank 0 then trains the same model
+                                                in one process with a plain loop and checks that
+                                                every step's loss agrees within 1e-5 relative.
+    mpirun -np N python3 dp_train.py fault      rank 1 raises at step 3 while the others wait in
+                                                the gradient allreduce: the run must end (non-zero,
+                                                the traceback printed), not hang.
+    mpirun -np N python3 dp_train.py mismatch   rank 1 passes an array of another shape to
+                                                allreduce: attn.Error on every rank, the run ends.
+"""
+
+import sys
+
+import numpy as np
+
+import attn
+import attn.distributed as dist
+
+VOCAB, T, B, STEPS, DROPOUT = 8, 6, 8, 20, 0.1
+
+
+def batches():
+    """The global batches every rank sees (the task of python/tests/test_train.py: every
+    position predicts its sequence's first token)."""
+    rng = np.random.default_rng(7)
+    for _ in range(STEPS):
+        tokens = rng.integers(0, VOCAB, size=(B, T))
+        yield tokens, np.repeat(tokens[:, :1], T, axis=1)
+
+
+def model():
+    enc = attn.TransformerEncoder(VOCAB, 16, 32, 2, 2, DROPOUT, seed=1, threads=1)
+    head = attn.Linear(16, VOCAB, seed=2, threads=1)
+    enc.eval()(np.zeros((1, T), np.int64))  # a dry run materialises d2l's lazy projections
+    enc.train()
+    return enc, head
+
+
+def optimizers(enc, head):
+    return [attn.optim.AdamW(m, lr=3e-3, weight_decay=0.0) for m in (enc, head)]
+
+
+def train_parallel(comm, fault=False):
+    enc, head = model()
+    ddp = dist.DistributedDataParallel([enc, head], comm)
+    opts = optimizers(enc, head)
+    losses = []
+    for step, (ids, targets) in enumerate(batches(), 1):
+        ids, targets = ddp.shard(ids, targets)
+        logits = head(enc(ids))
+        loss = np.array([attn.cross_entropy(logits, targets)])
+        dX = ddp.backward(head, attn.cross_entropy_backward(logits, targets))
+        if fault and step == 3 and comm.rank == 1:
+            raise RuntimeError("rank 1 failed on purpose at step 3")
+        ddp.backward(enc, dX)
+        ddp.synchronize()  # the mean over ranks: equal shards, so the global batch's gradient
+        comm.allreduce(loss, "mean")
+        losses.append(float(loss[0]))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def train_single():
+    enc, head = model()
+    opts = optimizers(enc, head)
+    losses = []
+    for ids, targets in batches():
+        logits = head(enc(ids))
+        losses.append(attn.cross_entropy(logits, targets))
+        enc.backward(head.backward(attn.cross_entropy_backward(logits, targets)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
+def main(mode):
+    comm = dist.world()
+    assert comm.size > 1, "run under mpirun with 2 or more ranks"
+    if mode == "mismatch":
+        comm.allreduce(np.zeros(4 if comm.rank == 1 else 3, np.float32))
+        raise AssertionError("the mismatched allreduce returned")
+    parallel = train_parallel(comm, fault=mode == "fault")
+    if mode == "fault":
+        raise AssertionError("the fault did not end the run")
+    if comm.rank != 0:
+        return
+    single = train_single()
+    for step, (a, b) in enumerate(zip(single, parallel), 1):
+        print(f"step {step:2d}: loss {a:.7f} (1 process) {b:.7f} ({comm.size} ranks)")
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: 1 process {a}, {comm.size} ranks {b}"
+    assert single[-1] < single[0], "the model did not learn"
+    print(f"dp_train: {comm.size} ranks train the model one process trains "
+          f"(dropout {DROPOUT}, {STEPS} steps, global batch {B})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "train")
