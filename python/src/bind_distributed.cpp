@@ -193,6 +193,7 @@ struct PyReducer {
   std::shared_ptr<Communicator> comm;
   std::vector<Member> members;
   std::vector<Bucket> buckets;
+  size_t in_flight = 0;  // buckets started since the last synchronize
 
   Member& member_of(py::handle module, const char* op) {
     for (Member& m : members)
@@ -206,6 +207,7 @@ struct PyReducer {
   void start(Bucket& b) {
     if (b.started) return;
     b.started = true;
+    ++in_flight;
     if (comm->size() == 1) return;
     if (b.dtype == DType::F32) {
       float* out = b.f32.data();
@@ -255,8 +257,10 @@ struct PyReducer {
     } catch (...) {
       for (Bucket& b : buckets)
         b.started = false;
+      in_flight = 0;
       throw;
     }
+    in_flight = 0;
     const double s = average ? 1.0 / comm->size() : 1.0;
     for (Bucket& b : buckets) {
       b.started = false;
@@ -359,6 +363,19 @@ std::unique_ptr<PyReducer> make_reducer(const py::list& modules, const PyComm& c
     r->comm->check_same(op, "the wrapped modules' gradient buckets (dtype, elements per bucket)",
                         layout);
   });
+  // Dropout masks come from (seed, offset, global sample): the same seed and stream offset on
+  // every rank, or the ranks would drop different units than one process does.
+  std::vector<int64_t> streams;
+  for (const Member& m : r->members) {
+    streams.push_back(static_cast<int64_t>(m.layer->ctx->ctx.seed));
+    streams.push_back(static_cast<int64_t>(m.layer->ctx->ctx.dropout_offset()));
+  }
+  without_gil([&] {
+    r->comm->check_same(op,
+                        "the wrapped modules' dropout streams (context seed, dropout_offset per "
+                        "module; give every rank the same seed)",
+                        streams);
+  });
   return r;
 }
 
@@ -383,6 +400,14 @@ void broadcast_parameters(PyReducer& r, int root) {
 py::object reducer_backward(PyReducer& r, py::handle module, py::handle grad_output) {
   const char* op = "DistributedDataParallel.backward";
   Member& m = r.member_of(module, op);
+  // Its buckets already travel with this step's gradients: a second backward would add to grads
+  // that synchronize() then overwrites with the first one's reduction.
+  for (size_t i : m.buckets)
+    check(!r.buckets[i].started, op,
+          "{}'s gradients are already being reduced (a backward through "
+          "DistributedDataParallel since the last synchronize()); call synchronize() first, or "
+          "accumulate micro-batches with plain {}.backward() calls and one synchronize()",
+          m.layer->name(), m.layer->name());
   if (m.encoder == nullptr) {
     py::object result = module.attr("backward")(grad_output);
     without_gil([&] {

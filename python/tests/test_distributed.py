@@ -141,5 +141,15 @@ def test_ddp_errors(rng):
     ddp = dist.DistributedDataParallel(enc)
     with pytest.raises(attn.Error, match="is not one of the modules"):
         ddp.backward(head, np.zeros((2, 3, 16), np.float32))
+    # A second backward through DDP before synchronize() would be lost: refused.
+    enc(np.zeros((2, 3), np.int64))
+    ddp.backward(enc, np.ones((2, 3, 16), np.float32))
+    enc(np.zeros((2, 3), np.int64))
+    with pytest.raises(attn.Error, match="already being reduced .*call synchronize"):
+        ddp.backward(enc, np.ones((2, 3, 16), np.float32))
+    ddp.synchronize()
+    enc(np.zeros((2, 3), np.int64))
+    ddp.backward(enc, np.ones((2, 3, 16), np.float32))  # fine again after synchronize()
+    ddp.synchronize()
     with pytest.raises(attn.Error, match="array 1 has 3 rows, array 0 has 4"):
         ddp.shard(np.zeros((4, 2)), np.zeros((3, 2)))

@@ -2,14 +2,17 @@
 
     mpirun -np N python3 dp_train.py train      N ranks train a Transformer encoder with dropout
                                                 and a Linear head (attn.distributed's
-                                                DistributedDataParallel) for 20 steps on global
+                                                DistributedDataParallel, which replaces the other
+                                                ranks' initial weights by rank 0's) for 20 steps on global
                                                 batches of 8; rank 0 then trains the same model
                                                 in one process with a plain loop and checks that
                                                 every step's loss agrees within 1e-5 relative.
     mpirun -np N python3 dp_train.py fault      rank 1 raises at step 3 while the others wait in
                                                 the gradient allreduce: the run must end (non-zero,
                                                 the traceback printed), not hang.
-    mpirun -np N python3 dp_train.py mismatch   rank 1 passes an array of another shape to
+    mpirun -np N python3 dp_train.py mismatch   rank 1 wraps another model, then one with another
+                                                dropout seed (attn.Error on every rank, caught),
+                                                then passes an array of another shape to
                                                 allreduce: attn.Error on every rank, the run ends.
 """
 
@@ -46,6 +49,9 @@ def optimizers(enc, head):
 
 def train_parallel(comm, fault=False):
     enc, head = model()
+    if comm.rank > 0:  # other weights than rank 0's: DistributedDataParallel copies rank 0's
+        for m in (enc, head):
+            m.load_state_dict({k: v + 0.5 for k, v in m.state_dict().items()})
     ddp = dist.DistributedDataParallel([enc, head], comm)
     opts = optimizers(enc, head)
     losses = []
@@ -84,6 +90,22 @@ def main(mode):
     comm = dist.world()
     assert comm.size > 1, "run under mpirun with 2 or more ranks"
     if mode == "mismatch":
+        # Another model on rank 1: an attn.Error on every rank, caught here.
+        other = attn.Linear(16 if comm.rank != 1 else 17, VOCAB)
+        try:
+            dist.DistributedDataParallel([other], comm)
+            raise AssertionError("different models were accepted")
+        except attn.Error as e:
+            assert "gradient buckets (dtype, elements per bucket) differs across ranks" in str(e)
+        # Another dropout seed on rank 1: refused too.
+        enc = model()[0]
+        enc.seed = 1 + comm.rank
+        try:
+            dist.DistributedDataParallel([enc], comm)
+            raise AssertionError("different dropout seeds were accepted")
+        except attn.Error as e:
+            assert "dropout streams" in str(e), e
+        # Arrays of another shape on rank 1, not caught: the run ends.
         comm.allreduce(np.zeros(4 if comm.rank == 1 else 3, np.float32))
         raise AssertionError("the mismatched allreduce returned")
     parallel = train_parallel(comm, fault=mode == "fault")
