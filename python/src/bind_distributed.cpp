@@ -49,6 +49,9 @@ int find_libmpi(dl_phdr_info* info, size_t, void* out) {
 // Re-opens the loaded libmpi (Open MPI's libmpi.so.40, MPICH's libmpi.so.12) with RTLD_GLOBAL.
 // A no-op when no libmpi is loaded (attn built without MPI).
 void promote_mpi_to_global() {
+  static bool done = false;  // under the GIL
+  if (done) return;
+  done = true;
   std::string path;
   dl_iterate_phdr(find_libmpi, &path);
   if (path.empty()) return;
@@ -84,10 +87,12 @@ std::string shape_text(const py::array& a) {
   return s + ")";
 }
 
-// The array behind `obj` for an in-place collective `op`: a NumPy array of float32, float64 or
-// (allow_int) int64, C-contiguous and writeable, else Error naming op, dtype and shape. Its
-// dtype code (0 f32, 1 f64, 2 i64) goes to `type`.
-py::array inplace_array(py::handle obj, const char* op, bool allow_int, CommType& type) {
+enum class Accept : uint8_t { kFloat, kFloatOrI64, kAny };
+
+// The array behind `obj` for an in-place collective `op`: a NumPy array of float32, float64,
+// int64 (kFloatOrI64) or any dtype (kAny: bytes are copied), C-contiguous and writeable, else
+// Error naming op, dtype and shape. Its reduction type goes to `type` (kByte for other dtypes).
+py::array inplace_array(py::handle obj, const char* op, Accept accept, CommType& type) {
   if (!py::isinstance<py::array>(obj))
     throw Error(op, fmt::format("expects a NumPy array (updated in place), not {}",
                                 py::str(py::type::of(obj).attr("__name__")).cast<std::string>()));
@@ -97,11 +102,14 @@ py::array inplace_array(py::handle obj, const char* op, bool allow_int, CommType
     type = CommType::kF32;
   else if (a.dtype().is(py::dtype::of<double>()))
     type = CommType::kF64;
-  else if (allow_int && a.dtype().is(py::dtype::of<int64_t>()))
+  else if (accept != Accept::kFloat && a.dtype().is(py::dtype::of<int64_t>()))
     type = CommType::kI64;
+  else if (accept == Accept::kAny)
+    type = CommType::kByte;
   else
-    throw Error(op, fmt::format("array of dtype {} and shape {}: expected float32 or float64{}",
-                                dtype, shape_text(a), allow_int ? " (or int64)" : ""));
+    throw Error(op,
+                fmt::format("array of dtype {} and shape {}: expected float32 or float64{}", dtype,
+                            shape_text(a), accept == Accept::kFloatOrI64 ? " (or int64)" : ""));
   if (!(a.flags() & py::array::c_style))
     throw Error(op, fmt::format("array of dtype {} and shape {} is not C-contiguous; pass "
                                 "np.ascontiguousarray(a) and read the result from that copy",
@@ -115,14 +123,17 @@ py::array inplace_array(py::handle obj, const char* op, bool allow_int, CommType
 
 // Every rank passes the same dtype and shape (collective; one small allreduce): else an Error on
 // every rank naming this rank's array, instead of MPI mixing different counts.
-void check_same_array(Communicator& comm, const char* op, const py::array& a, CommType type) {
+void check_same_array(Communicator& comm, const char* op, const py::array& a) {
   if (comm.size() == 1) return;
-  std::vector<int64_t> values = {static_cast<int64_t>(type), static_cast<int64_t>(a.ndim())};
+  // NumPy's type number and item size name the dtype.
+  std::vector<int64_t> values = {static_cast<int64_t>(a.dtype().num()),
+                                 static_cast<int64_t>(a.itemsize()),
+                                 static_cast<int64_t>(a.ndim())};
   for (py::ssize_t i = 0; i < a.ndim(); ++i)
     values.push_back(static_cast<int64_t>(a.shape(i)));
   const std::string what = fmt::format(
-      "the array's dtype and shape (here {} {}; compared as (dtype code, ndim, "
-      "dims...))",
+      "the array's dtype and shape (here {} {}; compared as (NumPy type number, item size, "
+      "ndim, dims...))",
       py::str(a.dtype()).cast<std::string>(), shape_text(a));
   without_gil([&] { comm.check_same(op, what, values); });
 }
@@ -137,8 +148,9 @@ py::array allreduce(PyComm& self, py::handle obj, const std::string& op_name) {
   const char* op = "allreduce";
   const PyReduce red = parse_reduce(op_name, op);
   CommType type{};
-  py::array a = inplace_array(obj, op, red != PyReduce::kMean, type);
-  check_same_array(*self.comm, op, a, type);
+  py::array a =
+      inplace_array(obj, op, red != PyReduce::kMean ? Accept::kFloatOrI64 : Accept::kFloat, type);
+  check_same_array(*self.comm, op, a);
   const ReduceOp base = red == PyReduce::kMin   ? ReduceOp::kMin
                         : red == PyReduce::kMax ? ReduceOp::kMax
                                                 : ReduceOp::kSum;
@@ -162,8 +174,8 @@ py::array broadcast(PyComm& self, py::handle obj, int root) {
   check(root >= 0 && root < self.comm->size(), op, "root {} is outside [0, {})", root,
         self.comm->size());
   CommType type{};
-  py::array a = inplace_array(obj, op, /*allow_int=*/true, type);
-  check_same_array(*self.comm, op, a, type);
+  py::array a = inplace_array(obj, op, Accept::kAny, type);
+  check_same_array(*self.comm, op, a);
   void* data = a.mutable_data();
   const int64_t bytes = static_cast<int64_t>(a.nbytes());
   without_gil([&] { self.comm->broadcast(data, bytes, root); });
@@ -448,7 +460,8 @@ array[i] = op over the ranks of array[i], in place; returns the array. op: 'sum'
 'mean' ('avg'), 'min', 'max'. float32 or float64 (int64 for sum/min/max), C-contiguous,
 writeable; the same dtype and shape on every rank.)doc")
       .def("broadcast", &broadcast, py::arg("array"), py::arg("root") = 0,
-           "Every rank's array becomes root's (in place); returns the array.")
+           "Every rank's array becomes root's (in place; any dtype, C-contiguous, writeable, the "
+           "same dtype and shape on every rank); returns the array.")
       .def(
           "barrier", [](PyComm& c) { without_gil([&] { c.comm->barrier(); }); },
           "Returns once every rank has called it.")

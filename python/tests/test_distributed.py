@@ -28,6 +28,11 @@ def test_collectives_of_one_rank_are_the_identity(dtype, op):
     dist.barrier()
 
 
+def test_broadcast_takes_any_dtype():
+    for a in (np.arange(3, dtype=np.int32), np.array([True, False]), np.zeros((2, 2), np.uint8)):
+        assert dist.broadcast(a) is a
+
+
 def test_int64_reduces_with_sum_min_max_but_not_mean():
     a = np.array([3, 4], np.int64)
     dist.all_reduce(a, "max")

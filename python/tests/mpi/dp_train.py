@@ -105,6 +105,9 @@ def main(mode):
             raise AssertionError("different dropout seeds were accepted")
         except attn.Error as e:
             assert "dropout streams" in str(e), e
+        # broadcast of an int32 array: rank 0's everywhere.
+        seeds = np.full(3, 10 + comm.rank, np.int32)
+        assert (comm.broadcast(seeds, 0) == 10).all()
         # Arrays of another shape on rank 1, not caught: the run ends.
         comm.allreduce(np.zeros(4 if comm.rank == 1 else 3, np.float32))
         raise AssertionError("the mismatched allreduce returned")
