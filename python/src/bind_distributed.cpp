@@ -476,7 +476,8 @@ writeable; the same dtype and shape on every rank.)doc")
   m.def(
       "_world",
       [] {
-        if (mpi_available() && launcher_world_size() > 1) promote_mpi_to_global();
+        // Also for `mpirun -np 1`, which initialises MPI (and loads its plugins) too.
+        if (mpi_available()) promote_mpi_to_global();
         return PyComm{world_communicator()};
       },
       "The run's communicator (see attn.distributed.world).");
@@ -495,6 +496,9 @@ writeable; the same dtype and shape on every rank.)doc")
           [](PyReducer& r, bool average) { without_gil([&] { r.synchronize(average); }); },
           py::arg("average") = true)
       .def("broadcast_parameters", &broadcast_parameters, py::arg("root") = 0)
+      .def_property_readonly(
+          "in_flight", [](PyReducer& r) { return r.in_flight; },
+          "Buckets started since the last synchronize().")
       .def_property_readonly("bucket_sizes", [](PyReducer& r) {
         std::vector<int64_t> out;
         for (const Bucket& b : r.buckets)

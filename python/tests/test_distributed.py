@@ -116,9 +116,13 @@ def test_ddp_on_one_rank_is_plain_training(rng):
     ids_s, targets_s = ddp.shard(ids, targets)
     assert ids_s.shape == ids.shape and enc_b.context.dropout_first_sample == 0
     logits_b = head_b(enc_b(ids_s))
+    assert ddp._reducer.in_flight == 0
     dX = ddp.backward(head_b, attn.cross_entropy_backward(logits_b, targets_s))
+    assert ddp._reducer.in_flight == 1  # the head's bucket, before the encoder's backward
     assert ddp.backward(enc_b, dX) is None
+    assert ddp._reducer.in_flight == 4  # + 2 blocks + the embedding
     ddp.synchronize()
+    assert ddp._reducer.in_flight == 0
     np.testing.assert_array_equal(logits_b, logits)
     for a, b in ((enc_a, enc_b), (head_a, head_b)):
         for name, g in a.grads.items():
