@@ -7,6 +7,9 @@
                                                 batches of 8; rank 0 then trains the same model
                                                 in one process with a plain loop and checks that
                                                 every step's loss agrees within 1e-5 relative.
+    mpirun -np N python3 dp_train.py train-uneven   the same with global batches of 9 (shards of
+                                                different sizes) and ignored targets: summed
+                                                losses over the global count, synchronize(average=False).
     mpirun -np N python3 dp_train.py fault      rank 1 raises at step 3 while the others wait in
                                                 the gradient allreduce: the run must end (non-zero,
                                                 the traceback printed), not hang.
@@ -26,13 +29,17 @@ import attn.distributed as dist
 VOCAB, T, B, STEPS, DROPOUT = 8, 6, 8, 20, 0.1
 
 
-def batches():
+def batches(uneven=False):
     """The global batches every rank sees (the task of python/tests/test_train.py: every
-    position predicts its sequence's first token)."""
+    position predicts its sequence's first token). uneven: 9 sequences (shards of different
+    sizes on 2 and 4 ranks) with about a fifth of the targets ignored (-100)."""
     rng = np.random.default_rng(7)
     for _ in range(STEPS):
-        tokens = rng.integers(0, VOCAB, size=(B, T))
-        yield tokens, np.repeat(tokens[:, :1], T, axis=1)
+        tokens = rng.integers(0, VOCAB, size=(B + uneven, T))
+        targets = np.repeat(tokens[:, :1], T, axis=1)
+        if uneven:
+            targets[rng.random(targets.shape) < 0.2] = -100
+        yield tokens, targets
 
 
 def model():
@@ -47,7 +54,7 @@ def optimizers(enc, head):
     return [attn.optim.AdamW(m, lr=3e-3, weight_decay=0.0) for m in (enc, head)]
 
 
-def train_parallel(comm, fault=False):
+def train_parallel(comm, fault=False, uneven=False):
     enc, head = model()
     if comm.rank > 0:  # other weights than rank 0's: DistributedDataParallel copies rank 0's
         for m in (enc, head):
@@ -55,16 +62,26 @@ def train_parallel(comm, fault=False):
     ddp = dist.DistributedDataParallel([enc, head], comm)
     opts = optimizers(enc, head)
     losses = []
-    for step, (ids, targets) in enumerate(batches(), 1):
+    for step, (ids, targets) in enumerate(batches(uneven), 1):
+        kept = int((targets != -100).sum())  # the global batch's
         ids, targets = ddp.shard(ids, targets)
         logits = head(enc(ids))
-        loss = np.array([attn.cross_entropy(logits, targets)])
-        dX = ddp.backward(head, attn.cross_entropy_backward(logits, targets))
+        if uneven:
+            # Shards of different sizes: each rank's summed loss over the global count, and the
+            # sum over ranks (docs/python.md, "Averaging equals the global gradient").
+            loss = np.array([attn.cross_entropy(logits, targets, reduction="sum") / kept])
+            dlogits = attn.cross_entropy_backward(logits, targets, reduction="sum",
+                                                  grad_loss=1.0 / kept)
+        else:
+            loss = np.array([attn.cross_entropy(logits, targets)])
+            dlogits = attn.cross_entropy_backward(logits, targets)
+        dX = ddp.backward(head, dlogits)
         if fault and step == 3 and comm.rank == 1:
             raise RuntimeError("rank 1 failed on purpose at step 3")
         ddp.backward(enc, dX)
-        ddp.synchronize()  # the mean over ranks: equal shards, so the global batch's gradient
-        comm.allreduce(loss, "mean")
+        # Equal shards: the mean over ranks is the global batch's gradient; uneven: the sum.
+        ddp.synchronize(average=not uneven)
+        comm.allreduce(loss, "sum" if uneven else "mean")
         losses.append(float(loss[0]))
         for opt in opts:
             opt.step()
@@ -72,11 +89,11 @@ def train_parallel(comm, fault=False):
     return losses
 
 
-def train_single():
+def train_single(uneven=False):
     enc, head = model()
     opts = optimizers(enc, head)
     losses = []
-    for ids, targets in batches():
+    for ids, targets in batches(uneven):
         logits = head(enc(ids))
         losses.append(attn.cross_entropy(logits, targets))
         enc.backward(head.backward(attn.cross_entropy_backward(logits, targets)))
@@ -111,18 +128,20 @@ def main(mode):
         # Arrays of another shape on rank 1, not caught: the run ends.
         comm.allreduce(np.zeros(4 if comm.rank == 1 else 3, np.float32))
         raise AssertionError("the mismatched allreduce returned")
-    parallel = train_parallel(comm, fault=mode == "fault")
+    uneven = mode == "train-uneven"
+    parallel = train_parallel(comm, fault=mode == "fault", uneven=uneven)
     if mode == "fault":
         raise AssertionError("the fault did not end the run")
     if comm.rank != 0:
         return
-    single = train_single()
+    single = train_single(uneven)
     for step, (a, b) in enumerate(zip(single, parallel), 1):
         print(f"step {step:2d}: loss {a:.7f} (1 process) {b:.7f} ({comm.size} ranks)")
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: 1 process {a}, {comm.size} ranks {b}"
-    assert single[-1] < single[0], "the model did not learn"
+    assert uneven or single[-1] < single[0], "the model did not learn"
     print(f"dp_train: {comm.size} ranks train the model one process trains "
-          f"(dropout {DROPOUT}, {STEPS} steps, global batch {B})")
+          f"(dropout {DROPOUT}, {STEPS} steps, global batch {B + uneven}"
+          f"{', uneven shards, ignored targets' if uneven else ''})")
 
 
 if __name__ == "__main__":
