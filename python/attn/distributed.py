@@ -1,10 +1,10 @@
 """attn.distributed: data-parallel training from Python, over MPI (names as torch.distributed).
 
-    import attn, attn.distributed as dist
+    import numpy as np, attn, attn.distributed as dist
     comm = dist.world()                   # MPI under mpirun (attn built with MPI), else 1 process
     enc = attn.TransformerEncoder(V, 32, 64, 4, 2, 0.1, seed=1)
     head = attn.Linear(32, V, seed=2)
-    enc.eval()(ids0[:1]); enc.train()   # a dry run creates d2l's lazy projections (as torch DDP)
+    enc.eval()(np.zeros((1, T), np.int64)); enc.train()  # dry run: d2l's lazy projections
     ddp = dist.DistributedDataParallel([enc, head])     # same parameters as rank 0 from here
     opts = [attn.optim.AdamW(m) for m in (enc, head)]
     for ids, targets in global_batches:                 # every rank sees the same global batch
