@@ -47,6 +47,9 @@ cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) 
 its gradient), attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
 step()/zero_grad()/state_dict()), attn.optim.clip_grad_norm(layer, max_norm)
 
+Data parallel: attn.distributed (world(), Communicator.allreduce/broadcast/barrier,
+DistributedDataParallel; `mpirun -np N python3 train.py`), Context.dropout_first_sample.
+
 Inside PyTorch: `import attn.torch` (not imported here, so attn needs no torch) gives
 attn.torch.scaled_dot_product_attention (a torch.autograd.Function on torch tensors, fused
 forward and backward) and attn.torch.MultiheadAttention (a drop-in torch.nn.MultiheadAttention).
@@ -115,8 +118,9 @@ for _name in ("TransformerEncoder", "TransformerEncoderBlock", "TransformerDecod
 del _ext, _name
 
 from . import optim  # noqa: E402  (attn.optim: SGD, AdamW, clip_grad_norm)
+from . import distributed  # noqa: E402  (attn.distributed: Communicator, DistributedDataParallel)
 
-__all__.append("optim")
+__all__ += ["optim", "distributed"]
 
 # Show the public names as attn.X (not attn._attn.X) in reprs and tracebacks.
 for _name in __all__:

@@ -91,6 +91,18 @@ ctx=. Results do not depend on the thread count (static partitioning).)doc")
             c.ctx.set_dropout_offset(offset);
           },
           "Stream offset the next dropout site takes (each site and call takes a fresh one).")
+      .def_property(
+          "dropout_first_sample", [](SharedContext& c) { return c.ctx.dropout_first_sample; },
+          [](SharedContext& c, uint64_t first) {
+            std::lock_guard lock(c.mutex);
+            c.ctx.dropout_first_sample = first;
+          },
+          R"doc(
+Global index of the first sample (row of the batch) the next calls compute: element i of a
+dropout mask is drawn at stream index dropout_first_sample * (elements per sample) + i. 0 in one
+process. In data-parallel training, rank r computing rows [lo, hi) of the global batch sets it
+to lo (attn.distributed.DistributedDataParallel.shard does), so a sample's dropout masks do not
+depend on which rank holds it: N ranks train the model 1 rank trains.)doc")
       .def("__repr__", [](SharedContext& c) {
         return "Context(seed=" + std::to_string(c.ctx.seed) +
                ", threads=" + std::to_string(c.ctx.threads) + ", backend='" +

@@ -14,5 +14,6 @@ void bind_train(py::module_& m);        // Linear, cross_entropy                
 void bind_optim(py::module_& m);        // SGD, AdamW, clip_grad_norm            (bind_optim.cpp)
 void bind_torch(py::module_& m);        // attn.torch's private entry points     (bind_torch.cpp)
 void bind_decoder(py::module_& m);      // TransformerDecoder, EncoderDecoder   (bind_decoder.cpp)
+void bind_distributed(py::module_& m);  // Communicator, the DDP reducer     (bind_distributed.cpp)
 
 }  // namespace attn::python

@@ -36,4 +36,5 @@ PYBIND11_MODULE(_attn, m) {
   attn::python::bind_optim(m);        // re-exported as attn.optim (python/attn/optim.py)
   attn::python::bind_torch(m);        // behind attn.torch (python/attn/torch.py)
   attn::python::bind_decoder(m);      // after bind_nn: its classes derive from attn.Module
+  attn::python::bind_distributed(m);  // behind attn.distributed (python/attn/distributed.py)
 }
