@@ -52,6 +52,15 @@ struct Plan {
   float qscale = 0.0f;      // scale * log2 e
 };
 
+// Prefetch across the items of one thread (a run of consecutive chunks): the K bytes of the
+// thread's next item, fetched into L2 during this item's V pass, and whether this item's K was
+// fetched so by the previous one. Null / false when unknown.
+struct NextK {
+  const char* k = nullptr;
+  int64_t bytes = 0;
+  bool ready = false;
+};
+
 }  // namespace attn::cpu::decode_detail
 #endif  // ATTN_DECODE_ATTENTION_SHARED_
 
@@ -141,15 +150,6 @@ void QDotKRows(const KV* kb, int64_t kst, int64_t ksh, const KV* vb, int64_t vst
 // by rows. The products are the same fp32 ones (q is not rounded); only the order of the sum
 // over the features differs (2-4 partial sums per query, each in feature order).
 constexpr int kPairKeys = 16;  // keys per transposed group
-#ifndef ATTN_DECODE_PREFETCH_K
-#define ATTN_DECODE_PREFETCH_K PrefetchToL2
-#endif
-HWY_INLINE void PrefetchToL1(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64)
-    __builtin_prefetch(c + i, 0, 3);
-  __builtin_prefetch(c + bytes - 1, 0, 3);
-}
 
 // transpose16x16_epi32 (kernels/cpu/transpose16.hpp) with its loops unrolled: GCC 12 -O2 kept
 // them as loops through a stack copy of the tile here.
@@ -184,22 +184,23 @@ template <int NQ>
 HWY_INLINE void QDotKBf16Pairs(const uint16_t* kb, int64_t kst, int64_t ksh, const uint16_t* vb,
                                int64_t vst, int64_t vsh, int64_t Dv, int64_t nh, int64_t D,
                                const float* qs, const int64_t* lim, int64_t s0, int64_t s1,
-                               float* x, int64_t xs) {
+                               float* x, int64_t xs, bool k_ready) {
   // Partial sums per query: 4 for T <= 2, 2 for T = 3, 4 (FMA latency 4: at least 4 chains in
   // flight), 1 above (32 registers: 16 for the transposed pairs).
   constexpr int NA = NQ <= 2 ? 4 : NQ <= 4 ? 2 : 1;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t g0 = s0; g0 < s1; g0 += kPairKeys) {
-    const int64_t m = std::min<int64_t>(kPairKeys, s1 - g0);               // keys of this group
-    const int64_t mn = std::min<int64_t>(kPairKeys, s1 - g0 - kPairKeys);  // of the next one
+    const int64_t m = std::min<int64_t>(kPairKeys, s1 - g0);  // keys of this group
+    // Keys of the next group to prefetch (none when the previous item's V pass fetched this chunk).
+    const int64_t mn = k_ready ? 0 : std::min<int64_t>(kPairKeys, s1 - g0 - kPairKeys);
     for (int64_t h = 0; h < nh; ++h) {
       const uint16_t* kh = kb + g0 * kst + h * ksh;
       // The rows of one head are 16 strided reads that the hardware prefetchers do not follow:
       // this head's K rows of the next group are fetched into L2 now, its V rows of this group
       // too (WeightedSumV reads them after the chunk's softmax).
       for (int64_t i = 0; i < mn; ++i)
-        ATTN_DECODE_PREFETCH_K(kh + (kPairKeys + i) * kst, D * 2);
+        PrefetchToL2(kh + (kPairKeys + i) * kst, D * 2);
       for (int64_t i = 0; i < m; ++i)
         PrefetchToL2(vb + (g0 + i) * vst + h * vsh, Dv * 2);
       const float* qh = qs + nh * NQ * D + h * D * NQ;  // feature-major: [f][t]
@@ -255,7 +256,8 @@ HWY_INLINE void QDotKBf16Pairs(const uint16_t* kb, int64_t kst, int64_t ksh, con
 template <int NQ, int W>
 HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, int64_t nh,
                                  int64_t Dv, const float* x, int64_t xs, int64_t s0,
-                                 const int64_t* ends, float* part, int64_t ps) {
+                                 const int64_t* ends, float* part, int64_t ps, const char*& pf,
+                                 const char* pf_end) {
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   const __m512i hi_idx =
@@ -276,6 +278,11 @@ HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, i
       for (int j = 0; j < 2 * W; ++j)
         acc[t][j] = _mm512_setzero_ps();
       for (int64_t s = s0; s < e; ++s) {
+        if (pf < pf_end) {  // two lines of the next item's K per key
+          __builtin_prefetch(pf, 0, 2);
+          __builtin_prefetch(pf + 64, 0, 2);
+          pf += 128;
+        }
         __m512 v[2 * W];
         HWY_UNROLL(4)
         for (int w = 0; w < W; ++w) {
@@ -323,7 +330,7 @@ HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, i
 template <int NQ, class KV>
 void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, const float* qs,
                   const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                  int64_t* ends, float* part) {
+                  int64_t* ends, float* part, const decode_detail::NextK& next) {
   const DF d;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d));
   const int64_t D = plan.D, Dv = plan.Dv, n = s1 - s0, ps = plan.part_stride;
@@ -339,7 +346,8 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   if constexpr (std::is_same_v<KV, uint16_t>) {
     if (D % 32 == 0) {
-      QDotKBf16Pairs<NQ>(kb, a.k.st, ksh, vb, a.v.st, vsh, Dv, nh, D, qs, lim, s0, s1, x, xs);
+      QDotKBf16Pairs<NQ>(kb, a.k.st, ksh, vb, a.v.st, vsh, Dv, nh, D, qs, lim, s0, s1, x, xs,
+                         next.ready);
       scored = true;
     }
   }
@@ -383,10 +391,17 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
   // weight past a query's kept keys is exactly 0; keys past every query's are not read.
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   if constexpr (std::is_same_v<KV, uint16_t>) {
+    const char* pf = next.k;
+    const char* pf_end = next.k + next.bytes;
     if (NQ <= 4 && Dv % 64 == 0)
-      return WeightedSumVBf16<NQ, 2>(vb, a.v.st, vsh, nh, Dv, x, xs, s0, ends, part, ps);
-    if (Dv % 32 == 0)
-      return WeightedSumVBf16<NQ, 1>(vb, a.v.st, vsh, nh, Dv, x, xs, s0, ends, part, ps);
+      WeightedSumVBf16<NQ, 2>(vb, a.v.st, vsh, nh, Dv, x, xs, s0, ends, part, ps, pf, pf_end);
+    else if (Dv % 32 == 0)
+      WeightedSumVBf16<NQ, 1>(vb, a.v.st, vsh, nh, Dv, x, xs, s0, ends, part, ps, pf, pf_end);
+    if (Dv % 32 == 0) {
+      for (; pf < pf_end; pf += 64)  // what the V pass had no keys for
+        __builtin_prefetch(pf, 0, 2);
+      return;
+    }
   }
 #endif
   for (int64_t h = 0; h < nh; ++h) {
@@ -424,11 +439,11 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
 template <class KV>
 void ChunkPartialAny(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, const float* qs,
                      const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                     int64_t* ends, float* part) {
+                     int64_t* ends, float* part, const decode_detail::NextK& next) {
   switch (plan.T) {
 #define ATTN_DECODE_CASE(N) \
   case N:                   \
-    return ChunkPartial<N, KV>(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
+    return ChunkPartial<N, KV>(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part, next);
     ATTN_DECODE_CASE(1)
     ATTN_DECODE_CASE(2)
     ATTN_DECODE_CASE(3)
@@ -445,13 +460,14 @@ void ChunkPartialAny(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, c
 
 void ChunkPartialF32(const DecodeArgs<float>& a, const decode_detail::Plan& plan, const float* qs,
                      const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,
-                     int64_t* ends, float* part) {
-  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
+                     int64_t* ends, float* part, const decode_detail::NextK& next) {
+  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part, next);
 }
 void ChunkPartialBF16(const DecodeArgs<uint16_t>& a, const decode_detail::Plan& plan,
                       const float* qs, const int64_t* lim, int64_t b0, int64_t nh, int64_t s0,
-                      int64_t s1, float* x, int64_t* ends, float* part) {
-  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part);
+                      int64_t s1, float* x, int64_t* ends, float* part,
+                      const decode_detail::NextK& next) {
+  ChunkPartialAny(a, plan, qs, lim, b0, nh, s0, s1, x, ends, part, next);
 }
 
 // Merge of one query's partials p_c (stride `cs` floats apart, n of them) into acc (Dv floats):
@@ -560,6 +576,20 @@ void run(const DecodeArgs<KV>& a) {
   const Scratch<float> scratch(op, per_thread, static_cast<size_t>(threads));
   const Scratch<float> parts(op, static_cast<size_t>(std::max<int64_t>(1, items * item_floats)));
   auto* item_fn = chunk_fn(a);
+  // Item it: group g, keys [s0, s1).
+  struct Item {
+    int64_t g, s0, s1;
+  };
+  auto item_at = [&](int64_t it) {
+    const int64_t g =
+        static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1);
+    const int64_t s0 = (it - first[static_cast<size_t>(g)]) * kDecodeChunkKeys;
+    return Item{g, s0, std::min(tops[static_cast<size_t>(g)], s0 + kDecodeChunkKeys)};
+  };
+  // Runs of consecutive items per thread: up to 16, at least 8 runs per thread.
+  const int64_t run_len = std::clamp<int64_t>(items / (8 * threads), 1, 16);
+  // The K rows of consecutive keys (all heads) are one span: an item's K is one range of bytes.
+  const bool k_rows_contiguous = a.k.st == (H - 1) * a.k.sh + a.D;
   auto* merge_fn = HWY_DYNAMIC_DISPATCH(MergePartials);
 
   // Pre-scaled queries of group g into qs: H*T rows of D, then per head D x T (feature-major).
@@ -582,16 +612,24 @@ void run(const DecodeArgs<KV>& a) {
     std::vector<int64_t> ends(static_cast<size_t>(HT));
     int64_t q_group = -1;
     // Split-K: every (group, chunk) item is independent and its arithmetic fixed, so any schedule
-    // gives the same partials.
-#pragma omp for schedule(dynamic, 1)
+    // gives the same partials. A thread takes runs of `run_len` consecutive items, so that an
+    // item's V pass can fetch the K rows of the thread's next item (NextK).
+#pragma omp for schedule(dynamic, run_len)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t g = static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), it) -
-                                             first.begin() - 1);
-      if (g != q_group) load_q(g, qs), q_group = g;
-      const int64_t s0 = (it - first[static_cast<size_t>(g)]) * kDecodeChunkKeys;
-      item_fn(a, plan, qs, &lims[static_cast<size_t>(g * HT)], g * H, H, s0,
-              std::min(tops[static_cast<size_t>(g)], s0 + kDecodeChunkKeys), x, ends.data(),
-              parts.get(0) + it * item_floats);
+      const Item cur = item_at(it);
+      if (cur.g != q_group) load_q(cur.g, qs), q_group = cur.g;
+      decode_detail::NextK next;
+      if (k_rows_contiguous) {
+        next.ready = it % run_len != 0 && a.Dv % 32 == 0;
+        if ((it + 1) % run_len != 0 && it + 1 < items) {
+          const Item nx = item_at(it + 1);
+          next.k = reinterpret_cast<const char*>(a.k.data + a.row_offset(nx.g * H, a.k.sb, a.k.sh) +
+                                                 nx.s0 * a.k.st);
+          next.bytes = (nx.s1 - nx.s0) * a.k.st * static_cast<int64_t>(sizeof(KV));
+        }
+      }
+      item_fn(a, plan, qs, &lims[static_cast<size_t>(cur.g * HT)], cur.g * H, H, cur.s0, cur.s1, x,
+              ends.data(), parts.get(0) + it * item_floats, next);
     }
 
     // Merge each row's partials in chunk order (the implicit barrier above ends the items).
