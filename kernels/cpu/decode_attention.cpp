@@ -389,10 +389,12 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
   // WeightedSumV: o_r = sum_s p_rs v_s, per head and L features at a time with the T sums in
   // registers over the chunk's keys (the V rows are in L2: the QDotK pass prefetched them). A
   // weight past a query's kept keys is exactly 0; keys past every query's are not read.
+  // Each pass also fetches the K rows of the thread's next item into L2 (NextK): memory keeps
+  // streaming while this pass reads V from L2.
+  const char* pf = next.k;
+  const char* pf_end = next.k + next.bytes;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
   if constexpr (std::is_same_v<KV, uint16_t>) {
-    const char* pf = next.k;
-    const char* pf_end = next.k + next.bytes;
     if (NQ <= 4 && Dv % 64 == 0)
       WeightedSumVBf16<NQ, 2>(vb, a.v.st, vsh, nh, Dv, x, xs, s0, ends, part, ps, pf, pf_end);
     else if (Dv % 32 == 0)
@@ -417,6 +419,10 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
       for (int t = 0; t < NQ; ++t)
         acc[t] = hn::Zero(d);
       for (int64_t s = s0; s < e; ++s) {
+        if (pf < pf_end) {  // one line of the next item's K per key and L features
+          __builtin_prefetch(pf, 0, 2);
+          pf += 64;
+        }
         const VF vv = LoadRow(d, vh + s * a.v.st + i);
         HWY_UNROLL(8)
         for (int t = 0; t < NQ; ++t)
@@ -434,6 +440,8 @@ void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, cons
           part[(r0 + t) * ps + i] += x[(r0 + t) * xs + (s - s0)] * vf;
       }
   }
+  for (; pf < pf_end; pf += 64)  // what the pass had no keys for
+    __builtin_prefetch(pf, 0, 2);
 }
 
 template <class KV>
@@ -620,7 +628,7 @@ void run(const DecodeArgs<KV>& a) {
       if (cur.g != q_group) load_q(cur.g, qs), q_group = cur.g;
       decode_detail::NextK next;
       if (k_rows_contiguous) {
-        next.ready = it % run_len != 0 && a.Dv % 32 == 0;
+        next.ready = it % run_len != 0;
         if ((it + 1) % run_len != 0 && it + 1 < items) {
           const Item nx = item_at(it + 1);
           next.k = reinterpret_cast<const char*>(a.k.data + a.row_offset(nx.g * H, a.k.sb, a.k.sh) +
