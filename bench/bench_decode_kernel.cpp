@@ -9,6 +9,9 @@
 //
 //   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds [fp32|bf16 [T]]]
 //   ATTN_THREADS (2); the optional dtype and T run only those cells (a profile of one case).
+//   ATTN_BENCH_S=256 ATTN_BENCH_BATCH=1 ATTN_THREADS=1: one cache length and batch, e.g. a 512 KiB
+//   bf16 cache that stays in L2, where the kernel's rate per CPU second is its compute bound
+//   (ns per key = 2 * H * D * bytes / rate).
 // PASSIVE: on a machine shared with other processes, OpenMP threads spinning at the end of a
 // parallel region take turns from the threads still working (the kernel's ratio at T = 1 went
 // from ~60% to ~85% of the probe at load 10 on 2 cores).
@@ -103,7 +106,10 @@ void run(const char* dtype, int64_t S, int rounds, int threads, const std::vecto
   const char* mib = std::getenv("ATTN_BENCH_CACHE_MIB");  // e.g. 8: in L3, the compute bound
   const int64_t cache_bytes =
       (mib != nullptr ? std::max(1, std::atoi(mib)) : 256) * (int64_t{1} << 20);
-  const int64_t batch = std::max<int64_t>(1, cache_bytes / (S * row_bytes));
+  const char* fixed_batch = std::getenv("ATTN_BENCH_BATCH");  // e.g. 1 with ATTN_BENCH_S=256
+  const int64_t batch = fixed_batch != nullptr
+                            ? std::max(1, std::atoi(fixed_batch))
+                            : std::max<int64_t>(1, cache_bytes / (S * row_bytes));
   std::vector<KV> k(static_cast<size_t>(batch * S * kH * kD)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
     const float x = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
@@ -146,7 +152,9 @@ int main(int argc, char** argv) {
   std::printf("decode kernel, H=%lld D=%lld, %d threads, %d rounds, target %s\n",
               static_cast<long long>(kH), static_cast<long long>(kD), threads, rounds,
               attn::cpu::decode_attention_target());
-  for (int64_t S : {4096, 16384, 65536}) {
+  std::vector<int64_t> lengths = {4096, 16384, 65536};
+  if (const char* only_S = std::getenv("ATTN_BENCH_S")) lengths = {std::max(1, std::atoi(only_S))};
+  for (int64_t S : lengths) {
     if (only_dtype.empty() || only_dtype == "fp32")
       run<float>("fp32", S, rounds, threads, probe, only_T);
     if (only_dtype.empty() || only_dtype == "bf16")

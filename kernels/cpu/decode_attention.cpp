@@ -82,13 +82,12 @@ HWY_INLINE VF LoadRow(DF d, const uint16_t* p) {
   return hn::BitCast(d, hn::ShiftLeft<16>(hn::PromoteTo(d32, hn::LoadU(d16, p))));
 }
 
-// Fetches a row into L2 (prefetcht1): the V rows of a chunk, streamed alongside its K rows, are
-// read again from L2 by WeightedSumV in another order.
+// Fetches a row into L2 (prefetcht1), each 64-byte line it touches once: the V rows of a chunk,
+// streamed alongside its K rows, are read again from L2 by WeightedSumV in another order.
 HWY_INLINE void PrefetchToL2(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64)
-    __builtin_prefetch(c + i, 0, 2);
-  __builtin_prefetch(c + bytes - 1, 0, 2);
+  const uintptr_t last = reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes) - 1;
+  for (uintptr_t c = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}; c <= last; c += 64)
+    __builtin_prefetch(reinterpret_cast<const void*>(c), 0, 2);
 }
 
 // QDotK by rows (every target, any D): per key and head, the T dot products along the lanes and
