@@ -9,9 +9,9 @@
 //
 //   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds [fp32|bf16 [T]]]
 //   ATTN_THREADS (2); the optional dtype and T run only those cells (a profile of one case).
-//   ATTN_BENCH_S=256 ATTN_BENCH_BATCH=1 ATTN_THREADS=1: one cache length and batch, e.g. a 512 KiB
-//   bf16 cache that stays in L2, where the kernel's rate per CPU second is its compute bound
-//   (ns per key = 2 * H * D * bytes / rate).
+//   ATTN_BENCH_S=256 ATTN_BENCH_BATCH=1 ATTN_BENCH_REPEAT=200 ATTN_THREADS=1: one cache length and
+//   batch, the kernel called 200 times per round: a 512 KiB bf16 cache then stays in L2 and the
+//   kernel's rate per CPU second is its compute bound (ns per key = 2 * H * D * bytes / rate).
 // PASSIVE: on a machine shared with other processes, OpenMP threads spinning at the end of a
 // parallel region take turns from the threads still working (the kernel's ratio at T = 1 went
 // from ~60% to ~85% of the probe at load 10 on 2 cores).
@@ -93,9 +93,14 @@ Rate kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
   a.v = {v.data(), S * kH * kD, kD, kH * kD, 1};
   a.out = {out.data(), T * kH * kD, kD, kH * kD, 1};
   const double t0 = now(), c0 = cpu_now();
-  attn::cpu::decode_attention(a);
+  // ATTN_BENCH_REPEAT calls back to back (1 by default): with a cache that fits L2, all but the
+  // first read it from L2.
+  const char* rep = std::getenv("ATTN_BENCH_REPEAT");
+  const int repeat = rep != nullptr ? std::max(1, std::atoi(rep)) : 1;
+  for (int i = 0; i < repeat; ++i)
+    attn::cpu::decode_attention(a);
   const double dt = now() - t0, dc = cpu_now() - c0;
-  const double gb = 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV) / 1e9;
+  const double gb = repeat * 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV) / 1e9;
   return {gb / dt, gb / dc};
 }
 
