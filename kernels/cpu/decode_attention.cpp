@@ -205,10 +205,11 @@ HWY_INLINE void QDotKBf16Pairs(const uint16_t* kb, int64_t kst, int64_t ksh, con
       const float* qh = qs + nh * NQ * D + h * D * NQ;  // feature-major: [f][t]
       __m512 acc[NQ][NA];
       HWY_UNROLL(8)
-      for (int t = 0; t < NQ; ++t)
+      for (int t = 0; t < NQ; ++t) {
         HWY_UNROLL(4)
-      for (int j = 0; j < NA; ++j)
-        acc[t][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NA; ++j)
+          acc[t][j] = _mm512_setzero_ps();
+      }
       for (int64_t f0 = 0; f0 < D; f0 += 32) {
         __m512i blk[kPairKeys];
         if (m == kPairKeys) {
@@ -272,10 +273,11 @@ HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, i
     for (int64_t i = 0; i < Dv; i += 32 * W) {
       __m512 acc[NQ][2 * W];
       HWY_UNROLL(8)
-      for (int t = 0; t < NQ; ++t)
+      for (int t = 0; t < NQ; ++t) {
         HWY_UNROLL(4)
-      for (int j = 0; j < 2 * W; ++j)
-        acc[t][j] = _mm512_setzero_ps();
+        for (int j = 0; j < 2 * W; ++j)
+          acc[t][j] = _mm512_setzero_ps();
+      }
       for (int64_t s = s0; s < e; ++s) {
         if (pf < pf_end) {  // two lines of the next item's K per key
           __builtin_prefetch(pf, 0, 2);
