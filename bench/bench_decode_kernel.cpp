@@ -9,6 +9,9 @@
 //
 //   OMP_WAIT_POLICY=PASSIVE build/<dir>/bench/bench_decode_kernel [rounds [fp32|bf16 [T]]]
 //   ATTN_THREADS (2); the optional dtype and T run only those cells (a profile of one case).
+//   ATTN_BENCH_S=256 ATTN_BENCH_BATCH=1 ATTN_BENCH_REPEAT=200 ATTN_THREADS=1: one cache length and
+//   batch, the kernel called 200 times per round: a 512 KiB bf16 cache then stays in L2 and the
+//   kernel's rate per CPU second is its compute bound (ns per key = 2 * H * D * bytes / rate).
 // PASSIVE: on a machine shared with other processes, OpenMP threads spinning at the end of a
 // parallel region take turns from the threads still working (the kernel's ratio at T = 1 went
 // from ~60% to ~85% of the probe at load 10 on 2 cores).
@@ -90,9 +93,14 @@ Rate kernel_gbs(int64_t batch, int64_t S, int64_t T, const std::vector<KV>& k,
   a.v = {v.data(), S * kH * kD, kD, kH * kD, 1};
   a.out = {out.data(), T * kH * kD, kD, kH * kD, 1};
   const double t0 = now(), c0 = cpu_now();
-  attn::cpu::decode_attention(a);
+  // ATTN_BENCH_REPEAT calls back to back (1 by default): with a cache that fits L2, all but the
+  // first read it from L2.
+  const char* rep = std::getenv("ATTN_BENCH_REPEAT");
+  const int repeat = rep != nullptr ? std::max(1, std::atoi(rep)) : 1;
+  for (int i = 0; i < repeat; ++i)
+    attn::cpu::decode_attention(a);
   const double dt = now() - t0, dc = cpu_now() - c0;
-  const double gb = 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV) / 1e9;
+  const double gb = repeat * 2.0 * static_cast<double>(batch * S * kH * kD) * sizeof(KV) / 1e9;
   return {gb / dt, gb / dc};
 }
 
@@ -103,7 +111,10 @@ void run(const char* dtype, int64_t S, int rounds, int threads, const std::vecto
   const char* mib = std::getenv("ATTN_BENCH_CACHE_MIB");  // e.g. 8: in L3, the compute bound
   const int64_t cache_bytes =
       (mib != nullptr ? std::max(1, std::atoi(mib)) : 256) * (int64_t{1} << 20);
-  const int64_t batch = std::max<int64_t>(1, cache_bytes / (S * row_bytes));
+  const char* fixed_batch = std::getenv("ATTN_BENCH_BATCH");  // e.g. 1 with ATTN_BENCH_S=256
+  const int64_t batch = fixed_batch != nullptr
+                            ? std::max(1, std::atoi(fixed_batch))
+                            : std::max<int64_t>(1, cache_bytes / (S * row_bytes));
   std::vector<KV> k(static_cast<size_t>(batch * S * kH * kD)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
     const float x = static_cast<float>((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
@@ -146,7 +157,9 @@ int main(int argc, char** argv) {
   std::printf("decode kernel, H=%lld D=%lld, %d threads, %d rounds, target %s\n",
               static_cast<long long>(kH), static_cast<long long>(kD), threads, rounds,
               attn::cpu::decode_attention_target());
-  for (int64_t S : {4096, 16384, 65536}) {
+  std::vector<int64_t> lengths = {4096, 16384, 65536};
+  if (const char* only_S = std::getenv("ATTN_BENCH_S")) lengths = {std::max(1, std::atoi(only_S))};
+  for (int64_t S : lengths) {
     if (only_dtype.empty() || only_dtype == "fp32")
       run<float>("fp32", S, rounds, threads, probe, only_T);
     if (only_dtype.empty() || only_dtype == "bf16")

@@ -251,6 +251,30 @@ TEST(DecodeAttention, Bf16CacheEveryTargetAndQueryCount) {
   }
 }
 
+// The AVX-512 bfloat16 paths (QDotKBf16Pairs: D a multiple of 32, keys in transposed groups of 16;
+// WeightedSumVBf16: Dv a multiple of 32 or 64) against the reference on the best target (AVX-512
+// where the CPU has it; elsewhere the generic paths on the same shapes): groups cut by the cache
+// length and the kept-key limits (S = 1, 15, 16, 17, 100, 130, 257), D = 32, 64, 96, 128 beside
+// Dv = 64, 96, D and a generic 40, every T, 1-3 heads.
+TEST(DecodeAttention, Bf16PairPathsAcrossGroupBoundaries) {
+  int n = 0;
+  for (int64_t T = 1; T <= 8; ++T)
+    for (int64_t S : {1, 15, 16, 17, 100, 130, 257})
+      for (int64_t D : {32, 64, 96, 128}) {
+        if ((T + S + D / 32) % 3 != 0) continue;  // a third of the grid
+        Case c;
+        c.batch = 1 + n % 2, c.heads = 1 + n % 3, c.T = T, c.S = S, c.D = D;
+        c.Dv = n % 4 == 0 ? 64 : n % 4 == 1 ? 96 : n % 4 == 2 ? D : 40;
+        c.lens = static_cast<Case::Lens>(n % 4);
+        c.causal = n % 7 == 3;
+        c.policy = n % 2 ? kernels::MaskedRows::kZero : kernels::MaskedRows::kUniform;
+        c.bf16 = true;
+        check_case(c);
+        if (HasFatalFailure()) return;
+        ++n;
+      }
+}
+
 TEST(DecodeAttention, RejectsWhatItDoesNotServe) {
   Case c;
   c.T = 2, c.S = 5;
