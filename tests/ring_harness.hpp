@@ -157,10 +157,15 @@ inline void check_ring_case(Communicator& comm, const RingCase& c, int threads =
 // nn::MultiHeadAttention with sequence_parallel = &comm on each rank's shard of X against the
 // single-process module on the whole X (same seed): output and input gradients within 1e-5 and
 // 1e-4, parameter gradients within 1e-4 after the all-reduce the caller owes. With dropout (in
-// training) each module runs on its own Context of the same seed: the same masks.
-inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind, double dropout = 0.0) {
+// training) each module runs on its own Context of the same seed: the same masks. first_sample
+// > 0: the ring module runs batch rows [first_sample, B) with that data-parallel sample window
+// (Context::dropout_first_sample) and matches those rows of the reference (parameter gradients
+// are then a part of the reference's and are not compared).
+inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind, double dropout = 0.0,
+                           int64_t first_sample = 0) {
   SCOPED_TRACE(std::string("MHA ") + (causal ? "causal " : "") + "lens " +
-               std::to_string(static_cast<int>(lens_kind)) + " dropout " + std::to_string(dropout));
+               std::to_string(static_cast<int>(lens_kind)) + " dropout " + std::to_string(dropout) +
+               " first sample " + std::to_string(first_sample));
   const int64_t B = 2, T = 16, Din = 12, E = 16, H = 2;
   Context ctx, ctx_ref;
   for (Context* x : {&ctx, &ctx_ref})
@@ -183,16 +188,23 @@ inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind, doub
   const nn::AttentionInputGrads g_ref = ref.backward(ctx_ref, dout);
 
   const int N = comm.size(), r = comm.rank();
-  auto shard = [&](const Tensor& t) { return ring_shard(t, r, N, layout); };
+  const int64_t b0 = first_sample;
+  ctx.dropout_first_sample = static_cast<uint64_t>(b0);
+  auto shard = [&](const Tensor& t) {
+    return ring_shard(b0 > 0 ? t.slice(0, b0, B).contiguous() : t, r, N, layout);
+  };
   const Tensor Xl = shard(X);
-  const Tensor out =
-      ring.forward(ctx, Xl, Xl, Xl, lens_kind == Lens::kPerQuery ? shard(lens) : lens);
+  const Tensor lens_l = lens_kind == Lens::kPerQuery ? shard(lens)
+                        : b0 > 0                     ? lens.slice(0, b0, B).contiguous()
+                                                     : lens;
+  const Tensor out = ring.forward(ctx, Xl, Xl, Xl, lens_l);
   const nn::AttentionInputGrads g = ring.backward(ctx, shard(dout));
   EXPECT_TRUE(ring_close("MHA output", out, shard(out_ref), 1e-5));
   EXPECT_TRUE(ring_close("MHA dqueries", g.dqueries, shard(g_ref.dqueries), 1e-4));
   EXPECT_TRUE(ring_close("MHA dkeys", g.dkeys, shard(g_ref.dkeys), 1e-4));
   EXPECT_TRUE(ring_close("MHA dvalues", g.dvalues, shard(g_ref.dvalues), 1e-4));
   EXPECT_FALSE(ring.attention_weights().defined());
+  if (b0 > 0) return;
   auto want = ref.named_parameters();
   auto got = ring.named_parameters();
   ASSERT_EQ(got.size(), want.size());

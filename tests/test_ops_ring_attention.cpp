@@ -72,6 +72,9 @@ TEST(RingAttention, MultiHeadAttentionWithDropoutEqualsTheModule) {
   for (double p : {0.1, 0.5})
     for (bool causal : {false, true})
       testing::check_ring_mha(*comm, causal, Lens::kPerQuery, p);
+  // With the data-parallel sample window: sample 1 of a batch of 2 draws its own masks.
+  for (Lens l : {Lens::kPerBatch, Lens::kPerQuery})
+    testing::check_ring_mha(*comm, true, l, 0.5, 1);
 }
 
 TEST(RingAttention, ShardAndUnshardAreInverse) {

@@ -36,6 +36,8 @@ TEST(MpiRing, MultiHeadAttentionWithDropoutEqualsSingleProcess) {
   for (double p : {0.1, 0.5})
     for (bool causal : {false, true})
       testing::check_ring_mha(world(), causal, testing::Lens::kPerQuery, p);
+  for (testing::Lens l : {testing::Lens::kPerBatch, testing::Lens::kPerQuery})
+    testing::check_ring_mha(world(), true, l, 0.5, 1);  // data-parallel sample window
 }
 
 TEST(MpiRing, DropoutStreamMismatchIsAnErrorOnEveryRank) {
