@@ -52,6 +52,13 @@ TEST(RingAttention, DropoutAcrossPiecesAndTwoThreads) {
   check_ring_case(*comm, c, 2);
   c.dtype = DType::BF16, c.T = 1200, c.layout = RingLayout::kZigzag, c.lens = Lens::kNone;
   check_ring_case(*comm, c, 2);
+  // A global key count that is not a multiple of 4: no row starts on a Philox block, the
+  // kernels draw row by row (only N <= 2 can shard it; the MPI cases keep 4 | S).
+  for (DType dt : {DType::F32, DType::BF16}) {
+    RingCase odd;
+    odd.T = 18, odd.dropout = 0.5, odd.dtype = dt, odd.lens = Lens::kPerQuery;
+    check_ring_case(*comm, odd);
+  }
 }
 
 TEST(RingAttention, DropoutIsActuallyDrawn) {
