@@ -5,12 +5,14 @@
 # shared SIMD Philox, kernels/cpu/philox-inl.h); any change to the bf16 kernels can reuse it.
 #
 #   bench/ab_bf16_dropout.sh OLD_REF [ROUNDS=4] [THREADS=1]
+#   FILTER='BM_FlashDropoutStep|BM_FlashBf16DropoutStep/BH:16/T:1024/D:64' bench/ab_bf16_dropout.sh ...
+#     (another benchmark filter; the float32 step too, as for the ring's dropout window)
 #
 # Builds bench_attention twice (OLD_REF exported under build/ab-old/src with this tree's
 # bench/bench_attention.cpp, so both run the same benchmark; the working tree in build/ab-new),
 # Release with debug info as the default preset; ccache shortens the second build.
 set -euo pipefail
-[[ $# -ge 1 ]] || { sed -n '2,11p' "$0" >&2; exit 2; }
+[[ $# -ge 1 ]] || { sed -n '2,14p' "$0" >&2; exit 2; }
 old_ref=$1 rounds=${2:-4} threads=${3:-1}
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -33,4 +35,4 @@ configure . build/ab-new
 echo "old: $(git rev-parse --short "$old_ref"), new: working tree of $(git rev-parse --short HEAD);" \
   "load: $(cut -d' ' -f1-3 /proc/loadavg); $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
 bash bench/ab.sh build/ab-old/build/bench/bench_attention build/ab-new/bench/bench_attention \
-  'BM_FlashBf16DropoutStep' "$rounds" "$threads"
+  "${FILTER:-BM_FlashBf16DropoutStep}" "$rounds" "$threads"

@@ -142,6 +142,26 @@ void BM_FlashBackward(benchmark::State& state) {
   set_counters(state, 2.5 * forward_flops(buf.BH, buf.T, buf.D, causal));
 }
 
+// The float32 training step with dropout (p = 0.1): forward, then backward, which redraws the
+// mask (bench/ab_bf16_dropout.sh with FILTER=BM_FlashDropoutStep). Args: BH, T (= S), D.
+void BM_FlashDropoutStep(benchmark::State& state) {
+  Buffers buf(state.range(0), state.range(1), state.range(2), false, true);
+  buf.p.dropout = 0.1f;
+  buf.p.seed = 7;
+  buf.p.offset = 3;
+  for (auto _ : state) {
+    attn::cpu::flash_attention_forward(buf.p);
+    attn::cpu::flash_attention_backward(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dq.data());
+  }
+  set_counters(state, 3.5 * forward_flops(buf.BH, buf.T, buf.D, false));
+}
+BENCHMARK(BM_FlashDropoutStep)
+    ->Args({16, 1024, 64})
+    ->ArgNames({"BH", "T", "D"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
 void IssueShapes(benchmark::internal::Benchmark* b) {
   for (int64_t t : {1024, 4096})
     for (int64_t d : {64, 128})

@@ -12,8 +12,10 @@
 //   out[b,t]     = sum_s P[b,t,s] * Z[b,t,s] * v[b,s]
 // where Z is the inverted-dropout multiplier (0 or 1/(1-p)) drawn from the dropout stream with
 // index dropout_index_base + (b*T + t)*S + s (attn/core/rng.hpp; the base places a data-parallel
-// shard's rows in the global batch), or 1 without dropout. Dropout acts on normalized
-// weights: it does not enter the softmax denominator.
+// shard's rows in the global batch), or 1 without dropout. A call on a block of a larger problem
+// (ring attention: local queries against one key block) draws the larger problem's mask instead:
+// index base + (b*Tg + t0 + t)*Sg + s0 + s with the dropout_window (rows, cols, t0, s0) below.
+// Dropout acts on normalized weights: it does not enter the softmax denominator.
 //
 // Mask: key s of row (b, t) is kept iff s < kept_keys[b*T + t] (when kept_keys is given; the
 // ops layer lowers d2l's valid_lens to it, in [0, S]) and, with `causal`, s <= t (top-left
@@ -61,6 +63,12 @@ struct AttentionProblem {
   // Stream index of element (0, 0, 0): the global index of this call's first sample times the
   // elements per sample, heads * T * S (Context::dropout_index_base; 0 in a single process).
   uint64_t dropout_index_base = 0;
+  // The block's place in the problem whose mask is drawn (ring attention's global (Tg, Sg)):
+  // query t of this call is row t0 + t of Tg, key s is column s0 + s of Sg. rows = 0 (the
+  // default) means this call is the whole problem: Tg = T, Sg = S, t0 = s0 = 0.
+  struct DropoutWindow {
+    int64_t rows = 0, cols = 0, t0 = 0, s0 = 0;
+  } dropout_window;
 
   int threads = 1;
 
@@ -79,7 +87,16 @@ struct AttentionProblem {
 
   // The dropout stream index of weight (b, t, s).
   uint64_t dropout_index(int64_t b, int64_t t, int64_t s) const {
-    return dropout_index_base + static_cast<uint64_t>((b * T + t) * S + s);
+    const DropoutWindow& w = dropout_window;
+    if (w.rows == 0) return dropout_index_base + static_cast<uint64_t>((b * T + t) * S + s);
+    return dropout_index_base + static_cast<uint64_t>((b * w.rows + w.t0 + t) * w.cols + w.s0 + s);
+  }
+  // True when the index of (b, t, s) is a multiple of 4 for every b and t (a whole Philox block
+  // starts at key s of every row): the SIMD draws across queries need it.
+  bool dropout_rows_aligned(int64_t s) const {
+    const DropoutWindow& w = dropout_window;
+    if (w.rows == 0) return S % 4 == 0 && (dropout_index_base + static_cast<uint64_t>(s)) % 4 == 0;
+    return w.cols % 4 == 0 && (dropout_index_base + static_cast<uint64_t>(w.s0 + s)) % 4 == 0;
   }
 
   // Keys [0, limit) are kept by row (b, t): the length mask and the causal mask both keep a prefix.

@@ -11,6 +11,15 @@
 // skipped. d2l's kUniform rows (no kept key at all) are fixed up at the end: the mean of all
 // values forward, dv += dout / S on every key backward.
 //
+// Dropout draws the single-process kernel's mask on the gathered problem: weight (b, t, s) at
+// stream index base + (b Tg + t) Sg + s, t and s GLOBAL positions, base =
+// Context::dropout_index_base(lens_repeat Tg Sg). Each call places its block in the global
+// problem through AttentionProblem::dropout_window (rows Tg, cols Sg, first query row and first
+// key column of the pair), so every weight keeps its mask, whichever rank and step computes it;
+// the merge by log-sum-exp is linear in the (dropped) block outputs. The kUniform fix-up draws
+// the same mask on its 1/S weights. The forward takes one stream offset (as the single-process
+// op does), the backward redraws with the offset stored in the result.
+//
 // Overlap: MPI moves a large non-blocking message only while the process is inside MPI (Open MPI
 // has no progress thread by default), so each pair's queries are cut into pieces and the pending
 // requests are tested between pieces.
@@ -20,9 +29,12 @@
 #include "ops/common.hpp"
 #include "ops/mask.hpp"
 
+#include "attn/core/rng.hpp"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -84,11 +96,6 @@ RingDims check_local(const char* op, const Tensor& q, const Tensor& k, const Ten
         shape_str(k.shape()), shape_str(v.shape()), d.S);
   check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
         opts.dropout);
-  check(!(opts.training && opts.dropout > 0.0), op,
-        "dropout {} in training is not supported: the dropout stream is indexed over the global "
-        "(T, S) problem, which ring attention's per-block kernel calls do not map; use dropout 0 "
-        "(or the single-process scaled_dot_product_attention)",
-        opts.dropout);
   check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
         opts.scale.value_or(0.0));
   check(opts.lens_repeat >= 1, op, "lens_repeat is {}, expected >= 1", opts.lens_repeat);
@@ -109,9 +116,10 @@ RingDims check_local(const char* op, const Tensor& q, const Tensor& k, const Ten
 // Local checks, then one collective comparison of shapes and options, so that a rank whose input
 // is wrong, or differs from the others', makes every rank throw (no rank waits for a block that
 // never comes). A local error is rethrown after the comparison.
-RingDims check_ring(const char* op, Communicator& comm, const Tensor& q, const Tensor& k,
-                    const Tensor& v, const Tensor& valid_lens, const RingOptions& opts,
-                    const Tensor* dout = nullptr) {
+RingDims check_ring(const char* op, const Context& ctx, Communicator& comm, const Tensor& q,
+                    const Tensor& k, const Tensor& v, const Tensor& valid_lens,
+                    const RingOptions& opts, const Tensor* dout = nullptr,
+                    uint64_t dropout_offset = 0) {
   RingDims d;
   std::exception_ptr local;
   try {
@@ -127,6 +135,10 @@ RingDims check_ring(const char* op, Communicator& comm, const Tensor& q, const T
     local = std::current_exception();
   }
   const int64_t lens_ndim = valid_lens.defined() ? valid_lens.ndim() : 0;
+  // Dropout: every rank must draw from one stream (p, seed, the call's offset: the forward's
+  // next one, or the one the backward redraws) and one data-parallel sample window.
+  const bool drop = opts.training && opts.dropout > 0.0;
+  const uint64_t offset = dout ? dropout_offset : ctx.dropout_offset();
   const std::vector<int64_t> values = {local ? 1 : 0,
                                        d.B,
                                        d.T,
@@ -138,10 +150,15 @@ RingDims check_ring(const char* op, Communicator& comm, const Tensor& q, const T
                                        static_cast<int64_t>(opts.masked_rows),
                                        static_cast<int64_t>(d.layout),
                                        opts.lens_repeat,
-                                       lens_ndim};
+                                       lens_ndim,
+                                       drop ? std::bit_cast<int64_t>(opts.dropout) : 0,
+                                       drop ? static_cast<int64_t>(ctx.seed) : 0,
+                                       drop ? static_cast<int64_t>(offset) : 0,
+                                       drop ? static_cast<int64_t>(ctx.dropout_first_sample) : 0};
   const std::string what =
       "(input error, B, T_local, S_local, D, Dv, dtype, causal, masked_rows, layout, "
-      "lens_repeat, valid_lens rank) = (" +
+      "lens_repeat, valid_lens rank, dropout bits, seed, dropout offset, "
+      "dropout_first_sample) = (" +
       fmt::format("{}", fmt::join(values, ", ")) + ")";
   if (local) {  // this rank's own error is the better message; the others learn that ranks differ
     try {
@@ -192,6 +209,51 @@ inline E from_f(float x) {
   } else {
     return float_to_bf16(x);
   }
+}
+
+// The dropout stream of one ring op, over the gathered problem (Tg, Sg): the single-process
+// kernel's mask (kernels/attention_problem.hpp).
+struct RingDropout {
+  bool active = false;
+  float p = 0.0f, keep_scale = 0.0f;
+  uint64_t seed = 0, offset = 0, base = 0;
+  int64_t Tg = 0, Sg = 0;
+
+  RingDropout(const Context& ctx, const RingDims& d, const RingOptions& opts, uint64_t off) {
+    active = opts.training && opts.dropout > 0.0;
+    if (!active) return;
+    p = static_cast<float>(opts.dropout);
+    keep_scale = p < 1.0f ? 1.0f / (1.0f - p) : 0.0f;  // as the kernels compute it
+    seed = ctx.seed, offset = off;
+    Tg = d.T * d.N, Sg = d.S_global();
+    // As detail::attention_dropout_index_base: a sample is lens_repeat rows of Tg x Sg weights.
+    base = ctx.dropout_index_base(static_cast<uint64_t>(opts.lens_repeat * Tg * Sg));
+  }
+  // The multiplier of weight (b, tg, sg), global query tg and key sg: 0 or 1 / (1 - p).
+  float z(int64_t b, int64_t tg, int64_t sg) const {
+    return dropout_keep(seed, offset, base + static_cast<uint64_t>((b * Tg + tg) * Sg + sg), p)
+               ? keep_scale
+               : 0.0f;
+  }
+  // The kernel call of query rows [tg0, ..) against keys [sg0, ..) draws from the global mask.
+  template <class E>
+  void place(kernels::AttentionArgs<E>& a, int64_t tg0, int64_t sg0) const {
+    a.dropout_window = {Tg, Sg, tg0, sg0};
+  }
+  template <class E>
+  void set(kernels::AttentionArgs<E>& a) const {
+    a.dropout = active ? p : 0.0f;
+    a.seed = seed, a.offset = offset, a.dropout_index_base = base;
+  }
+};
+
+// Global position of every local row of a shard (rank `rank`'s segments).
+std::vector<int64_t> global_rows(RingLayout layout, int rank, int N, int64_t L) {
+  std::vector<int64_t> g(static_cast<size_t>(L));
+  for (const Segment& sg : segments(layout, rank, N, L))
+    for (int64_t i = 0; i < sg.len; ++i)
+      g[sg.local + i] = sg.global + i;
+  return g;
 }
 
 // Pieces of query rows per kernel call, so the pending messages are progressed in between.
@@ -306,6 +368,9 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
   const bool uniform = any_empty && opts.masked_rows == MaskedRowPolicy::kUniform;
 
   AttentionResult result;
+  result.dropout_offset =
+      opts.training && opts.dropout > 0.0 ? ctx.next_dropout_offset() : 0;  // as SDPA
+  const RingDropout drop(ctx, d, opts, result.dropout_offset);
   result.output = Tensor::zeros({B, T, Dv}, dt);
   result.logsumexp = Tensor::full({B, T}, -std::numeric_limits<double>::infinity(), DType::F32);
   // The float32 accumulator of the output: the output itself for float32.
@@ -318,11 +383,16 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
     o_acc = o_buf.data();
   }
   float* l_acc = result.logsumexp.data<float>();
-  std::vector<double> vsum(uniform ? static_cast<size_t>(B * Dv) : 0, 0.0);
+  // The kUniform rows' sum of (dropped) values: per batch row, or per row with dropout.
+  const bool drop_uniform = uniform && drop.active;
+  std::vector<double> vsum(uniform ? static_cast<size_t>((drop_uniform ? B * T : B) * Dv) : 0, 0.0);
   const std::vector<Segment> qsegs = segments(d.layout, r, N, T);
+  const std::vector<int64_t> qglob =
+      drop_uniform ? global_rows(d.layout, r, N, T) : std::vector<int64_t>();
 
   KvRing<E> ring(comm, d, k, v);
   kernels::AttentionArgs<E> p = base_args<E>(ctx, d, opts);
+  drop.set(p);
   const kernels::StridedView<const E> qv = detail::head_view<const E>(q, 1);
   std::vector<int32_t> kept;
   std::vector<E> tmp_out;
@@ -345,6 +415,7 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
           tmp_lse.resize(static_cast<size_t>(B * m));
           p.T = m, p.S = ks.len;
           p.kept_keys = kept.data();
+          drop.place(p, a.global + t0, ks.global);
           p.q = qv;
           p.q.data += (a.local + t0) * qv.st;
           p.k = {kb + ks.local * D, S * D, 0, D, 1};
@@ -372,11 +443,25 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
         }
       }
     }
-    if (uniform)  // the sum of every global value, for rows that keep no key (d2l)
+    if (drop_uniform) {  // each empty row's own dropped sum of the block's values
+      const std::vector<int64_t> kglob = global_rows(d.layout, owner, N, S);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          if (!empty[b * T + t]) continue;
+          double* acc = vsum.data() + (b * T + t) * Dv;
+          for (int64_t s = 0; s < S; ++s) {
+            const float z = drop.z(b, qglob[t], kglob[s]);
+            if (z == 0.0f) continue;
+            for (int64_t e = 0; e < Dv; ++e)
+              acc[e] += static_cast<double>(z) * to_f(vb[(b * S + s) * Dv + e]);
+          }
+        }
+    } else if (uniform) {  // the sum of every global value, for rows that keep no key (d2l)
       for (int64_t b = 0; b < B; ++b)
         for (int64_t s = 0; s < S; ++s)
           for (int64_t e = 0; e < Dv; ++e)
             vsum[b * Dv + e] += to_f(vb[(b * S + s) * Dv + e]);
+    }
     ring.finish(i);
   }
 
@@ -386,8 +471,9 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
     const bool fix = uniform && empty[row];
     if (std::is_same_v<E, float> && !fix) continue;  // accumulated in place
     for (int64_t e = 0; e < Dv; ++e)
-      out[row * Dv + e] = from_f<E>(fix ? static_cast<float>(vsum[(row / T) * Dv + e] * inv_s)
-                                        : o_acc[row * Dv + e]);
+      out[row * Dv + e] =
+          from_f<E>(fix ? static_cast<float>(vsum[(drop_uniform ? row : row / T) * Dv + e] * inv_s)
+                        : o_acc[row * Dv + e]);
   }
   return result;
 }
@@ -395,8 +481,8 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
 template <class E>
 AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dout, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& valid_lens,
-                             const Tensor& out, const Tensor& lse, const RingOptions& opts,
-                             const RingDims& d) {
+                             const Tensor& out, const Tensor& lse, uint64_t dropout_offset,
+                             const RingOptions& opts, const RingDims& d) {
   const int N = d.N, r = d.rank, next = (r + 1) % N, prev = (r + N - 1) % N;
   const int64_t B = d.B, T = d.T, S = d.S, D = d.D, Dv = d.Dv;
   const DType dt = q.dtype();
@@ -405,9 +491,22 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
   const std::vector<uint8_t> empty = empty_rows(gkept, d, &any_empty);
   const bool uniform = any_empty && opts.masked_rows == MaskedRowPolicy::kUniform;
 
+  const RingDropout drop(ctx, d, opts, dropout_offset);
+  const bool drop_uniform = uniform && drop.active;
   // u[b] = sum of dout over the rows that keep no key, / S: their weight on every key (d2l).
-  std::vector<float> u(uniform ? static_cast<size_t>(B * Dv) : 0, 0.0f);
-  if (uniform) {
+  // With dropout each such row's weights differ: u[row] = dout[row] / S, times z per key.
+  std::vector<float> u(uniform ? static_cast<size_t>((drop_uniform ? B * T : B) * Dv) : 0, 0.0f);
+  const std::vector<int64_t> qglob =
+      drop_uniform ? global_rows(d.layout, r, N, T) : std::vector<int64_t>();
+  if (drop_uniform) {
+    const Tensor dc = dout.to(DType::F32).contiguous();
+    const float* g = dc.data<float>();
+    const double inv_s = 1.0 / static_cast<double>(d.S_global());
+    for (int64_t row = 0; row < B * T; ++row)
+      if (empty[row])
+        for (int64_t e = 0; e < Dv; ++e)
+          u[row * Dv + e] = static_cast<float>(g[row * Dv + e] * inv_s);
+  } else if (uniform) {
     const Tensor dc = dout.to(DType::F32).contiguous();
     const float* g = dc.data<float>();
     const double inv_s = 1.0 / static_cast<double>(d.S_global());
@@ -442,6 +541,7 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
   const std::vector<Segment> qsegs = segments(d.layout, r, N, T);
   KvRing<E> ring(comm, d, k, v);
   kernels::AttentionArgs<E> p = base_args<E>(ctx, d, opts);
+  drop.set(p);
   const kernels::StridedView<const E> qv = detail::head_view<const E>(q, 1);
   const kernels::StridedView<E> ov = detail::head_view<E>(out, 1);
   const kernels::StridedView<const E> gv = detail::head_view<const E>(dout, 1);
@@ -477,6 +577,7 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
           dq_t.resize(static_cast<size_t>(B * m * D));
           p.T = m, p.S = n;
           p.kept_keys = kept.data();
+          drop.place(p, a.global + t0, ks.global);
           p.q = qv;
           p.q.data += row0 * qv.st;
           p.k = {kb + ks.local * D, S * D, 0, D, 1};
@@ -509,11 +610,26 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
         }
       }
     }
-    if (uniform)
+    if (drop_uniform) {
+      const std::vector<int64_t> kglob = global_rows(d.layout, owner, N, S);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          if (!empty[b * T + t]) continue;
+          const float* ur = u.data() + (b * T + t) * Dv;
+          for (int64_t s = 0; s < S; ++s) {
+            const float z = drop.z(b, qglob[t], kglob[s]);
+            if (z == 0.0f) continue;
+            float* dv = acc.data() + k_elems + (b * S + s) * Dv;
+            for (int64_t e = 0; e < Dv; ++e)
+              dv[e] += z * ur[e];
+          }
+        }
+    } else if (uniform) {
       for (int64_t b = 0; b < B; ++b)
         for (int64_t s = 0; s < S; ++s)
           for (int64_t e = 0; e < Dv; ++e)
             acc[k_elems + (b * S + s) * Dv + e] += u[b * Dv + e];
+    }
     if (i > 0) {
       gr.wait();
       for (int64_t j = 0; j < blk_elems; ++j)
@@ -570,7 +686,7 @@ const char* ring_layout_name(RingLayout layout) {
 
 AttentionResult ring_attention(Context& ctx, Communicator& comm, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& valid_lens, const RingOptions& opts) {
-  const RingDims d = check_ring(kRing, comm, q, k, v, valid_lens, opts);
+  const RingDims d = check_ring(kRing, ctx, comm, q, k, v, valid_lens, opts);
   if (q.dtype() == DType::BF16)
     return forward_impl<uint16_t>(ctx, comm, q, k, v, valid_lens, opts, d);
   return forward_impl<float>(ctx, comm, q, k, v, valid_lens, opts, d);
@@ -580,7 +696,8 @@ AttentionGrads ring_attention_backward(Context& ctx, Communicator& comm, const T
                                        const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& valid_lens, const AttentionResult& forward,
                                        const RingOptions& opts) {
-  const RingDims d = check_ring(kRingBackward, comm, q, k, v, valid_lens, opts, &dout);
+  const RingDims d = check_ring(kRingBackward, ctx, comm, q, k, v, valid_lens, opts, &dout,
+                                forward.dropout_offset);
   const Tensor& fo = forward.output;
   const Tensor& fl = forward.logsumexp;
   check(fo.defined() && fl.defined() && fo.dtype() == q.dtype() && fl.dtype() == DType::F32 &&
@@ -593,8 +710,10 @@ AttentionGrads ring_attention_backward(Context& ctx, Communicator& comm, const T
         shape_str(Shape{d.B, d.T}));
   const Tensor lse = fl.contiguous();
   if (q.dtype() == DType::BF16)
-    return backward_impl<uint16_t>(ctx, comm, dout, q, k, v, valid_lens, fo, lse, opts, d);
-  return backward_impl<float>(ctx, comm, dout, q, k, v, valid_lens, fo, lse, opts, d);
+    return backward_impl<uint16_t>(ctx, comm, dout, q, k, v, valid_lens, fo, lse,
+                                   forward.dropout_offset, opts, d);
+  return backward_impl<float>(ctx, comm, dout, q, k, v, valid_lens, fo, lse, forward.dropout_offset,
+                              opts, d);
 }
 
 // --- sharding helpers -------------------------------------------------------------------------

@@ -32,6 +32,10 @@ struct RingCase {
   MaskedRowPolicy policy = MaskedRowPolicy::kUniform;
   DType dtype = DType::F32;
   uint64_t seed = 11;
+  double dropout = 0.0;  // > 0: in training, the single-process mask on the gathered problem
+  // Data-parallel sample window (Context::dropout_first_sample): the ring runs batch rows
+  // [first_sample, B) of the global batch with that window, the reference the whole batch.
+  int64_t first_sample = 0;
 };
 
 inline std::string describe(const RingCase& c) {
@@ -41,7 +45,9 @@ inline std::string describe(const RingCase& c) {
          ring_layout_name(c.layout) + " lens " + lens[static_cast<int>(c.lens)] +
          (c.empty_row ? " empty row" : "") +
          (c.policy == MaskedRowPolicy::kZero ? " kZero" : " kUniform") + " " +
-         std::string(dtype_name(c.dtype));
+         std::string(dtype_name(c.dtype)) +
+         (c.dropout > 0 ? " dropout " + std::to_string(c.dropout) : "") +
+         (c.first_sample > 0 ? " first sample " + std::to_string(c.first_sample) : "");
 }
 
 // Global valid lengths: (B,) or (B, T) as float32, varied, with zeros when empty_row.
@@ -87,12 +93,17 @@ inline ::testing::AssertionResult ring_close(const char* what, const Tensor& got
 }
 
 // Runs the case on comm and checks output, logsumexp and dq, dk, dv (fp32: 1e-5 and 1e-4 as the
-// issue asks; bf16: against the single-process bf16 kernel, within bf16 rounding).
+// issue asks; bf16: against the single-process bf16 kernel, within bf16 rounding). With dropout
+// the reference and the ring each run on a fresh Context with the same seed (the same stream
+// offset), so both draw the same mask.
 inline void check_ring_case(Communicator& comm, const RingCase& c, int threads = 1) {
   SCOPED_TRACE(describe(c) + " on " + std::to_string(comm.size()) + " ranks");
-  Context ctx;
-  ctx.threads = threads;
-  ctx.backend = Backend::kCpu;
+  Context ctx, ctx_ref;
+  for (Context* x : {&ctx, &ctx_ref}) {
+    x->threads = threads;
+    x->backend = Backend::kCpu;
+    x->seed = 1000 + c.seed;
+  }
   const Tensor q = random_tensor({c.B, c.T, c.D}, DType::F32, c.seed).to(c.dtype);
   const Tensor k = random_tensor({c.B, c.T, c.D}, DType::F32, c.seed + 1).to(c.dtype);
   const Tensor v = random_tensor({c.B, c.T, c.Dv}, DType::F32, c.seed + 2).to(c.dtype);
@@ -103,20 +114,33 @@ inline void check_ring_case(Communicator& comm, const RingCase& c, int threads =
   ao.mask.valid_lens = lens;
   ao.mask.causal = c.causal;
   ao.mask.masked_rows = c.policy;
-  const AttentionResult ref = scaled_dot_product_attention(ctx, q, k, v, ao);
-  const AttentionGrads rg = scaled_dot_product_attention_backward(ctx, dout, q, k, v, ref, ao);
+  ao.dropout = c.dropout;
+  ao.training = c.dropout > 0;
+  AttentionResult ref = scaled_dot_product_attention(ctx_ref, q, k, v, ao);
+  AttentionGrads rg = scaled_dot_product_attention_backward(ctx_ref, dout, q, k, v, ref, ao);
 
   const int N = comm.size(), r = comm.rank();
+  // The ring's batch rows: [first_sample, B), with the data-parallel window set to match.
+  const int64_t b0 = c.first_sample;
+  auto rows = [&](const Tensor& t) { return b0 > 0 ? t.slice(0, b0, c.B).contiguous() : t; };
+  ctx.dropout_first_sample = static_cast<uint64_t>(b0);
+  if (b0 > 0) {
+    ref.output = rows(ref.output), ref.logsumexp = rows(ref.logsumexp);
+    rg.dq = rows(rg.dq), rg.dk = rows(rg.dk), rg.dv = rows(rg.dv);
+  }
   auto shard = [&](const Tensor& t) { return ring_shard(t, r, N, c.layout); };
   RingOptions ro;
   ro.causal = c.causal;
   ro.masked_rows = c.policy;
   ro.layout = c.layout;
-  const Tensor lens_local = c.lens == Lens::kPerQuery ? shard(lens) : lens;
-  const Tensor ql = shard(q), kl = shard(k), vl = shard(v);
+  ro.dropout = c.dropout;
+  ro.training = c.dropout > 0;
+  const Tensor lens_rows = lens.defined() ? rows(lens) : lens;
+  const Tensor lens_local = c.lens == Lens::kPerQuery ? shard(lens_rows) : lens_rows;
+  const Tensor ql = shard(rows(q)), kl = shard(rows(k)), vl = shard(rows(v));
   const AttentionResult res = ring_attention(ctx, comm, ql, kl, vl, lens_local, ro);
   const AttentionGrads g =
-      ring_attention_backward(ctx, comm, shard(dout), ql, kl, vl, lens_local, res, ro);
+      ring_attention_backward(ctx, comm, shard(rows(dout)), ql, kl, vl, lens_local, res, ro);
 
   const bool bf16 = c.dtype == DType::BF16;
   const double tol_out = bf16 ? 2e-2 : 1e-5, tol_grad = bf16 ? 3e-2 : 1e-4;
@@ -132,14 +156,22 @@ inline void check_ring_case(Communicator& comm, const RingCase& c, int threads =
 
 // nn::MultiHeadAttention with sequence_parallel = &comm on each rank's shard of X against the
 // single-process module on the whole X (same seed): output and input gradients within 1e-5 and
-// 1e-4, parameter gradients within 1e-4 after the all-reduce the caller owes.
-inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind) {
+// 1e-4, parameter gradients within 1e-4 after the all-reduce the caller owes. With dropout (in
+// training) each module runs on its own Context of the same seed: the same masks. first_sample
+// > 0: the ring module runs batch rows [first_sample, B) with that data-parallel sample window
+// (Context::dropout_first_sample) and matches those rows of the reference (parameter gradients
+// are then a part of the reference's and are not compared).
+inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind, double dropout = 0.0,
+                           int64_t first_sample = 0) {
   SCOPED_TRACE(std::string("MHA ") + (causal ? "causal " : "") + "lens " +
-               std::to_string(static_cast<int>(lens_kind)));
+               std::to_string(static_cast<int>(lens_kind)) + " dropout " + std::to_string(dropout) +
+               " first sample " + std::to_string(first_sample));
   const int64_t B = 2, T = 16, Din = 12, E = 16, H = 2;
-  Context ctx;
-  ctx.threads = 1;
-  nn::MultiHeadAttention ref(E, H, 0.0, true, DType::F32, 3), ring(E, H, 0.0, true, DType::F32, 3);
+  Context ctx, ctx_ref;
+  for (Context* x : {&ctx, &ctx_ref})
+    x->threads = 1, x->seed = 77;
+  nn::MultiHeadAttention ref(E, H, dropout, true, DType::F32, 3),
+      ring(E, H, dropout, true, DType::F32, 3);
   for (nn::MultiHeadAttention* m : {&ref, &ring}) {
     m->attention.causal = causal;
     m->attention.need_weights = false;
@@ -152,20 +184,27 @@ inline void check_ring_mha(Communicator& comm, bool causal, Lens lens_kind) {
   const Tensor lens = ring_case_lens(c);
   const Tensor X = random_tensor({B, T, Din}, DType::F32, 41);
   const Tensor dout = random_tensor({B, T, E}, DType::F32, 42);
-  const Tensor out_ref = ref.forward(ctx, X, X, X, lens);
-  const nn::AttentionInputGrads g_ref = ref.backward(ctx, dout);
+  const Tensor out_ref = ref.forward(ctx_ref, X, X, X, lens);
+  const nn::AttentionInputGrads g_ref = ref.backward(ctx_ref, dout);
 
   const int N = comm.size(), r = comm.rank();
-  auto shard = [&](const Tensor& t) { return ring_shard(t, r, N, layout); };
+  const int64_t b0 = first_sample;
+  ctx.dropout_first_sample = static_cast<uint64_t>(b0);
+  auto shard = [&](const Tensor& t) {
+    return ring_shard(b0 > 0 ? t.slice(0, b0, B).contiguous() : t, r, N, layout);
+  };
   const Tensor Xl = shard(X);
-  const Tensor out =
-      ring.forward(ctx, Xl, Xl, Xl, lens_kind == Lens::kPerQuery ? shard(lens) : lens);
+  const Tensor lens_l = lens_kind == Lens::kPerQuery ? shard(lens)
+                        : b0 > 0                     ? lens.slice(0, b0, B).contiguous()
+                                                     : lens;
+  const Tensor out = ring.forward(ctx, Xl, Xl, Xl, lens_l);
   const nn::AttentionInputGrads g = ring.backward(ctx, shard(dout));
   EXPECT_TRUE(ring_close("MHA output", out, shard(out_ref), 1e-5));
   EXPECT_TRUE(ring_close("MHA dqueries", g.dqueries, shard(g_ref.dqueries), 1e-4));
   EXPECT_TRUE(ring_close("MHA dkeys", g.dkeys, shard(g_ref.dkeys), 1e-4));
   EXPECT_TRUE(ring_close("MHA dvalues", g.dvalues, shard(g_ref.dvalues), 1e-4));
   EXPECT_FALSE(ring.attention_weights().defined());
+  if (b0 > 0) return;
   auto want = ref.named_parameters();
   auto got = ring.named_parameters();
   ASSERT_EQ(got.size(), want.size());
@@ -209,6 +248,46 @@ inline std::vector<RingCase> ring_cases() {
     b.lens = Lens::kPerBatch;
     cs.push_back(b);
   }
+  return cs;
+}
+
+// Dropout cases (training, p = 0.1 and 0.5): both layouts, causal zigzag, valid_lens with empty
+// rows under both policies (kUniform's fix-up draws the mask too), bf16, a data-parallel window.
+inline std::vector<RingCase> ring_dropout_cases() {
+  std::vector<RingCase> cs;
+  for (double p : {0.1, 0.5}) {
+    RingCase c;
+    c.dropout = p, c.seed = p < 0.3 ? 31 : 32;
+    cs.push_back(c);  // non-causal contiguous
+    c.layout = RingLayout::kZigzag, c.causal = true;
+    cs.push_back(c);  // causal zigzag
+    c.D = 16, c.Dv = 8, c.T = 24, c.causal = false;
+    cs.push_back(c);  // zigzag, Dv != D, odd chunk lengths on 4 ranks (3 keys)
+  }
+  for (Lens l : {Lens::kPerBatch, Lens::kPerQuery})
+    for (MaskedRowPolicy pol : {MaskedRowPolicy::kUniform, MaskedRowPolicy::kZero}) {
+      RingCase m;
+      m.dropout = 0.5, m.lens = l, m.policy = pol, m.empty_row = true;
+      m.causal = l == Lens::kPerQuery;
+      m.layout = m.causal ? RingLayout::kZigzag : RingLayout::kContiguous;
+      m.seed = 40 + cs.size();
+      cs.push_back(m);
+    }
+  for (bool causal : {false, true}) {
+    RingCase b;  // bf16, chunks a multiple of 4 keys (the SIMD draws) on 2 and 4 ranks
+    b.dtype = DType::BF16, b.causal = causal, b.T = 64, b.D = 32, b.Dv = 32, b.dropout = 0.1;
+    b.layout = causal ? RingLayout::kZigzag : RingLayout::kContiguous;
+    b.lens = Lens::kPerBatch;
+    cs.push_back(b);
+  }
+  RingCase f;  // fp32 with 4-aligned chunks too
+  f.T = 64, f.D = 16, f.Dv = 16, f.dropout = 0.1, f.causal = true;
+  f.layout = RingLayout::kZigzag, f.lens = Lens::kPerQuery;
+  cs.push_back(f);
+  RingCase w;  // data-parallel window: rows [1, 3) of a batch of 3
+  w.B = 3, w.first_sample = 1, w.dropout = 0.5, w.causal = true, w.layout = RingLayout::kZigzag;
+  w.lens = Lens::kPerBatch;
+  cs.push_back(w);
   return cs;
 }
 

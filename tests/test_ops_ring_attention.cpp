@@ -37,6 +37,53 @@ TEST(RingAttention, MultiHeadAttentionOnOneRankEqualsTheModule) {
       testing::check_ring_mha(*comm, causal, l);
 }
 
+TEST(RingAttention, DropoutDrawsTheSingleProcessMask) {
+  auto comm = single_process_communicator();
+  for (const RingCase& c : testing::ring_dropout_cases())
+    check_ring_case(*comm, c);
+}
+
+TEST(RingAttention, DropoutAcrossPiecesAndTwoThreads) {
+  // Several kernel pieces per block: each piece's window starts at its own global query row.
+  auto comm = single_process_communicator();
+  RingCase c;
+  c.B = 1, c.T = 600, c.D = 16, c.Dv = 16, c.causal = true, c.lens = Lens::kPerQuery;
+  c.dropout = 0.1;
+  check_ring_case(*comm, c, 2);
+  c.dtype = DType::BF16, c.T = 1200, c.layout = RingLayout::kZigzag, c.lens = Lens::kNone;
+  check_ring_case(*comm, c, 2);
+  // A global key count that is not a multiple of 4: no row starts on a Philox block, the
+  // kernels draw row by row (only N <= 2 can shard it; the MPI cases keep 4 | S).
+  for (DType dt : {DType::F32, DType::BF16}) {
+    RingCase odd;
+    odd.T = 18, odd.dropout = 0.5, odd.dtype = dt, odd.lens = Lens::kPerQuery;
+    check_ring_case(*comm, odd);
+  }
+}
+
+TEST(RingAttention, DropoutIsActuallyDrawn) {
+  // p = 0.5 changes the output (the mask is applied, not skipped), eval mode does not.
+  auto comm = single_process_communicator();
+  Context ctx;
+  const Tensor q = random_tensor({1, 16, 8}, DType::F32, 3);
+  RingOptions o;
+  o.dropout = 0.5;
+  const Tensor eval = ring_attention(ctx, *comm, q, q, q, {}, o).output;
+  EXPECT_EQ(max_abs_diff(eval, ring_attention(ctx, *comm, q, q, q, {}, {}).output), 0.0);
+  o.training = true;
+  EXPECT_GT(max_abs_diff(ring_attention(ctx, *comm, q, q, q, {}, o).output, eval), 1e-3);
+}
+
+TEST(RingAttention, MultiHeadAttentionWithDropoutEqualsTheModule) {
+  auto comm = single_process_communicator();
+  for (double p : {0.1, 0.5})
+    for (bool causal : {false, true})
+      testing::check_ring_mha(*comm, causal, Lens::kPerQuery, p);
+  // With the data-parallel sample window: sample 1 of a batch of 2 draws its own masks.
+  for (Lens l : {Lens::kPerBatch, Lens::kPerQuery})
+    testing::check_ring_mha(*comm, true, l, 0.5, 1);
+}
+
 TEST(RingAttention, ShardAndUnshardAreInverse) {
   const Tensor g = random_tensor({2, 24, 3}, DType::F32, 5);
   for (RingLayout layout : {RingLayout::kContiguous, RingLayout::kZigzag})
@@ -84,10 +131,10 @@ TEST(RingAttention, ErrorsNameTheOpAndTheExpectation) {
   Context ctx;
   const Tensor q = random_tensor({1, 6, 4}, DType::F32);
   RingOptions o;
-  o.training = true, o.dropout = 0.1;
+  o.training = true, o.dropout = 1.5;
   std::string e = error_of([&] { ring_attention(ctx, *comm, q, q, q, {}, o); });
   EXPECT_NE(e.find("ring_attention"), std::string::npos) << e;
-  EXPECT_NE(e.find("dropout"), std::string::npos) << e;
+  EXPECT_NE(e.find("dropout is 1.5, expected in [0, 1]"), std::string::npos) << e;
 
   e = error_of([&] { ring_shard(q, 0, 4, RingLayout::kContiguous); });
   EXPECT_NE(e.find("ring_shard"), std::string::npos) << e;

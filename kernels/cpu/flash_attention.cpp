@@ -171,17 +171,18 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
 }
 
 // P^T *= Z^T on the score tile xt (nk keys x mqp queries), lanes [c0, c_end), keys from s0.
-// Vectorized across queries when S % 4 == 0 (and the index base is a multiple of 4, as a whole
-// number of samples of T x S weights then is): then query t's run of keys starts at stream index
-// base + (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j of
-// every lane is word j of its Philox block ((bT + t)S + s0)/4 + g: one draw per 4 keys per query,
-// and each word is a whole row of the tile. Returns false (nothing done) otherwise.
+// Vectorized across queries when every query's run of keys starts on a Philox block
+// (AttentionProblem::dropout_rows_aligned: S % 4 == 0 and base + s0 a multiple of 4; with a
+// dropout window, the global Sg and s0 instead): then query t's run starts at stream index
+// i_t = dropout_index(b, t, s0), a multiple of 4, so key s0 + 4g + j of every lane is word j of
+// its Philox block i_t/4 + g: one draw per 4 keys per query, and each word is a whole row of the
+// tile. Returns false (nothing done) otherwise.
 bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
                        int64_t c0, int64_t c_end, int64_t mqp, float* xt) {
 #if HWY_TARGET == HWY_SCALAR
   return false;
 #else
-  if (p.S % 4 != 0 || s0 % 4 != 0 || p.dropout_index_base % 4 != 0) return false;
+  if (!p.dropout_rows_aligned(s0)) return false;
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;

@@ -115,15 +115,16 @@ inline __m512 Exp2Accurate(__m512 x) {
 }
 
 // X^T *= Z^T on the weight tile (nk keys x query lanes [c0, mqp)), keys from s0, vectorized
-// across queries. Needs S % 4 == 0 (and an index base that is a multiple of 4, as a whole
-// number of samples of T x S weights then is): then query t's run of keys starts at stream
-// index base + (bT + t)S + s0, a multiple of 4 (s0 is a multiple of the tile), so key s0 + 4g + j
-// of every lane is word j of Philox block ((bT + t)S + s0)/4 + g: one 16-lane Philox per 4 keys of
+// across queries. Needs every query's run of keys to start on a Philox block
+// (AttentionProblem::dropout_rows_aligned: S % 4 == 0 and base + s0 a multiple of 4, or the
+// dropout window's Sg and s0): then query t's run starts at stream index i_t =
+// dropout_index(b, t, s0), a multiple of 4, so key s0 + 4g + j of every lane is word j of Philox
+// block i_t/4 + g: one 16-lane Philox per 4 keys of
 // 16 queries (the scalar draw costs one call per 4 keys per query). Returns false (nothing done)
 // otherwise. Masked keys hold weight 0 and stay 0.
 bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, int64_t nk,
                  int64_t c0, int64_t mqp, float* xt) {
-  if (p.S % 4 != 0 || p.dropout_index_base % 4 != 0) return false;
+  if (!p.dropout_rows_aligned(s0)) return false;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
   const __m512 vp = _mm512_set1_ps(p.dropout), vkeep = _mm512_set1_ps(keep_scale);
   const __m512 two_m24 = _mm512_set1_ps(1.0f / 16777216.0f);

@@ -25,6 +25,39 @@ TEST(MpiRing, EqualsSingleProcessFusedSdpa) {
     testing::check_ring_case(world(), c);
 }
 
+TEST(MpiRing, DropoutDrawsTheSingleProcessMask) {
+  // Every block's kernel call draws the gathered problem's mask (p = 0.1 and 0.5, both layouts,
+  // causal zigzag, valid_lens, bf16, a data-parallel sample window).
+  for (const testing::RingCase& c : testing::ring_dropout_cases())
+    testing::check_ring_case(world(), c);
+}
+
+TEST(MpiRing, MultiHeadAttentionWithDropoutEqualsSingleProcess) {
+  for (double p : {0.1, 0.5})
+    for (bool causal : {false, true})
+      testing::check_ring_mha(world(), causal, testing::Lens::kPerQuery, p);
+  for (testing::Lens l : {testing::Lens::kPerBatch, testing::Lens::kPerQuery})
+    testing::check_ring_mha(world(), true, l, 0.5, 1);  // data-parallel sample window
+}
+
+TEST(MpiRing, DropoutStreamMismatchIsAnErrorOnEveryRank) {
+  // One rank's data-parallel window differs: the ranks would draw different masks.
+  Context ctx;
+  ctx.threads = 1;
+  ctx.dropout_first_sample = world().rank() == 1 ? 1 : 0;
+  RingOptions o;
+  o.training = true, o.dropout = 0.1;
+  const Tensor q = random_tensor({1, 6, 4}, DType::F32);
+  std::string e = "no error";
+  try {
+    ring_attention(ctx, world(), q, q, q, {}, o);
+  } catch (const Error& err) {
+    e = err.what();
+  }
+  EXPECT_NE(e.find("differs across ranks"), std::string::npos) << e;
+  EXPECT_NE(e.find("dropout_first_sample"), std::string::npos) << e;
+}
+
 TEST(MpiRing, LongerSequenceWithTwoThreads) {
   // Several kernel pieces per block (more than 256 rows per chunk on 2 ranks) and two threads.
   testing::RingCase c;

@@ -124,7 +124,9 @@ class MultiHeadAttention : public Module {
   // token and stay local. Outputs and input gradients are the rank's rows of the
   // single-process module's on the whole sequence; PARAMETER gradients are this rank's partial
   // sums: all-reduce them (sum) across ranks before the optimizer step. float32 and bfloat16;
-  // dropout must be 0 in training, attention_weights() stays undefined, RoPE/ALiBi are refused;
+  // dropout draws the single-process module's masks (same seed: the same outputs; the
+  // Context's dropout_first_sample composes, as in ring_attention), attention_weights() stays
+  // undefined, RoPE/ALiBi are refused;
   // the padding guard for non-finite padding rows is not applied; self_attention_input_grad is
   // ignored (three input gradients). Every rank calls forward and
   // backward together (collective).

@@ -27,9 +27,15 @@
 // Backward: the key/value block travels with float32 accumulators of its dk, dv, which arrive
 // home after N hops; dq accumulates locally; each step runs the fused backward with the global
 // out and lse. Collective: every rank calls with the same shapes and options (check_same; a
-// mismatch is an Error on every rank). Dropout is refused (p > 0 in training is an Error): the
-// dropout stream indexes (b T + t) S + s over the global problem, which the per-block kernel
-// calls do not yet map; run dropout-free attention or the single-process op.
+// mismatch is an Error on every rank).
+//
+// Dropout (training with p > 0): the single-process mask on the gathered problem. Weight
+// (b, t, s), t and s global positions, is element base + (b Tg + t) Sg + s of the dropout
+// stream (Tg = N T_local, Sg = N S_local, base = Context::dropout_index_base(lens_repeat Tg Sg),
+// as scaled_dot_product_attention on the whole sequence): each kernel call passes its block's
+// place (kernels/attention_problem.hpp's dropout_window). The forward takes one stream offset
+// (AttentionResult::dropout_offset), the backward redraws with it. p, seed, offset and the
+// data-parallel sample window (Context::dropout_first_sample) must agree across ranks (checked).
 //
 // Memory per rank: q, k, v, out of the shard, two key/value blocks (and their dk, dv in the
 // backward): O(T/N) per rank; no (T, S) tensor exists anywhere.
@@ -52,7 +58,7 @@ struct RingOptions {
   int64_t lens_repeat = 1;           // batch row b reads valid_lens[b / lens_repeat] (MHA: heads)
   std::optional<RingLayout> layout;  // default: kZigzag when causal, else kContiguous
   std::optional<double> scale;       // default 1/sqrt(D)
-  double dropout = 0.0;              // must be 0 when training (refused otherwise)
+  double dropout = 0.0;              // in [0, 1]; acts in training (the single-process mask)
   bool training = false;
 
   RingLayout resolved_layout() const {
