@@ -174,6 +174,38 @@ inline void StoreBf16Row(const float* x, int64_t n, float mul, uint16_t* dst, in
   }
 }
 
+// Rows s0 + s (s < nk) of dst (row stride st, feature stride sd) = bf16(mul * column s of acc),
+// acc (n x kBwdK fp32, row j = feature j): dK and dV of a key block, accumulated transposed.
+// With unit feature stride, 16 x 16 blocks go through transpose16x16_epi32 and each row is
+// rounded and stored 16 features at a time; otherwise each feature row is rounded into out16 and
+// copied element by element. The same products and roundings (vcvtneps2bf16) either way.
+void StoreKeyRowsBf16(const float* acc, int64_t n, int64_t nk, float mul, uint16_t* dst, int64_t st,
+                      int64_t sd, uint16_t* out16) {
+  if (sd != 1) {
+    for (int64_t j = 0; j < n; ++j)
+      StoreBf16Row(acc + j * kBwdK, nk, mul, out16 + j * kBwdK, 1);
+    for (int64_t s = 0; s < nk; ++s)
+      for (int64_t j = 0; j < n; ++j)
+        dst[s * st + j * sd] = out16[j * kBwdK + s];
+    return;
+  }
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int64_t s = 0; s < nk; s += kL) {
+    for (int64_t j0 = 0; j0 < n; j0 += kL) {
+      const int64_t nj = std::min(kL, n - j0);
+      __m512i r[kL];
+      for (int64_t i = 0; i < kL; ++i)
+        r[i] = i < nj ? _mm512_loadu_si512(acc + (j0 + i) * kBwdK + s) : _mm512_setzero_si512();
+      transpose16x16_epi32(r);  // r[i]: features j0 .. j0 + 15 of key s + i
+      const __mmask16 m = nj >= kL ? __mmask16(0xffff) : __mmask16((1u << nj) - 1);
+      for (int64_t i = 0; i < std::min(kL, nk - s); ++i)
+        _mm256_mask_storeu_epi16(
+            dst + (s + i) * st + j0, m,
+            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_castsi512_ps(r[i]), vm)));
+    }
+  }
+}
+
 // Whole-row packing (q and dO packed once per item) when it takes at most 8 MiB per thread;
 // longer rows are packed per query tile (O(tile) memory, 4 packs per tile and key block).
 bool BackwardWholeRows(const FlashBf16Params& p) {
@@ -460,20 +492,12 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
     }
 
     // dK = scale sum dS Q, dV = sum P Z dO: rounded once (vcvtneps2bf16), transposed back.
-    for (int64_t d = 0; d < D; ++d)
-      StoreBf16Row(dk_acc + d * kBwdK, nk, p.scale, w.out16 + d * kBwdK, 1);
-    for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dk = g.dk.data + HeadOffset(p.heads, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
-      for (int64_t d = 0; d < D; ++d)
-        dk[d * g.dk.sd] = w.out16[d * kBwdK + s];
-    }
-    for (int64_t e = 0; e < Dv; ++e)
-      StoreBf16Row(dv_acc + e * kBwdK, nk, 1.0f, w.out16 + e * kBwdK, 1);
-    for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dv = g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
-      for (int64_t e = 0; e < Dv; ++e)
-        dv[e * g.dv.sd] = w.out16[e * kBwdK + s];
-    }
+    StoreKeyRowsBf16(dk_acc, D, nk, p.scale,
+                     g.dk.data + HeadOffset(p.heads, b, g.dk.sb, g.dk.sh) + s0 * g.dk.st, g.dk.st,
+                     g.dk.sd, w.out16);
+    StoreKeyRowsBf16(dv_acc, Dv, nk, 1.0f,
+                     g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + s0 * g.dv.st, g.dv.st,
+                     g.dv.sd, w.out16);
   }
 }
 
