@@ -143,6 +143,21 @@ void DropoutRow64(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
   _mm512_storeu_ps(z + 48, _mm512_shuffle_f32x4(t2, t3, 0xdd));
 }
 
+// The same multipliers z[0..n) of row t, keys s0 .. s0 + n - 1 (n <= 64), from the forward's
+// recorded decisions (FlashBf16Params::dropout_keep): bit t % 16 of each key's word.
+void DropoutRowKept(const FlashBf16Params& p, int64_t b, int64_t t, int64_t s0, int64_t n,
+                    float* z) {
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint16_t* words = p.dropout_keep + (b * ((p.T + kL - 1) / kL) + t / kL) * p.S + s0;
+  const __m256i bit = _mm256_set1_epi16(static_cast<short>(1u << (t % kL)));
+  for (int64_t c = 0; c < n; c += kL) {
+    const __mmask16 m = n - c >= kL ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1);
+    const __mmask16 kept =
+        _mm256_mask_test_epi16_mask(m, _mm256_maskz_loadu_epi16(m, words + c), bit);
+    _mm512_storeu_ps(z + c, _mm512_maskz_mov_ps(kept, _mm512_set1_ps(keep_scale)));
+  }
+}
+
 // min(n, 16) bf16 x[c * stride] as fp32 lanes (zeros past n).
 inline __m512 LoadBf16(const uint16_t* x, int64_t n, int64_t stride) {
   if (stride == 1) {
@@ -394,8 +409,13 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
           n[h] = rr < mq ? std::clamp<int64_t>(w.lim[t] - s0, 0, nkr) : 0;
           l2[h] = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
           dd[h] = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
-          if (dropout && n[h] > 0)
-            DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
+          if (dropout && n[h] > 0) {
+            if (p.dropout_keep != nullptr) {
+              DropoutRowKept(p, b, t, s0, n[h], w.z + h * kBwdK);
+            } else {
+              DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
+            }
+          }
         }
         for (int64_t v2 = 0; v2 < nv; v2 += 2) {
           __m512 ds[2][2];
