@@ -1,12 +1,16 @@
 // The training step's formerly serial parts, now threaded or vectorised, against the plain loops
 // they replaced: the bias gradient's column sums (kernels/cpu/matmul), the float32 <-> bf16
 // conversions of mixed precision (nn/internal.hpp's convert), the residual gradient sums
-// (nn/transformer_internal.hpp's add_all) and clip_grad_norm's sum of squares (nn/optim.cpp).
+// (nn/transformer_internal.hpp's add_all), the position table's broadcast add (nn/positional.cpp),
+// the embedding's row copies and gradient sums (ops/embedding.cpp against the reference kernel)
+// and clip_grad_norm's sum of squares (nn/optim.cpp).
 // The first three are elementwise or keep each sum's order, so they must give the old bits for
 // every thread count; clip_grad_norm's 8-lane sum changes the order, so it is checked against an
 // exact (long double) sum within double rounding, and for its NaN / Inf rules.
 #include "attn/core/context.hpp"
 #include "attn/nn/optim.hpp"
+#include "attn/nn/positional.hpp"
+#include "attn/ops/embedding.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
@@ -145,6 +149,58 @@ TEST(AddAll, ChunkedOnThreadsIsTheLeftToRightSum) {
       }
     }
   }
+}
+
+TEST(PositionalEncoding, ThreadedAddIsXPlusTheTable) {
+  // Large enough to run on threads (B T E >= 2^16), odd sizes; X contiguous and a view with
+  // permuted batch / position strides.
+  for (const DType dt : {DType::F32, DType::F64}) {
+    nn::PositionalEncoding pe(131, 0.0, 1000, dt);
+    pe.eval();
+    const Tensor X = random_tensor({5, 103, 131}, dt, 7, -4, 4);
+    const Tensor P = pe.P(103);
+    Tensor want = Tensor::empty(X.shape(), dt);
+    for (int64_t b = 0; b < 5; ++b)
+      for (int64_t t = 0; t < 103; ++t)
+        for (int64_t e = 0; e < 131; ++e) {
+          const int64_t i = (b * 103 + t) * 131 + e;
+          if (dt == DType::F32) {
+            want.data<float>()[i] = X.data<float>()[i] + P.data<float>()[t * 131 + e];
+          } else {
+            want.data<double>()[i] = X.data<double>()[i] + P.data<double>()[t * 131 + e];
+          }
+        }
+    const Tensor Xt = X.transpose(0, 1).contiguous().transpose(0, 1);  // same values
+    for (const int threads : {1, 2, 3}) {
+      Context ctx;
+      ctx.threads = threads;
+      EXPECT_TRUE(same_bits(pe.forward(ctx, X), want)) << "threads " << threads;
+      EXPECT_TRUE(same_bits(pe.forward(ctx, Xt), want)) << "strided, threads " << threads;
+    }
+  }
+}
+
+TEST(Embedding, ThreadedIsTheReferenceKernel) {
+  // Ids with many repeats (each gradient row sums many positions, in order), odd E, N E >= 2^16.
+  const int64_t V = 50, E = 131;
+  for (const DType id_dt : {DType::I32, DType::I64})
+    for (const DType dt : {DType::F32, DType::F64}) {
+      std::vector<int64_t> id_values(4 * 150);
+      for (size_t i = 0; i < id_values.size(); ++i)
+        id_values[i] = static_cast<int64_t>((i * 7919) % 97) % V;
+      const Tensor ids = Tensor::from_vector(id_values, {4, 150}, id_dt);
+      const Tensor W = random_tensor({V, E}, dt, 5), dout = random_tensor({4, 150, E}, dt, 6);
+      Context ref;
+      ref.backend = Backend::kReference;
+      const Tensor want = embedding(ref, ids, W), dwant = embedding_backward(ref, dout, ids, V);
+      for (const int threads : {1, 2, 3}) {
+        Context ctx;
+        ctx.threads = threads;
+        EXPECT_TRUE(same_bits(embedding(ctx, ids, W), want)) << "threads " << threads;
+        EXPECT_TRUE(same_bits(embedding_backward(ctx, dout, ids, V), dwant))
+            << "threads " << threads;
+      }
+    }
 }
 
 TEST(ClipGradNorm, LaneSumIsTheExactSumWithinDoubleRounding) {
