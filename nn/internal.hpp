@@ -39,6 +39,11 @@ void fill_with(Tensor& t, Draw&& draw) {
 // in the same row-major order (so (h) accumulates into (1, h)).
 void accumulate(Tensor& grad, const Tensor& g);
 
+// x.to(dtype) (float32 <-> bfloat16, a contiguous x), split into chunks converted on up to
+// ctx.resolved_threads() OpenMP threads when x is large: elementwise, so the same bits as x.to.
+// Any other case is x.to(dtype) itself.
+Tensor convert(const Context& ctx, const Tensor& x, DType dtype);
+
 // Whether a module of `module_dtype` computes its linear layers and attention core in bfloat16
 // (Context::autocast_bf16: float32 modules only, and not on the reference backend, which is the
 // oracle and stays in the module's precision).

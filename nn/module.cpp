@@ -8,7 +8,9 @@
 
 #include <cxxabi.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -68,6 +70,28 @@ void accumulate_typed(T* dst, const Tensor& g) {
   }
 }
 }  // namespace
+
+Tensor convert(const Context& ctx, const Tensor& x, DType dtype) {
+  constexpr int64_t kChunk = int64_t{1} << 15;  // elements per task: 64-128 KiB each side
+  const int64_t n = x.numel();
+  const bool floats = (x.dtype() == DType::F32 && dtype == DType::BF16) ||
+                      (x.dtype() == DType::BF16 && dtype == DType::F32);
+  const int threads = ctx.resolved_threads();
+  if (!floats || threads < 2 || n < 2 * kChunk || !x.is_contiguous()) return x.to(dtype);
+  Tensor out = Tensor::empty(x.shape(), dtype);
+  auto* src = static_cast<const std::byte*>(x.raw_data());
+  auto* dst = static_cast<std::byte*>(out.raw_data());
+  const int64_t in_size = x.dtype() == DType::F32 ? 4 : 2, out_size = 6 - in_size;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t a = c * kChunk, len = std::min(kChunk, n - a);
+    // Views of the chunk: contiguous on both sides, so copy_from takes the bulk conversion.
+    Tensor to = Tensor::wrap(dst + a * out_size, {len}, dtype);
+    to.copy_from(Tensor::wrap(const_cast<std::byte*>(src) + a * in_size, {len}, x.dtype()));
+  }
+  return out;
+}
 
 bool autocasts(const Context& ctx, DType module_dtype) {
   return ctx.autocast_bf16 && module_dtype == DType::F32 && ctx.backend != Backend::kReference;
@@ -372,12 +396,12 @@ Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
   materialize(x.dim(-1), "Linear");
   if (autocast_) {
     x_dtype_ = x.dtype();
-    x_ = x.to(DType::BF16);
+    x_ = detail::convert(ctx, x, DType::BF16);
     // Rounded every forward: the optimiser updates the float32 weights in place.
-    w_bf16_ = weight.value.to(DType::BF16);
+    w_bf16_ = detail::convert(ctx, weight.value, DType::BF16);
     b_bf16_ = has_bias_ ? bias.value.to(DType::BF16) : Tensor();
     Tensor y = linear(ctx, x_, w_bf16_, b_bf16_);
-    return y.to(y_dtype);
+    return detail::convert(ctx, y, y_dtype);
   }
   w_bf16_ = b_bf16_ = Tensor();
   x_ = x;
@@ -394,10 +418,11 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
           "dy has shape {} and dtype {}, expected {} and F32 or BF16 (autocast)",
           shape_str(dy.shape()), dtype_name(dy.dtype()), shape_str(expected));
     // forward: y = bf16(x) bf16(W)^T + bf16(b) in bf16; the products of the backward likewise.
-    LinearGrads g = linear_backward(ctx, dy.to(DType::BF16), x_, w_bf16_, has_bias_);
+    LinearGrads g =
+        linear_backward(ctx, detail::convert(ctx, dy, DType::BF16), x_, w_bf16_, has_bias_);
     detail::accumulate(weight.grad, g.dW);
     if (has_bias_) detail::accumulate(bias.grad, g.db);
-    return x_dtype_ == DType::BF16 ? g.dx : g.dx.to(x_dtype_);
+    return x_dtype_ == DType::BF16 ? g.dx : detail::convert(ctx, g.dx, x_dtype_);
   }
   check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
         "dy has shape {} and dtype {}, expected {} and {}", shape_str(dy.shape()),

@@ -182,7 +182,7 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
       if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
       ++i;
     }
-    X_ = queries.to(wdt);
+    X_ = detail::convert(ctx, queries, wdt);
     const Tensor QKV = linear(ctx, X_, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
     Q_ = QKV.slice(2, 0, E);                                               // views, row stride 3E
     K_ = QKV.slice(2, E, 2 * E);
@@ -198,7 +198,7 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
       V_ = W_v.forward(ctx, values_read.to(compute_dtype_));
     }
     core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
-    return W_o.forward(ctx, core_.output).to(dtype_);
+    return detail::convert(ctx, W_o.forward(ctx, core_.output), dtype_);
   }
 
   // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
@@ -252,7 +252,7 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
       if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E));
       ++i;
     }
-    if (self_attention_input_grad) return {lg.dx.to(dtype_), Tensor(), Tensor()};
+    if (self_attention_input_grad) return {detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};
     // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on, with
     // the weights the forward used (W_qkv_'s rows).
     auto input_grad = [&](const Tensor& dY, int64_t part) {

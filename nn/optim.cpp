@@ -210,6 +210,33 @@ void adamw_update_f32(float* __restrict w, const float* __restrict g, float* __r
   }
 }
 
+// lanes[j % 8] += g[j]^2 in double, j < n. Compiled per target like adamw_update_f32 (this file
+// is built with -ffp-contract=off, so no clone fuses the multiply and the add): the same bits.
+constexpr int64_t kSquareLanes = 8;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+void sum_squares_f32(const float* __restrict g, int64_t n, double* __restrict lanes) {
+  double acc[kSquareLanes];
+  for (int64_t k = 0; k < kSquareLanes; ++k)
+    acc[k] = lanes[k];
+  int64_t j = 0;
+  for (; j + kSquareLanes <= n; j += kSquareLanes) {
+#pragma omp simd
+    for (int64_t k = 0; k < kSquareLanes; ++k) {
+      const double x = g[j + k];
+      acc[k] += x * x;
+    }
+  }
+  for (int64_t k = 0; j + k < n; ++k) {
+    const double x = g[j + k];
+    acc[k] += x * x;
+  }
+  for (int64_t k = 0; k < kSquareLanes; ++k)
+    lanes[k] = acc[k];
+}
+
 }  // namespace
 
 void AdamW::step() {
@@ -259,20 +286,38 @@ double clip_grad_norm(const NamedParameters& params, double max_norm, double nor
   const bool inf_norm = std::isinf(norm_type) && norm_type > 0;
   check(inf_norm || norm_type == 2.0, op, "norm_type {} unsupported, expected 2 or inf", norm_type);
   // The norm of all gradients as one vector: sqrt(sum g^2) (or max |g|), summed in double.
+  // The sum of squares runs in 8 lanes (element j of each parameter into lane j % 8, parameter
+  // after parameter), added pairwise at the end: a fixed order, so the same bits for any thread
+  // count and SIMD target, and no wait on each add's latency. A NaN gradient makes the sum NaN
+  // (its square is NaN); an infinite one makes it infinite.
   double acc = 0.0;
+  double lanes[kSquareLanes] = {};
   for (const auto& [n, p] : params) {
     if (!has_grad(*p)) continue;
-    // Through typed pointers (the gradients are contiguous, as step() assumes), element by
-    // element in order.
+    // Through typed pointers (the gradients are contiguous, as step() assumes).
     with_typed(*p, [&](auto* w, auto* g, int64_t count) {
       (void)w;
-      for (int64_t j = 0; j < count; ++j) {
+      if (!inf_norm) {
+        if constexpr (std::is_same_v<std::remove_pointer_t<decltype(g)>, float>) {
+          sum_squares_f32(g, count, lanes);
+        } else {
+          for (int64_t j = 0; j < count; ++j) {
+            const double x = g[j];
+            lanes[j % kSquareLanes] += x * x;
+          }
+        }
+        return;
+      }
+      for (int64_t j = 0; j < count; ++j) {  // element by element in order
         const double x = g[j];
-        acc = inf_norm ? std::max(acc, std::abs(x)) : acc + x * x;
+        acc = std::max(acc, std::abs(x));
         if (std::isnan(x)) acc = std::numeric_limits<double>::quiet_NaN();
       }
     });
   }
+  if (!inf_norm)
+    acc = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+          ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
   const double total = inf_norm ? acc : std::sqrt(acc);
   // torch: clip_coef = max_norm / (total + 1e-6), clamped to 1, multiplied into every gradient.
   const double coef = max_norm / (total + 1e-6);

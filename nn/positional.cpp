@@ -15,18 +15,33 @@ namespace attn::nn {
 namespace {
 
 // out[b, t, e] = X[b, t, e] + P[t, e] for t < T: the position table broadcast over the batch.
+// Batch rows on up to `threads` OpenMP threads (elementwise: the same sums for any count), and
+// a unit-stride inner loop (it vectorises) when X and P have unit feature stride.
 template <typename T>
-void add_positions_typed(const Tensor& X, const Tensor& P, Tensor& out) {
+void add_positions_typed(const Tensor& X, const Tensor& P, Tensor& out, int threads) {
   const int64_t B = X.dim(0), L = X.dim(1), E = X.dim(2);
   const int64_t x0 = X.stride(0), x1 = X.stride(1), x2 = X.stride(2);
   const int64_t p0 = P.stride(0), p1 = P.stride(1);
   const T* x = X.data<T>();
   const T* p = P.data<T>();
   T* o = out.data<T>();
+  const bool unit = x2 == 1 && p1 == 1;
+#pragma omp parallel for schedule(static) \
+    num_threads(std::max(1, threads)) if (threads > 1 && B > 1 && B * L * E >= (int64_t{1} << 16))
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < L; ++t)
-      for (int64_t e = 0; e < E; ++e)
-        o[(b * L + t) * E + e] = x[b * x0 + t * x1 + e * x2] + p[t * p0 + e * p1];
+    for (int64_t t = 0; t < L; ++t) {
+      T* orow = o + (b * L + t) * E;
+      if (unit) {
+        const T* xr = x + b * x0 + t * x1;
+        const T* pr = p + t * p0;
+#pragma omp simd
+        for (int64_t e = 0; e < E; ++e)
+          orow[e] = xr[e] + pr[e];
+      } else {
+        for (int64_t e = 0; e < E; ++e)
+          orow[e] = x[b * x0 + t * x1 + e * x2] + p[t * p0 + e * p1];
+      }
+    }
 }
 
 // The adjoint of the broadcast: G[t, e] += sum over b of dY[b, t, e] (dY contiguous (B, T, E)).
@@ -40,12 +55,12 @@ void accumulate_positions(const Tensor& dY, Tensor& G) {
       g[i] += d[b * L * E + i];
 }
 
-Tensor add_positions(const Tensor& X, const Tensor& P) {
+Tensor add_positions(const Tensor& X, const Tensor& P, int threads) {
   Tensor out = Tensor::empty(X.shape(), X.dtype());
   if (X.dtype() == DType::F32)
-    add_positions_typed<float>(X, P, out);
+    add_positions_typed<float>(X, P, out, threads);
   else
-    add_positions_typed<double>(X, P, out);
+    add_positions_typed<double>(X, P, out, threads);
   return out;
 }
 
@@ -92,7 +107,7 @@ Tensor PositionalEncoding::forward(Context& ctx, const Tensor& X) {
   check_sequence(op, X, num_hiddens_, dtype_);
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   // X = X + P[:, :T, :]
-  Tensor Y = add_positions(X, P(X.dim(1)));
+  Tensor Y = add_positions(X, P(X.dim(1)), ctx.resolved_threads());
   // return dropout(X): a fresh stream offset per call, like every other dropout site.
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) {
@@ -140,7 +155,7 @@ Tensor LearnedPositionalEmbedding::forward(Context& ctx, const Tensor& X) {
         shape_str(X.shape()), X.dim(1), max_len);
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   T_ = X.dim(1);
-  Tensor Y = add_positions(X, weight.value);
+  Tensor Y = add_positions(X, weight.value, ctx.resolved_threads());
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) {
     dropout_offset_ = ctx.next_dropout_offset();

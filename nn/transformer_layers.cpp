@@ -331,11 +331,15 @@ Tensor ClassificationHead::backward(Context& ctx, const Tensor& dlogits) {
     using F = decltype(zero);
     const F* g = dp.data<F>();
     F* dx = dX.data<F>();
+    // The row dpooled[b] / n_b once per b (a double division per element was most of this
+    // loop), then copied to its n_b positions.
+    std::vector<F> row(static_cast<size_t>(E));
     for (int64_t b = 0; b < B; ++b) {
       const int64_t n = counts_[static_cast<size_t>(b)];
+      for (int64_t e = 0; e < E; ++e)
+        row[static_cast<size_t>(e)] = static_cast<F>(g[b * E + e] / static_cast<double>(n));
       for (int64_t t = 0; t < n; ++t)
-        for (int64_t e = 0; e < E; ++e)
-          dx[(b * T_ + t) * E + e] = static_cast<F>(g[b * E + e] / static_cast<double>(n));
+        std::copy(row.begin(), row.end(), dx + (b * T_ + t) * E);
     }
   };
   if (dtype_ == DType::F32)

@@ -12,6 +12,7 @@
 #include "ops/mask.hpp"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace attn::detail {
@@ -77,6 +78,13 @@ void forward_fused(Context& ctx, const Tensor& q, const Tensor& k, const Tensor&
       attention_args<E>(ctx, q, k, v, d.H, kept, opts, result.dropout_offset);
   p.out = head_view<E>(result.output, d.H);
   p.lse = result.logsumexp.data<float>();
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    // The native bf16 kernel records its dropout decisions for the backward (1 bit per weight).
+    if (cpu::flash_bf16_keeps_dropout(p)) {
+      result.dropout_keep = Tensor::empty({(cpu::dropout_keep_words(p) + 1) / 2}, DType::I32);
+      p.dropout_keep = static_cast<uint16_t*>(result.dropout_keep.raw_data());
+    }
+  }
   fused_forward(p);
 }
 
@@ -89,6 +97,13 @@ void backward_fused(Context& ctx, const Tensor& dout, const Tensor& q, const Ten
       attention_args<E>(ctx, q, k, v, d.H, kept, opts, forward.dropout_offset);
   p.out = head_view<E>(forward.output, d.H);  // read only by the backward
   p.lse = forward.logsumexp.data<float>();
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    // The forward's recorded decisions, when it recorded them for this very problem.
+    const Tensor& keep = forward.dropout_keep;
+    if (keep.defined() && cpu::flash_bf16_keeps_dropout(p) && keep.dtype() == DType::I32 &&
+        keep.numel() == (cpu::dropout_keep_words(p) + 1) / 2)
+      p.dropout_keep = static_cast<uint16_t*>(keep.raw_data());
+  }
   fused_backward(p, attention_grad_args<E>(dout, dq, dk, dv, d.H));
 }
 

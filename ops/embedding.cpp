@@ -1,9 +1,13 @@
 // embedding / embedding_backward: validation (dtypes, shapes, every id in range), then the
-// reference kernel (kernels/ref/embedding.cpp).
+// reference kernel (kernels/ref/embedding.cpp) on Backend::kReference, else the same loops on
+// the context's threads (below).
 #include "attn/ops/embedding.hpp"
 
 #include "kernels/ref/embedding.hpp"
 #include "ops/common.hpp"
+
+#include <algorithm>
+#include <vector>
 
 namespace attn {
 namespace {
@@ -38,6 +42,44 @@ void check_ids(const char* op, const Tensor& ids) {
         dtype_name(ids.dtype()));
 }
 
+// Threaded versions for the fast backends (Backend::kReference keeps the reference kernel): the
+// same values, since the forward copies rows and the backward sums each (id, e) element over the
+// positions in order, whichever thread owns its block of columns.
+constexpr int64_t kEmbeddingColumns = 32;                    // columns per task of the backward
+constexpr int64_t kEmbeddingParallelMin = int64_t{1} << 16;  // N * E below this: one thread
+
+template <typename Id, typename F>
+void embedding_forward_threads(const Id* ids, const F* weight, F* out, int64_t N, int64_t E,
+                               int threads) {
+#pragma omp parallel for schedule(static) \
+    num_threads(std::max(1, threads)) if (threads > 1 && N * E >= kEmbeddingParallelMin)
+  for (int64_t n = 0; n < N; ++n)
+    std::copy(weight + static_cast<int64_t>(ids[n]) * E,
+              weight + static_cast<int64_t>(ids[n]) * E + E, out + n * E);
+}
+
+template <typename Id, typename F>
+void embedding_backward_threads(const F* dout, const Id* ids, F* dweight, int64_t N, int64_t V,
+                                int64_t E, int threads) {
+  std::vector<double> acc(static_cast<size_t>(V * E), 0.0);
+  const int64_t blocks = (E + kEmbeddingColumns - 1) / kEmbeddingColumns;
+#pragma omp parallel for schedule(static) num_threads( \
+    std::max(1, threads)) if (threads > 1 && blocks > 1 && N * E >= kEmbeddingParallelMin)
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t e0 = j * kEmbeddingColumns, e1 = std::min(E, e0 + kEmbeddingColumns);
+    for (int64_t n = 0; n < N; ++n) {
+      double* row = acc.data() + static_cast<int64_t>(ids[n]) * E;
+      const F* d = dout + n * E;
+#pragma omp simd
+      for (int64_t e = e0; e < e1; ++e)
+        row[e] += d[e];
+    }
+    for (int64_t v = 0; v < V; ++v)
+      for (int64_t e = e0; e < e1; ++e)
+        dweight[v * E + e] = static_cast<F>(acc[static_cast<size_t>(v * E + e)]);
+  }
+}
+
 }  // namespace
 
 Tensor embedding(Context& ctx, const Tensor& ids, const Tensor& weight) {
@@ -45,7 +87,6 @@ Tensor embedding(Context& ctx, const Tensor& ids, const Tensor& weight) {
   check_ids(op, ids);
   detail::check_float_tensor(op, "weight", weight);
   detail::check_ndim(op, "weight", weight, 2, "(V, E)");
-  (void)ctx;
   const int64_t V = weight.dim(0), E = weight.dim(1), N = ids.numel();
   Shape out_shape = ids.shape();
   out_shape.push_back(E);
@@ -56,7 +97,12 @@ Tensor embedding(Context& ctx, const Tensor& ids, const Tensor& weight) {
     check_ids_in_range(op, ic.data<Id>(), N, V, ids.shape());
     detail::dispatch_float(weight.dtype(), [&](auto zero) {
       using F = decltype(zero);
-      ref::embedding_forward<Id, F>(ic.data<Id>(), wc.data<F>(), out.data<F>(), N, E);
+      if (ctx.backend == Backend::kReference) {
+        ref::embedding_forward<Id, F>(ic.data<Id>(), wc.data<F>(), out.data<F>(), N, E);
+      } else {
+        embedding_forward_threads<Id, F>(ic.data<Id>(), wc.data<F>(), out.data<F>(), N, E,
+                                         ctx.resolved_threads());
+      }
     });
   });
   return out;
@@ -72,7 +118,6 @@ Tensor embedding_backward(Context& ctx, const Tensor& dout, const Tensor& ids, i
   for (int i = 0; i < ids.ndim(); ++i)
     check(dout.dim(i) == ids.dim(i), op, "dout has shape {}, expected ids' shape {} + (E)",
           shape_str(dout.shape()), shape_str(ids.shape()));
-  (void)ctx;
   const int64_t E = dout.dim(-1), N = ids.numel();
   const Tensor ic = ids.contiguous(), dc = dout.contiguous();
   Tensor dweight = Tensor::empty({vocab_size, E}, dout.dtype());
@@ -81,8 +126,13 @@ Tensor embedding_backward(Context& ctx, const Tensor& dout, const Tensor& ids, i
     check_ids_in_range(op, ic.data<Id>(), N, vocab_size, ids.shape());
     detail::dispatch_float(dout.dtype(), [&](auto zero) {
       using F = decltype(zero);
-      ref::embedding_backward<Id, F>(dc.data<F>(), ic.data<Id>(), dweight.data<F>(), N, vocab_size,
-                                     E);
+      if (ctx.backend == Backend::kReference) {
+        ref::embedding_backward<Id, F>(dc.data<F>(), ic.data<Id>(), dweight.data<F>(), N,
+                                       vocab_size, E);
+      } else {
+        embedding_backward_threads<Id, F>(dc.data<F>(), ic.data<Id>(), dweight.data<F>(), N,
+                                          vocab_size, E, ctx.resolved_threads());
+      }
     });
   });
   return dweight;

@@ -187,11 +187,11 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
       grads.db = Tensor::empty({O}, DType::F32);
       if (bf16) {
         cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld,
-                        grads.db.data<float>(), false);
+                        grads.db.data<float>(), false, threads);
         grads.db = grads.db.to(DType::BF16);
       } else {
         cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
-                        grads.db.data<float>(), false);
+                        grads.db.data<float>(), false, threads);
       }
     }
     return grads;

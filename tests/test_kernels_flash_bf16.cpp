@@ -272,12 +272,13 @@ std::vector<Case> sweep() {
   std::vector<Case> cases;
   // Forward: query block 192 rows, key tile 64 keys (32 pairs); backward: key block 64, query
   // tile 96 (48 pairs). Sizes 1..2x all of them, T != S, odd T and S (a pair with a padded
-  // second row or key), odd D (a padded pair), D in 16..256, Dv != D; the last row has B < 4 and
-  // S > 512, so the backward splits each batch row's keys over 2 items and sums the dQ shares.
+  // second row or key), odd D (a padded pair), D in 16..256, Dv != D; {2, 131, 520} has B < 4 and
+  // S > 512, so the backward splits each batch row's keys over 2 items and sums the dQ shares;
+  // {1, 250, 96} has two query blocks and S % 4 == 0 (the recorded dropout decisions).
   const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
                               {2, 64, 64, 64, 64},   {1, 200, 131, 64, 48}, {1, 193, 129, 128, 128},
                               {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32},
-                              {1, 385, 70, 80, 80},  {2, 131, 520, 24, 40}};
+                              {1, 385, 70, 80, 80},  {2, 131, 520, 24, 40}, {1, 250, 96, 40, 24}};
   int layout = 0;
   for (const auto& sz : sizes)
     for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D})
@@ -324,6 +325,28 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
     EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
+
+    // The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the
+    // backward instead of the stream: the same bits as drawing them again, 1 and 2 threads.
+    if (!flash_bf16_keeps_dropout(pr.p)) continue;
+    for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
+      for (const int threads : {1, 2}) {
+        Problem drawn(c), kept(c);
+        std::vector<uint16_t> keep(static_cast<size_t>(dropout_keep_words(kept.p)), 0xdead);
+        kept.p.dropout_keep = keep.data();
+        for (Problem* x : {&drawn, &kept}) {
+          x->p.force_bf16_fallback = fallback;
+          x->p.threads = threads;
+          x->p.dropout_index_base = base;
+          flash_attention_forward_bf16(x->p);
+          flash_attention_backward_bf16(x->p, x->g);
+        }
+        SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
+        EXPECT_EQ(drawn.out.buf, kept.out.buf);
+        EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
+        EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
+        EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
+      }
   }
 }
 
@@ -490,6 +513,28 @@ TEST(FlashBf16, LongQueriesBackward) {
     EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
+
+    // The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the
+    // backward instead of the stream: the same bits as drawing them again, 1 and 2 threads.
+    if (!flash_bf16_keeps_dropout(pr.p)) continue;
+    for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
+      for (const int threads : {1, 2}) {
+        Problem drawn(c), kept(c);
+        std::vector<uint16_t> keep(static_cast<size_t>(dropout_keep_words(kept.p)), 0xdead);
+        kept.p.dropout_keep = keep.data();
+        for (Problem* x : {&drawn, &kept}) {
+          x->p.force_bf16_fallback = fallback;
+          x->p.threads = threads;
+          x->p.dropout_index_base = base;
+          flash_attention_forward_bf16(x->p);
+          flash_attention_backward_bf16(x->p, x->g);
+        }
+        SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
+        EXPECT_EQ(drawn.out.buf, kept.out.buf);
+        EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
+        EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
+        EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
+      }
   }
 }
 

@@ -225,6 +225,15 @@ bool flash_bf16_native() {
   return CpuHasBf16();
 }
 
+bool flash_bf16_keeps_dropout(const FlashBf16Params& p) {
+  return CpuHasBf16() && !p.force_bf16_fallback && p.weights == nullptr && p.dropout > 0.0f &&
+         p.T > 0 && p.S > 0 && p.S % 4 == 0 && p.dropout_index_base % 4 == 0;
+}
+
+int64_t dropout_keep_words(const FlashBf16Params& p) {
+  return p.B * ((p.T + kL - 1) / kL) * p.S;
+}
+
 void flash_attention_forward_bf16(const FlashBf16Params& p) {
   if (p.B == 0 || p.T == 0) return;
   // The weights need a second Q K^T pass with the final row statistics, which only the fp32

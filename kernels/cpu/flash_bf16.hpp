@@ -50,4 +50,13 @@ void flash_attention_backward_bf16(const FlashBf16Params& p, const FlashBf16Grad
 // cover both paths on one machine).
 bool flash_bf16_native();
 
+// True when the native forward would record its dropout decisions in p.dropout_keep (given one of
+// dropout_keep_words(p) words) for the backward: this CPU has AVX512-BF16, no fallback is forced,
+// no weights are asked for, dropout is on, and every row's stream index and S are multiples of 4
+// (the forward's 16-lane Philox path). Otherwise the forward ignores p.dropout_keep, and a caller
+// must not pass one to the backward.
+bool flash_bf16_keeps_dropout(const FlashBf16Params& p);
+// Words of p.dropout_keep: B ceil(T / 16) S.
+int64_t dropout_keep_words(const FlashBf16Params& p);
+
 }  // namespace attn::cpu

@@ -143,6 +143,21 @@ void DropoutRow64(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
   _mm512_storeu_ps(z + 48, _mm512_shuffle_f32x4(t2, t3, 0xdd));
 }
 
+// The same multipliers z[0..n) of row t, keys s0 .. s0 + n - 1 (n <= 64), from the forward's
+// recorded decisions (FlashBf16Params::dropout_keep): bit t % 16 of each key's word.
+void DropoutRowKept(const FlashBf16Params& p, int64_t b, int64_t t, int64_t s0, int64_t n,
+                    float* z) {
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint16_t* words = p.dropout_keep + (b * ((p.T + kL - 1) / kL) + t / kL) * p.S + s0;
+  const __m256i bit = _mm256_set1_epi16(static_cast<short>(1u << (t % kL)));
+  for (int64_t c = 0; c < n; c += kL) {
+    const __mmask16 m = n - c >= kL ? __mmask16(0xffff) : __mmask16((1u << (n - c)) - 1);
+    const __mmask16 kept =
+        _mm256_mask_test_epi16_mask(m, _mm256_maskz_loadu_epi16(m, words + c), bit);
+    _mm512_storeu_ps(z + c, _mm512_maskz_mov_ps(kept, _mm512_set1_ps(keep_scale)));
+  }
+}
+
 // min(n, 16) bf16 x[c * stride] as fp32 lanes (zeros past n).
 inline __m512 LoadBf16(const uint16_t* x, int64_t n, int64_t stride) {
   if (stride == 1) {
@@ -170,6 +185,38 @@ inline void StoreBf16Row(const float* x, int64_t n, float mul, uint16_t* dst, in
       _mm256_store_si256(reinterpret_cast<__m256i*>(o), h);
       for (int64_t l = 0; l < std::min(kL, n - c); ++l)
         dst[(c + l) * stride] = o[l];
+    }
+  }
+}
+
+// Rows s0 + s (s < nk) of dst (row stride st, feature stride sd) = bf16(mul * column s of acc),
+// acc (n x kBwdK fp32, row j = feature j): dK and dV of a key block, accumulated transposed.
+// With unit feature stride, 16 x 16 blocks go through transpose16x16_epi32 and each row is
+// rounded and stored 16 features at a time; otherwise each feature row is rounded into out16 and
+// copied element by element. The same products and roundings (vcvtneps2bf16) either way.
+void StoreKeyRowsBf16(const float* acc, int64_t n, int64_t nk, float mul, uint16_t* dst, int64_t st,
+                      int64_t sd, uint16_t* out16) {
+  if (sd != 1) {
+    for (int64_t j = 0; j < n; ++j)
+      StoreBf16Row(acc + j * kBwdK, nk, mul, out16 + j * kBwdK, 1);
+    for (int64_t s = 0; s < nk; ++s)
+      for (int64_t j = 0; j < n; ++j)
+        dst[s * st + j * sd] = out16[j * kBwdK + s];
+    return;
+  }
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int64_t s = 0; s < nk; s += kL) {
+    for (int64_t j0 = 0; j0 < n; j0 += kL) {
+      const int64_t nj = std::min(kL, n - j0);
+      __m512i r[kL];
+      for (int64_t i = 0; i < kL; ++i)
+        r[i] = i < nj ? _mm512_loadu_si512(acc + (j0 + i) * kBwdK + s) : _mm512_setzero_si512();
+      transpose16x16_epi32(r);  // r[i]: features j0 .. j0 + 15 of key s + i
+      const __mmask16 m = nj >= kL ? __mmask16(0xffff) : __mmask16((1u << nj) - 1);
+      for (int64_t i = 0; i < std::min(kL, nk - s); ++i)
+        _mm256_mask_storeu_epi16(
+            dst + (s + i) * st + j0, m,
+            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_castsi512_ps(r[i]), vm)));
     }
   }
 }
@@ -362,8 +409,13 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
           n[h] = rr < mq ? std::clamp<int64_t>(w.lim[t] - s0, 0, nkr) : 0;
           l2[h] = _mm512_set1_ps(rr < mq ? w.lse2[t] : 0.0f);
           dd[h] = _mm512_set1_ps(rr < mq ? w.drow[t] : 0.0f);
-          if (dropout && n[h] > 0)
-            DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
+          if (dropout && n[h] > 0) {
+            if (p.dropout_keep != nullptr) {
+              DropoutRowKept(p, b, t, s0, n[h], w.z + h * kBwdK);
+            } else {
+              DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
+            }
+          }
         }
         for (int64_t v2 = 0; v2 < nv; v2 += 2) {
           __m512 ds[2][2];
@@ -460,20 +512,12 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
     }
 
     // dK = scale sum dS Q, dV = sum P Z dO: rounded once (vcvtneps2bf16), transposed back.
-    for (int64_t d = 0; d < D; ++d)
-      StoreBf16Row(dk_acc + d * kBwdK, nk, p.scale, w.out16 + d * kBwdK, 1);
-    for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dk = g.dk.data + HeadOffset(p.heads, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
-      for (int64_t d = 0; d < D; ++d)
-        dk[d * g.dk.sd] = w.out16[d * kBwdK + s];
-    }
-    for (int64_t e = 0; e < Dv; ++e)
-      StoreBf16Row(dv_acc + e * kBwdK, nk, 1.0f, w.out16 + e * kBwdK, 1);
-    for (int64_t s = 0; s < nk; ++s) {
-      uint16_t* dv = g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
-      for (int64_t e = 0; e < Dv; ++e)
-        dv[e * g.dv.sd] = w.out16[e * kBwdK + s];
-    }
+    StoreKeyRowsBf16(dk_acc, D, nk, p.scale,
+                     g.dk.data + HeadOffset(p.heads, b, g.dk.sb, g.dk.sh) + s0 * g.dk.st, g.dk.st,
+                     g.dk.sd, w.out16);
+    StoreKeyRowsBf16(dv_acc, Dv, nk, 1.0f,
+                     g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + s0 * g.dv.st, g.dv.st,
+                     g.dv.sd, w.out16);
   }
 }
 

@@ -138,6 +138,11 @@ bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, in
       hi_w[l] = static_cast<uint32_t>(blk >> 32);
     }
     const __m512i lo = _mm512_load_si512(lo_w), hi = _mm512_load_si512(hi_w);
+    // The decisions of queries t0 + q .. + 15 (t0 and q are multiples of 16) for the backward.
+    uint16_t* keep_words =
+        p.dropout_keep != nullptr
+            ? p.dropout_keep + (b * ((p.T + kL - 1) / kL) + (t0 + q) / kL) * p.S + s0
+            : nullptr;
     for (int64_t g = 0; 4 * g < nk; ++g) {
       __m512i c[4];
       c[0] = _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int>(g)));
@@ -149,7 +154,9 @@ bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, in
       for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
         // kept iff (r >> 8) 2^-24 >= p, exactly as attn::dropout_keep computes it in float
         const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[j], 8)), two_m24);
-        const __m512 z = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, vp, _CMP_GE_OQ), vkeep);
+        const __mmask16 kept = _mm512_cmp_ps_mask(u, vp, _CMP_GE_OQ);
+        if (keep_words != nullptr) keep_words[4 * g + j] = static_cast<uint16_t>(kept);
+        const __m512 z = _mm512_maskz_mov_ps(kept, vkeep);
         float* row = xt + (4 * g + j) * mqp + q;
         _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), z));
       }

@@ -5,6 +5,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -222,16 +223,30 @@ void gemm(const GemmArgs& g, int threads) {
 
 namespace {
 
+// The column sums are compiled per target like the bulk conversions in core/tensor.cpp (the
+// baseline x86-64 build adds two doubles per instruction, AVX-512 eight); adds only, in the same
+// order in every clone, so the same bits. Left out under AddressSanitizer (ifunc resolvers run
+// before its runtime starts) and for clang: the plain loop there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define ATTN_COLUMN_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ATTN_COLUMN_CLONES
+#endif
+
+// Columns per block: each block's sums are one thread's, in a stack array of doubles.
+constexpr int64_t kColumnBlock = 32;
+
+// acc[n] = sum over the M rows of dy[m * lddy + n], n < nb <= kColumnBlock, row by row.
 template <typename T>
-void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
-  // Row by row so the inner loop is unit-stride over n (vectorizes), into double accumulators:
-  // the bias gradient is often a sum of many terms that cancel (exactly 0 for the key bias of
-  // attention), where an f32 running sum would keep only its rounding noise. The order over rows
-  // is fixed, hence independent of any thread count. Costs M*N adds, small next to the GEMMs.
-  std::vector<double> acc(static_cast<size_t>(N), 0.0);
+inline void column_block(const T* dy, int64_t M, int64_t nb, int64_t lddy, double* acc) {
+  for (int64_t n = 0; n < nb; ++n)
+    acc[n] = 0.0;
   for (int64_t m = 0; m < M; ++m) {
     const T* row = dy + m * lddy;
-    for (int64_t n = 0; n < N; ++n) {
+#pragma omp simd
+    for (int64_t n = 0; n < nb; ++n) {
       if constexpr (std::is_same_v<T, uint16_t>) {
         acc[n] += bf16_to_float(row[n]);
       } else {
@@ -239,19 +254,55 @@ void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db,
       }
     }
   }
-  for (int64_t n = 0; n < N; ++n)
-    db[n] = static_cast<float>((accumulate ? static_cast<double>(db[n]) : 0.0) + acc[n]);
+}
+
+ATTN_COLUMN_CLONES void column_block_f32(const float* dy, int64_t M, int64_t nb, int64_t lddy,
+                                         double* acc) {
+  column_block(dy, M, nb, lddy, acc);
+}
+
+ATTN_COLUMN_CLONES void column_block_bf16(const uint16_t* dy, int64_t M, int64_t nb, int64_t lddy,
+                                          double* acc) {
+  column_block(dy, M, nb, lddy, acc);
+}
+
+#undef ATTN_COLUMN_CLONES
+
+template <typename T>
+void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                     int threads) {
+  // Row by row so the inner loop is unit-stride over n (vectorizes), into double accumulators:
+  // the bias gradient is often a sum of many terms that cancel (exactly 0 for the key bias of
+  // attention), where an f32 running sum would keep only its rounding noise. Each column's sum
+  // runs over the rows in order, whichever thread takes its block of columns, so the result is
+  // independent of the thread count.
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+#pragma omp parallel for schedule(static) num_threads( \
+    std::max(1, threads)) if (threads > 1 && blocks > 1 && M * N >= (int64_t{1} << 15))
+  for (int64_t j = 0; j < blocks; ++j) {
+    const int64_t n0 = j * kColumnBlock, nb = std::min(kColumnBlock, N - n0);
+    double acc[kColumnBlock];
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      column_block_bf16(dy + n0, M, nb, lddy, acc);
+    } else {
+      column_block_f32(dy + n0, M, nb, lddy, acc);
+    }
+    for (int64_t n = 0; n < nb; ++n)
+      db[n0 + n] =
+          static_cast<float>((accumulate ? static_cast<double>(db[n0 + n]) : 0.0) + acc[n]);
+  }
 }
 
 }  // namespace
 
-void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate) {
-  column_sum_impl(dy, M, N, lddy, db, accumulate);
+void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                int threads) {
+  column_sum_impl(dy, M, N, lddy, db, accumulate, threads);
 }
 
-void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db,
-                bool accumulate) {
-  column_sum_impl(dy, M, N, lddy, db, accumulate);
+void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                int threads) {
+  column_sum_impl(dy, M, N, lddy, db, accumulate, threads);
 }
 
 void gemm_force_fallback(bool on) {

@@ -76,11 +76,14 @@ struct GemmArgs {
 void gemm(const GemmArgs& args, int threads);
 
 // db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
-// double in a fixed order (row by row), so it is the same for any thread count.
-void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
+// double in a fixed order (row by row), so it is the same for any thread count. Blocks of 32
+// columns run on up to `threads` OpenMP threads (large enough sums only).
+void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                int threads = 1);
 // The same for bfloat16 dy (uint16_t bits): each value widened exactly, summed in double, and
 // db stays float (the caller rounds it to bf16 once).
-void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate);
+void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                int threads = 1);
 
 // Tests only: while on, every gemm() runs the plain-loop fallback that otherwise serves the
 // configurations oneDNN rejects (so that path stays tested on CPUs where oneDNN takes all).

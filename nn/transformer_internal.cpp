@@ -1,0 +1,70 @@
+// add_all and scaled (nn/transformer_internal.hpp): compiled here, with OpenMP, rather than
+// inline in the header (which tests include without OpenMP).
+#include "nn/transformer_internal.hpp"
+
+#include <algorithm>
+#include <vector>
+
+namespace attn::nn::detail {
+
+Tensor add_all(std::initializer_list<Tensor> terms, int threads) {
+  constexpr int64_t kChunk = int64_t{1} << 14;  // elements per task
+  const Tensor& first = *terms.begin();
+  std::vector<Tensor> parts;
+  parts.reserve(terms.size());
+  for (const Tensor& t : terms)
+    parts.push_back(t.contiguous());
+  Tensor out = Tensor::empty(first.shape(), first.dtype());
+  const int64_t n = out.numel(), chunks = (n + kChunk - 1) / kChunk;
+  auto run = [&](auto zero) {
+    using F = decltype(zero);
+    F* const o = out.data<F>();
+    std::vector<const F*> p;
+    for (const Tensor& t : parts)
+      p.push_back(t.data<F>());
+#pragma omp parallel for schedule(static) \
+    num_threads(std::max(1, threads)) if (threads > 1 && chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+      const F* a = p[0];
+      if (p.size() == 1) {
+        std::copy(a + i0, a + i1, o + i0);
+        continue;
+      }
+      const F* b = p[1];
+#pragma omp simd  // out is a fresh tensor: no term aliases it
+      for (int64_t i = i0; i < i1; ++i)
+        o[i] = a[i] + b[i];
+      for (size_t k = 2; k < p.size(); ++k) {
+        const F* t = p[k];
+#pragma omp simd
+        for (int64_t i = i0; i < i1; ++i)
+          o[i] += t[i];
+      }
+    }
+  };
+  if (out.dtype() == DType::F32)
+    run(float{});
+  else
+    run(double{});
+  return out;
+}
+
+Tensor scaled(const Tensor& x, double factor) {
+  Tensor out = x.clone();
+  auto run = [&](auto zero) {
+    using F = decltype(zero);
+    F* o = out.data<F>();
+    const int64_t n = out.numel();
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i)
+      o[i] = static_cast<F>(static_cast<double>(o[i]) * factor);
+  };
+  if (out.dtype() == DType::F32)
+    run(float{});
+  else
+    run(double{});
+  return out;
+}
+
+}  // namespace attn::nn::detail
