@@ -227,7 +227,7 @@ bool flash_bf16_native() {
 
 bool flash_bf16_keeps_dropout(const FlashBf16Params& p) {
   return CpuHasBf16() && !p.force_bf16_fallback && p.weights == nullptr && p.dropout > 0.0f &&
-         p.T > 0 && p.S > 0 && p.S % 4 == 0 && p.dropout_index_base % 4 == 0;
+         p.T > 0 && p.S > 0 && p.dropout_rows_aligned(0);
 }
 
 int64_t dropout_keep_words(const FlashBf16Params& p) {

@@ -52,8 +52,9 @@ bool flash_bf16_native();
 
 // True when the native forward would record its dropout decisions in p.dropout_keep (given one of
 // dropout_keep_words(p) words) for the backward: this CPU has AVX512-BF16, no fallback is forced,
-// no weights are asked for, dropout is on, and every row's stream index and S are multiples of 4
-// (the forward's 16-lane Philox path). Otherwise the forward ignores p.dropout_keep, and a caller
+// no weights are asked for, dropout is on, and every row's stream index and S (the dropout window's
+// columns when there is one) are multiples of 4 (AttentionProblem::dropout_rows_aligned: the
+// forward's 16-lane Philox path). Otherwise the forward ignores p.dropout_keep, and a caller
 // must not pass one to the backward.
 bool flash_bf16_keeps_dropout(const FlashBf16Params& p);
 // Words of p.dropout_keep: B ceil(T / 16) S.
