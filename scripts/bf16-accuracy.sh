@@ -103,18 +103,21 @@ def inside(f, b):
     ok = f[1] - 5e-4 <= b[0] <= f[2] + 5e-4
     return "yes" if ok else f"**no** ({100 * (b[0] - f[0]):+.1f} points)"
 
-def chance(n, trials=100000):
+def chance(ns, trials=100000):
     # How often the test fails when both precisions draw from one distribution (normal).
     import random
     rng = random.Random(0)
-    out = 0
-    for _ in range(trials):
-        a = [rng.gauss(0, 1) for _ in range(n)]
-        m = sum(rng.gauss(0, 1) for _ in range(n)) / n
-        out += not min(a) <= m <= max(a)
-    return (f"(Were both precisions' accuracies drawn from one normal distribution, the mean of "
-            f"{n} runs would fall outside the min-max of {n} others {100 * out / trials:.0f}% of "
-            "the time; saturated cells, e.g. 100% every seed, fail less.)")
+    rates = []
+    for n in ns:
+        out = 0
+        for _ in range(trials):
+            a = [rng.gauss(0, 1) for _ in range(n)]
+            m = sum(rng.gauss(0, 1) for _ in range(n)) / n
+            out += not min(a) <= m <= max(a)
+        rates.append(f"{100 * out / trials:.0f}% for n = {n}")
+    return ("(Were both precisions' accuracies drawn from one normal distribution, the mean of n "
+            "runs would fall outside the min-max of n others " + ", ".join(rates) +
+            "; saturated cells, e.g. 100% every seed, fail less.)")
 
 lines = []
 # Part 1: the positional experiment, both precisions.
@@ -157,7 +160,7 @@ if acc:
     lines.append("")
     lines.append(f"bf16's mean inside fp32's range: {total - outside} of {total} cells. The "
                  "same test the other way round (fp32's mean inside bf16's range): "
-                 f"{total - reverse} of {total}. {chance(n_seeds)}")
+                 f"{total - reverse} of {total}. {chance([n_seeds])}")
     lines.append("")
 
 # Part 2: the attn train rows.
@@ -186,7 +189,7 @@ if tsv:
         reverse.append(f"{task} {pe} {'yes' if inside(b, f) == 'yes' else 'no'}")
     lines.append("")
     lines.append("The other way round (fp32's mean inside bf16's range): " + ", ".join(reverse) +
-                 ". " + " ".join(chance(n) for n in sorted({len(v) for v in tsv.values()})))
+                 ". " + chance(sorted({len(v) for v in tsv.values()})))
     lines.append("")
     lines.append("Every run (accuracy in %, by seed):")
     lines.append("")
