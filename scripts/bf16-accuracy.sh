@@ -59,6 +59,7 @@ if [[ " $parts " == *" train "* ]]; then
     [[ -f "$out/tsv/$task/eval.tsv" ]] ||
       "$attn" data --task "$task" --train 10000 --eval 2000 --seed 0 --out "$out/tsv/$task" >&2
   done
+  # shellcheck disable=SC2016  # the sh -c body expands its own arguments, xargs' words
   for row in "${rows[@]}"; do
     read -r task pe row_seeds row_steps <<<"$row"
     for p in fp32 bf16; do
