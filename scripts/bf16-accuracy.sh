@@ -11,7 +11,7 @@
 # mean lies inside fp32's min-max) and puts it into docs/training.md between
 # <!-- bf16-accuracy:begin --> and <!-- bf16-accuracy:end --> (its only writer).
 #
-#   scripts/bf16-accuracy.sh [OUT] [build_dir]   (default OUT bf16-accuracy, build build/default)
+#   scripts/bf16-accuracy.sh [OUT] [build_dir]   (default OUT build/bf16-accuracy, build build/default)
 #
 # Runs whose result file exists in OUT are not trained again, so an interrupted run continues
 # where it stopped (delete OUT to start afresh). Accuracy does not depend on the machine's load
@@ -24,7 +24,7 @@
 # CPU time (AMD EPYC Zen 4): part 1 about 2 x 30 runs of 15-45 s, part 2 2 x 40 runs of 10-60 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-bf16-accuracy}
+out=${1:-build/bf16-accuracy}
 build=${2:-build/default}
 jobs=${JOBS:-2}
 parts=${PARTS-"positional train"}
