@@ -262,4 +262,23 @@ std::vector<Seq2SeqExample> generate_seq2seq_task(const Seq2SeqTaskOptions& o, i
   return out;
 }
 
+std::vector<std::string> cardinal_words(int n) {
+  check(n >= 1 && n <= 99, "cardinal_words", "{} is outside 1..99", n);
+  std::vector<std::string> out;
+  cardinal(out, n);
+  return out;
+}
+
+std::vector<std::string> ordinal_words(int n) {
+  check(n >= 1 && n <= 31, "ordinal_words", "{} is outside 1..31", n);
+  std::vector<std::string> out;
+  ordinal(out, n);
+  return out;
+}
+
+std::string month_name(int month) {
+  check(month >= 1 && month <= 12, "month_name", "month {} is outside 1..12", month);
+  return kMonths[static_cast<size_t>(month - 1)];
+}
+
 }  // namespace attn::model

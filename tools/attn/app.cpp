@@ -45,9 +45,10 @@ int run(int argc, char** argv) {
   std::vector<Command> commands;
   try {
     // To add a subcommand: write add_<name>_command (see commands.hpp) and list it here.
-    for (auto add : {add_self_attention_command, add_pe_command, add_train_command,
-                     add_translate_command, add_predict_command, add_experiment_command,
-                     add_compare_command, add_bench_command, add_tour_command}) {
+    for (auto add :
+         {add_self_attention_command, add_pe_command, add_train_command, add_data_command,
+          add_translate_command, add_predict_command, add_experiment_command, add_compare_command,
+          add_bench_command, add_tour_command}) {
       for (auto& c : add(app))
         commands.push_back(std::move(c));
     }

@@ -118,6 +118,8 @@ std::string text_table(const viz::Table& table);
 
 std::vector<Command> add_train_command(CLI::App& app);
 std::vector<Command> add_experiment_command(CLI::App& app);
+// attn data (cmd_data.cpp): the generated text tasks written as TSV files for --task tsv.
+std::vector<Command> add_data_command(CLI::App& app);
 
 // --- attn train --task translate|dates|copy|reverse (cmd_train_seq2seq.cpp) -----------------
 

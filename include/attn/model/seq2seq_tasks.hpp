@@ -73,5 +73,12 @@ enum class DateForm : uint8_t { kDayOfMonth, kMonthDay };
 std::vector<std::string> date_in_words(int year, int month, int day, DateForm form);
 // {"2005", "-", "03", "-", "03"}
 std::vector<std::string> date_iso_tokens(int year, int month, int day);
+// The words the dates task writes numbers with (also used by attn/model/text_tasks.hpp):
+// 1..99 as "five", "twelve", "forty", "forty two"; 1..31 as "third", "twentieth", "thirty first".
+// Error outside those ranges.
+std::vector<std::string> cardinal_words(int n);
+std::vector<std::string> ordinal_words(int n);
+// "january" .. "december" for 1..12; Error otherwise.
+std::string month_name(int month);
 
 }  // namespace attn::model
