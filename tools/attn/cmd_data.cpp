@@ -36,8 +36,10 @@ std::string label_counts(const std::vector<model::TextExample>& examples) {
 }
 
 void run_data(const DataArgs& a) {
-  check(a.train >= 1 && a.eval >= 1, kOp, "--train ({}) and --eval ({}) must be >= 1", a.train,
-        a.eval);
+  // The examples are built in memory before the atomic writes (~100 bytes each with the strings).
+  constexpr int64_t kMaxExamples = 10'000'000;
+  check(a.train >= 1 && a.eval >= 1 && a.train <= kMaxExamples && a.eval <= kMaxExamples, kOp,
+        "--train ({}) and --eval ({}) must be in [1, {}]", a.train, a.eval, kMaxExamples);
   const model::TextTask task = model::parse_text_task(a.task);
   const std::filesystem::path dir = a.out;
   std::error_code ec;
