@@ -65,17 +65,20 @@ print(f"- PyTorch {runs[0]['torch']}, BLAS {runs[0]['blas']} (`OPENBLAS_CORETYPE
 print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Compare the "
       "ratio, not the absolute numbers. Speedup: wall time per step, each torch round against "
       "the attn round right after it; CPU time ratio: process CPU time per step (both threads), "
-      "torch's median over attn's.\n")
+      "torch's median over attn's. Bound: nn.MultiheadAttention's step over the same loop with no "
+      "attention at all (each block's attention returns its queries), both medians: the speedup "
+      "an attention module that took no time would give (Amdahl).\n")
 print("| batch | nn.MultiheadAttention ms/step (median) | attn.torch ms/step (median) | "
       "speedup (median of round pairs) | speedup per round pair | CPU time ratio | "
-      "eval loss torch / attn |")
-print("|---|---|---|---|---|---|---|")
+      "bound (no attention) | eval loss torch / attn |")
+print("|---|---|---|---|---|---|---|---|")
 for r in runs:
     s, m, l = r["shape"], r["median_ms"], r["eval_loss"]
     print(f"| B = {s['B']}, T = {s['T']} | {m['torch']:.1f} | {m['attn']:.1f} | "
           f"**{r['speedup_paired_median']:.2f}x** | "
           f"{', '.join(f'{x:.2f}' for x in r['speedup_per_round'])} | "
-          f"{r['cpu_ratio_median']:.2f}x | "
+          f"{r['cpu_ratio_median']:.2f}x | {r['amdahl_bound']:.2f}x "
+          f"({r['median_ms']['none']:.1f} ms) | "
           f"{l['torch']:.6f} / {l['attn']:.6f} |")
 PY
 cat "$tmp/swap.md"

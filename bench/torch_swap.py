@@ -8,7 +8,10 @@ F.cross_entropy, backward, clip_grad_norm_(1.0), AdamW(lr 1e-3) step. In each bl
 MultiHeadAttention is replaced by the module under test (batch_first=True, bias=False, d2l's
 valid_lens passed as key_padding_mask, need_weights=False): torch.nn.MultiheadAttention in one
 model, attn.torch.MultiheadAttention (attn's fused kernels inside the same autograd graph) in the
-other. Both start from the same weights (one state dict).
+other. Both start from the same weights (one state dict). A third model, "none", has no
+attention at all (each block's attention returns its queries): its step is what the rest of the
+loop costs, so median torch / median none bounds the speedup that any attention module, however
+fast, can give this loop (Amdahl).
 
 The two run in the same process, in alternating rounds (torch, attn, torch, attn, ...) of
 --min-time seconds each, so that load from other processes hits both alike. Before timing, both
@@ -57,6 +60,17 @@ class TorchMHA(nn.Module):
         return self.mha(queries, keys, values, key_padding_mask=mask, need_weights=False)[0]
 
 
+class NoAttention(nn.Module):
+    """The attention-free floor: returns the queries (no parameters, no work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = _Weights()
+
+    def forward(self, queries, keys, values, valid_lens):
+        return queries
+
+
 def loaded_blas():
     found = set()
     with open("/proc/self/maps") as maps:
@@ -91,8 +105,9 @@ def main():
         model = EncoderClassifier(args.vocab, E, args.ffn, H, args.blocks, args.dropout,
                                   args.classes)
         for blk in model.encoder.blks:
-            blk.attention = TorchMHA(cls(E, H, dropout=args.dropout, bias=False,
-                                         batch_first=True))
+            blk.attention = (NoAttention() if cls is None else
+                             TorchMHA(cls(E, H, dropout=args.dropout, bias=False,
+                                          batch_first=True)))
         return model
 
     models = {"torch": build(nn.MultiheadAttention), "attn": build(attn.torch.MultiheadAttention)}
@@ -104,10 +119,13 @@ def main():
     models["torch"](ids, valid_lens)  # materialise the lazy layers (the FFN's LazyLinear)
     models["attn"](ids, valid_lens)
     models["attn"].load_state_dict(models["torch"].state_dict())
+    models["none"] = build(None)
+    models["none"](ids, valid_lens)
 
     # The same weights give the same loss (eval: no dropout), forward and first gradient.
     check = {}
-    for name, m in models.items():
+    for name in ("torch", "attn"):
+        m = models[name]
         m.eval()
         m.zero_grad()
         loss = nn.functional.cross_entropy(m(ids, valid_lens), targets)
@@ -136,7 +154,7 @@ def main():
     cpu_ms = {n: [] for n in models}  # process CPU time: less sensitive to being descheduled
     losses = {n: [] for n in models}
     for _ in range(args.rounds):
-        for name in ("torch", "attn"):
+        for name in ("torch", "attn", "none"):
             steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
             while True:
                 losses[name].append(step(name))
@@ -156,6 +174,7 @@ def main():
         "speedup_best": min(ms["torch"]) / min(ms["attn"]),
         "speedup_per_round": paired, "speedup_paired_median": statistics.median(paired),
         "cpu_ms_per_step": cpu_ms,
+        "amdahl_bound": med["torch"] / med["none"],
         "cpu_ratio_median": statistics.median(cpu_ms["torch"]) / statistics.median(cpu_ms["attn"]),
         "eval_loss": {n: c[0] for n, c in check.items()},
         "first_grad_max_abs_diff": grad_diff, "first_grad_max_abs": grad_scale,
