@@ -9,7 +9,8 @@ attn.torch.MultiheadAttention runs, each timed alone on the same tensors:
   core fwd         attn's fused kernel through head strides (_attn._heads_forward)
   out_proj fwd     F.linear(o, out_proj.weight): (B*T, E) x (E, E)
   out_proj bwd     its dX and dW (two torch mm, as autograd runs them)
-  core bwd         attn's fused backward (_attn._heads_backward, dropout mask redrawn)
+  core bwd         attn's fused backward (_attn._heads_backward), reading the forward's recorded
+                   dropout decisions (AVX-512 CPUs; "mask redrawn": drawing them again)
   in_proj bwd      dX and dW of the in-projection (two torch mm)
   glue             module fwd+bwd minus the pieces: Python, autograd, the mask conversion,
                    allocations, gradient accumulation
@@ -65,8 +66,8 @@ def main():
     xd = x.detach().reshape(B * T, E)
     qkv = F.linear(xd, w_in).view(B, T, 3 * E)
     q, k, v = qkv[..., :E], qkv[..., E:2 * E], qkv[..., 2 * E:]
-    o, lse, seed, off = _attn._heads_forward(q, k, v, H, lens, False, p, True, None, "zero", th,
-                                             ctx)
+    o, lse, seed, off, keep = _attn._heads_forward(q, k, v, H, lens, False, p, True, None, "zero",
+                                                   th, ctx)
     o2 = o.reshape(B * T, E)
     g2 = gy.reshape(B * T, E)
     dqkv = torch.empty(B, T, 3 * E)
@@ -84,9 +85,10 @@ def main():
         return lambda: _attn._heads_forward(q, k, v, H, lens, False, drop, True, None, "zero", th,
                                             ctx)
 
-    def core_bwd(drop):
+    def core_bwd(drop, recorded=True):
         return lambda: _attn._heads_backward(gy, q, k, v, o, lse, H, lens, False, drop, True, None,
-                                             "zero", seed, off, dq, dk, dv, th, ctx)
+                                             "zero", seed, off, dq, dk, dv, th, ctx,
+                                             keep if recorded else None)
 
     pieces = {
         "torch module fwd+bwd": module("torch"),
@@ -99,13 +101,15 @@ def main():
         "in_proj bwd": lambda: (dqkv2.mm(w_in), dqkv2.t().mm(xd)),
         "core fwd, no dropout": core_fwd(0.0),
         "core bwd, no dropout": core_bwd(0.0),
+        "core bwd, mask redrawn": core_bwd(p, recorded=False),
     }
     # Multiply-adds x 2 of each piece (dense: the padded rows' skipped keys are not subtracted).
     proj = 2.0 * B * T * E * E
     core = 2.0 * B * H * T * T * (E // H)
     flops = {"in_proj fwd": 3 * proj, "out_proj fwd": proj, "out_proj bwd": 2 * proj,
              "in_proj bwd": 6 * proj, "core fwd": 2 * core, "core bwd": 5 * core,
-             "core fwd, no dropout": 2 * core, "core bwd, no dropout": 5 * core}
+             "core fwd, no dropout": 2 * core, "core bwd, no dropout": 5 * core,
+             "core bwd, mask redrawn": 5 * core}
     for f in pieces.values():  # warm-up
         f()
         f()
