@@ -117,7 +117,7 @@ struct AttentionArgs : AttentionProblem {
   // Costs a second Q K^T pass (the weights need the final lse); null (the default) skips it.
   float* weights = nullptr;
   int64_t w_sb = 0, w_st = 0;
-  // Optional, the native bf16 kernel only (cpu::flash_bf16_keeps_dropout says when): the
+  // Optional (cpu::flash_attention_keeps_dropout and cpu::flash_bf16_keeps_dropout say when): the
   // forward's dropout decisions, one bit per weight, bit t % 16 of word
   // dropout_keep[(b * ceil(T / 16) + t / 16) * S + s] set iff weight (b, t, s) is kept. The
   // forward writes the words of every kept key (s < the row's limit); the backward, given the

@@ -12,7 +12,6 @@
 #include "ops/mask.hpp"
 
 #include <cmath>
-#include <type_traits>
 #include <vector>
 
 namespace attn::detail {
@@ -70,6 +69,21 @@ std::vector<int32_t> head_key_counts(const AttentionOptions& opts, const HeadDim
   return length_key_counts(mask, d.B * d.H, d.T, d.S);
 }
 
+// Whether the fused kernel of this element type records the forward's dropout decisions
+// (kernels::AttentionArgs::dropout_keep), and the 16-bit words it needs.
+bool keeps_dropout(const kernels::AttentionArgs<float>& p) {
+  return cpu::flash_attention_keeps_dropout(p);
+}
+bool keeps_dropout(const kernels::AttentionArgs<uint16_t>& p) {
+  return cpu::flash_bf16_keeps_dropout(p);
+}
+int64_t keep_words(const kernels::AttentionArgs<float>& p) {
+  return cpu::flash_dropout_keep_words(p);
+}
+int64_t keep_words(const kernels::AttentionArgs<uint16_t>& p) {
+  return cpu::dropout_keep_words(p);
+}
+
 template <class E>
 void forward_fused(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                    const HeadDims& d, const AttentionOptions& opts, AttentionResult& result) {
@@ -78,12 +92,10 @@ void forward_fused(Context& ctx, const Tensor& q, const Tensor& k, const Tensor&
       attention_args<E>(ctx, q, k, v, d.H, kept, opts, result.dropout_offset);
   p.out = head_view<E>(result.output, d.H);
   p.lse = result.logsumexp.data<float>();
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    // The native bf16 kernel records its dropout decisions for the backward (1 bit per weight).
-    if (cpu::flash_bf16_keeps_dropout(p)) {
-      result.dropout_keep = Tensor::empty({(cpu::dropout_keep_words(p) + 1) / 2}, DType::I32);
-      p.dropout_keep = static_cast<uint16_t*>(result.dropout_keep.raw_data());
-    }
+  // The kernel records its dropout decisions for the backward (1 bit per weight) when it can.
+  if (keeps_dropout(p)) {
+    result.dropout_keep = Tensor::empty({(keep_words(p) + 1) / 2}, DType::I32);
+    p.dropout_keep = static_cast<uint16_t*>(result.dropout_keep.raw_data());
   }
   fused_forward(p);
 }
@@ -97,13 +109,11 @@ void backward_fused(Context& ctx, const Tensor& dout, const Tensor& q, const Ten
       attention_args<E>(ctx, q, k, v, d.H, kept, opts, forward.dropout_offset);
   p.out = head_view<E>(forward.output, d.H);  // read only by the backward
   p.lse = forward.logsumexp.data<float>();
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    // The forward's recorded decisions, when it recorded them for this very problem.
-    const Tensor& keep = forward.dropout_keep;
-    if (keep.defined() && cpu::flash_bf16_keeps_dropout(p) && keep.dtype() == DType::I32 &&
-        keep.numel() == (cpu::dropout_keep_words(p) + 1) / 2)
-      p.dropout_keep = static_cast<uint16_t*>(keep.raw_data());
-  }
+  // The forward's recorded decisions, when it recorded them for this very problem.
+  const Tensor& keep = forward.dropout_keep;
+  if (keep.defined() && keeps_dropout(p) && keep.dtype() == DType::I32 &&
+      keep.numel() == (keep_words(p) + 1) / 2)
+    p.dropout_keep = static_cast<uint16_t*>(keep.raw_data());
   fused_backward(p, attention_grad_args<E>(dout, dq, dk, dv, d.H));
 }
 

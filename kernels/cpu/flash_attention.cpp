@@ -186,6 +186,10 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  // The decisions for the backward (KeepsDropout): word of key s, 16 queries from t0 (t0 % 16 = 0).
+  uint16_t* keep = kL == 16 && p.dropout_keep != nullptr
+                       ? p.dropout_keep + (b * ((p.T + kL - 1) / kL) + t0 / kL) * p.S
+                       : nullptr;
   HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
   for (int64_t c = c0; c < c_end; c += kL) {
     for (int64_t l = 0; l < kL; ++l) {
@@ -202,12 +206,50 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
       Philox4x32(DU(), w, p.seed);
       for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
         float* row = xt + (4 * g + j) * mqp + c;
-        hn::StoreU(hn::Mul(hn::LoadU(d, row), DropMultiplier(w[j], p.dropout, keep_scale)), d, row);
+        const VF z = DropMultiplier(w[j], p.dropout, keep_scale);
+        hn::StoreU(hn::Mul(hn::LoadU(d, row), z), d, row);
+        if (keep != nullptr) {  // a multiplier is nonzero iff its weight is kept (0 when p = 1)
+          uint8_t bits[8] = {};
+          hn::StoreMaskBits(d, hn::Ne(z, hn::Zero(d)), bits);
+          keep[c / kL * p.S + s0 + 4 * g + j] = static_cast<uint16_t>(bits[0] | (bits[1] << 8));
+        }
       }
     }
   }
   return true;
 #endif
+}
+
+// True when this target's forward records its dropout decisions in p.dropout_keep (the format
+// of AttentionArgs::dropout_keep): 16 query lanes per vector, and DropoutTransposed takes every
+// tile (dropout_rows_aligned holds at s = 0, so at every tile start, a multiple of 64).
+bool KeepsDropout(const FlashParams& p) {
+  return kL == 16 && HWY_TARGET != HWY_SCALAR && p.dropout > 0.0f && p.T > 0 && p.S > 0 &&
+         p.dropout_rows_aligned(0);
+}
+
+// Dropout multipliers z[0..n) of row (b, t), keys s0 .. s0 + n - 1, from the forward's recorded
+// decisions (bit t % 16 of each key's word): the values DropoutRow draws, without the draw.
+void DropoutRowKept(const FlashParams& p, int64_t b, int64_t t, int64_t s0, int64_t n, float* z) {
+  const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const uint16_t* words = p.dropout_keep + (b * ((p.T + 15) / 16) + t / 16) * p.S + s0;
+  const uint32_t bit = 1u << (t % 16);
+  int64_t s = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const DF d;
+  const DU du;
+  const hn::Rebind<uint16_t, DU> d16;
+  const VU vbit = hn::Set(du, bit);
+  const VF vscale = hn::Set(d, keep_scale);
+  for (; s + kL <= n; s += kL) {
+    const VU w = hn::PromoteTo(du, hn::LoadU(d16, words + s));
+    hn::StoreU(
+        hn::IfThenElseZero(hn::RebindMask(d, hn::Ne(hn::And(w, vbit), hn::Zero(du))), vscale), d,
+        z + s);
+  }
+#endif
+  for (; s < n; ++s)
+    z[s] = (words[s] & bit) != 0 ? keep_scale : 0.0f;
 }
 
 size_t ForwardScratchFloats(const FlashParams& p) {
@@ -553,7 +595,10 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         std::fill(prow + n, prow + nkp, kNegInf);
         const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
         if (dropout) {
-          DropoutRow(p, p.dropout_index(b, t, s0), n, z);
+          if (p.dropout_keep != nullptr)
+            DropoutRowKept(p, b, t, s0, n, z);
+          else
+            DropoutRow(p, p.dropout_index(b, t, s0), n, z);
           std::fill(z + n, z + nkp, 0.0f);
         }
         for (int64_t k = 0; k < nkp; k += kL) {
@@ -647,6 +692,16 @@ HWY_EXPORT(ForwardScratchFloats);
 HWY_EXPORT(ForwardBlock);
 HWY_EXPORT(BackwardScratchFloats);
 HWY_EXPORT(BackwardItem);
+HWY_EXPORT(KeepsDropout);
+
+bool flash_attention_keeps_dropout(const FlashParams& p) {
+  const TargetScope targets(p.simd_targets);
+  return HWY_DYNAMIC_DISPATCH(KeepsDropout)(p);
+}
+
+int64_t flash_dropout_keep_words(const FlashParams& p) {
+  return p.B * ((p.T + 15) / 16) * p.S;
+}
 
 const char* flash_attention_target() {
   return HWY_DYNAMIC_DISPATCH(TargetName)();

@@ -30,6 +30,14 @@ void flash_attention_forward(const FlashParams& p);
 // Reads p.q, p.k, p.v, p.out, p.lse (as the forward left them) and g.dout; fills g.dq, g.dk, g.dv.
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g);
 
+// True when the forward records its dropout decisions in p.dropout_keep (given
+// flash_dropout_keep_words(p) words; AttentionArgs::dropout_keep's format) and the backward may
+// then read them instead of drawing the stream again: dropout on, a 16-lane SIMD target (AVX-512)
+// and every row's stream aligned to Philox blocks (AttentionProblem::dropout_rows_aligned(0)).
+// Otherwise the forward ignores p.dropout_keep and the caller must pass none to the backward.
+bool flash_attention_keeps_dropout(const FlashParams& p);
+int64_t flash_dropout_keep_words(const FlashParams& p);
+
 // Key ranges [bounds[j], bounds[j+1]) of the backward's work items for one batch row, shared by
 // the fp32 and bf16 backwards: enough items to feed a few threads when B is small (a function of
 // the shape only, never of the thread count), each a multiple of 64 keys; with a causal mask the

@@ -27,7 +27,8 @@ Masks follow d2l: valid_lens None, (B,) or (B, T), integer or float; key s of ro
 iff s < valid_lens. causal=True also masks keys s > t. A row with no kept key is uniform over all
 keys (masked_rows='uniform', d2l) or zero (masked_rows='zero', PyTorch SDPA's policy). Dropout
 is attn's inverted dropout drawn from the Philox stream of the Context (attn.default_context, or
-the module's own): the backward redraws the forward's mask. It acts only when training and
+the module's own): the backward reads the forward's mask (the decisions the fused kernel recorded,
+1 bit per weight, on AVX-512 and bf16 CPUs) or redraws it. It acts only when training and
 dropout_p > 0; the masks differ from torch's dropout (another generator), so a swapped-in module
 trains to the same loss curve only statistically when dropout is on.
 """
@@ -109,9 +110,11 @@ class _Attention(torch.autograd.Function):
 
 
 def _heads_call(fctx, q, k, v, heads, valid_lens, causal, p, training, scale, masked_rows, actx):
-    out, lse, seed, offset = _attn._heads_forward(q, k, v, heads, valid_lens, causal, p, training,
-                                                  scale, masked_rows, _threads(actx), actx)
+    out, lse, seed, offset, keep = _attn._heads_forward(q, k, v, heads, valid_lens, causal, p,
+                                                        training, scale, masked_rows,
+                                                        _threads(actx), actx)
     fctx.args = (heads, valid_lens, causal, p, training, scale, masked_rows, seed, offset, actx)
+    fctx.dropout_keep = keep  # the kernel's dropout decisions (or None): no redraw backward
     fctx.mark_non_differentiable(lse)
     return out, lse
 
@@ -120,7 +123,7 @@ def _heads_grads(fctx, dout, q, k, v, out, lse, dq, dk, dv):
     heads, lens, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
     _attn._heads_backward(_unit_feature_stride(dout), q, k, v, out, lse, heads, lens, causal, p,
                           training, scale, masked_rows, seed, offset, dq, dk, dv,
-                          _threads(actx), actx)
+                          _threads(actx), actx, fctx.dropout_keep)
 
 
 class _HeadsAttention(torch.autograd.Function):

@@ -22,8 +22,10 @@
 //
 // Dropout: the forward takes a stream offset from the shared Context (attn.Context) and returns it
 // with the seed; the backward redraws the same mask from that (seed, offset), whatever the
-// context's seed is by then. `threads` (>= 0, 0: all cores) overrides the context's thread count
-// for this call only, so attn.torch can follow torch.get_num_threads().
+// context's seed is by then (the heads entry points pass the forward's recorded decisions instead,
+// when the kernel recorded them: AttentionResult::dropout_keep). `threads` (>= 0, 0: all cores)
+// overrides the context's thread count for this call only, so attn.torch can follow
+// torch.get_num_threads().
 #include "bindings.hpp"
 
 #include "attn/core/error.hpp"
@@ -188,13 +190,16 @@ void bind_torch(py::module_& m) {
               return detail::multi_head_attention_forward(c, q.tensor, k.tensor, v.tensor, heads,
                                                           opts);
             });
-        return forward_tuple(r, seed);
+        // The kernel's recorded dropout decisions (an int32 tensor, or None): the backward
+        // reads them instead of redrawing the mask.
+        return py::make_tuple(to_torch(r.output), to_torch(r.logsumexp), seed, r.dropout_offset,
+                              to_torch(r.dropout_keep));
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("heads"), py::arg("valid_lens"),
       py::arg("causal"), py::arg("dropout"), py::arg("training"), py::arg("scale"),
       py::arg("masked_rows"), py::arg("threads"), py::arg("ctx"),
       "attn.torch's fused forward on (B, T, H*D) tensors: (out (B, T, H*Dv), logsumexp (B*H, T), "
-      "seed, dropout_offset).");
+      "seed, dropout_offset, dropout_keep (int32 tensor or None)).");
 
   m.def(
       "_heads_backward",
@@ -202,7 +207,7 @@ void bind_torch(py::module_& m) {
          py::handle lse_, int64_t heads, py::handle valid_lens, bool causal, double dropout,
          bool training, std::optional<double> scale, const std::string& masked_rows, uint64_t seed,
          uint64_t offset, py::handle dq_, py::handle dk_, py::handle dv_, int threads,
-         ContextPtr ctx) {
+         ContextPtr ctx, py::handle dropout_keep) {
         const char* op = "attn.torch multi-head attention backward";
         Input dout = to_tensor(dout_, op, "grad_output", InputKind::kFloatBF16);
         Input q = to_tensor(q_, op, "q", InputKind::kFloatBF16);
@@ -217,7 +222,12 @@ void bind_torch(py::module_& m) {
         Tensor dv = writable_view(dv_, dv_keep, op, "dv");
         const AttentionOptions opts =
             attention_options(lens, 1, causal, dropout, training, scale, masked_rows, op);
-        const AttentionResult forward = saved_result(out, lse, offset);
+        AttentionResult forward = saved_result(out, lse, offset);
+        // Used only when it has the size this problem's decisions take (else redrawn).
+        Input keep = to_tensor(dropout_keep, op, "dropout_keep", InputKind::kLens, true);
+        if (keep.tensor.defined() && keep.tensor.dtype() == DType::I32 &&
+            keep.tensor.is_contiguous())
+          forward.dropout_keep = keep.tensor;
         run_on_copy(context_or_default(ctx), threads, seed, [&](Context& c) {
           detail::multi_head_attention_backward(c, dout.tensor, q.tensor, k.tensor, v.tensor,
                                                 forward, heads, opts, dq, dk, dv);
@@ -228,9 +238,9 @@ void bind_torch(py::module_& m) {
       py::arg("logsumexp"), py::arg("heads"), py::arg("valid_lens"), py::arg("causal"),
       py::arg("dropout"), py::arg("training"), py::arg("scale"), py::arg("masked_rows"),
       py::arg("seed"), py::arg("offset"), py::arg("dq"), py::arg("dk"), py::arg("dv"),
-      py::arg("threads"), py::arg("ctx"),
+      py::arg("threads"), py::arg("ctx"), py::arg("dropout_keep") = py::none(),
       "attn.torch's fused backward on (B, T, H*D) tensors: writes dq, dk, dv (torch tensors the "
-      "caller allocated, shapes of q, k, v, unit feature stride).");
+      "caller allocated, shapes of q, k, v, unit feature stride); dropout_keep: the forward's.");
 }
 
 }  // namespace attn::python

@@ -52,7 +52,8 @@ struct AttentionResult {
   Tensor weights;               // (B, T, S) pre-dropout, when need_weights
   Tensor logsumexp;             // (B, T), float32 or float64 as q
   uint64_t dropout_offset = 0;  // the stream offset the forward used (backward redraws the mask)
-  // Internal to the fused bf16 multi-head path: the forward's dropout decisions as raw 16-bit
+  // Internal to the fused multi-head path (float32 on AVX-512, bf16 native): the forward's
+  // dropout decisions as raw 16-bit
   // words (kernels/attention_problem.hpp's AttentionArgs::dropout_keep) in an I32 tensor, which
   // its backward reads instead of drawing the stream again. Undefined elsewhere.
   Tensor dropout_keep;
