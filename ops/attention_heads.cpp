@@ -71,17 +71,26 @@ std::vector<int32_t> head_key_counts(const AttentionOptions& opts, const HeadDim
 
 // Whether the fused kernel of this element type records the forward's dropout decisions
 // (kernels::AttentionArgs::dropout_keep), and the 16-bit words it needs.
-bool keeps_dropout(const kernels::AttentionArgs<float>& p) {
-  return cpu::flash_attention_keeps_dropout(p);
-}
-bool keeps_dropout(const kernels::AttentionArgs<uint16_t>& p) {
-  return cpu::flash_bf16_keeps_dropout(p);
-}
 int64_t keep_words(const kernels::AttentionArgs<float>& p) {
   return cpu::flash_dropout_keep_words(p);
 }
 int64_t keep_words(const kernels::AttentionArgs<uint16_t>& p) {
   return cpu::dropout_keep_words(p);
+}
+// The bits cost B T S / 8 bytes: quadratic in the length, where the fused kernels keep only
+// O((T + S) D) for the backward. They are recorded while they take no more memory than the q, k,
+// v and output the backward keeps anyway (T = S: up to S = 128 D in fp32, 64 D in bf16), so a long
+// sequence's training memory stays linear in its length; past that the backward draws again.
+template <class E>
+bool keep_fits(const kernels::AttentionArgs<E>& p) {
+  const int64_t kept_bytes = p.B * (p.T + p.S) * (p.D + p.Dv) * static_cast<int64_t>(sizeof(E));
+  return 2 * keep_words(p) <= kept_bytes;
+}
+bool keeps_dropout(const kernels::AttentionArgs<float>& p) {
+  return cpu::flash_attention_keeps_dropout(p) && keep_fits(p);
+}
+bool keeps_dropout(const kernels::AttentionArgs<uint16_t>& p) {
+  return cpu::flash_bf16_keeps_dropout(p) && keep_fits(p);
 }
 
 template <class E>

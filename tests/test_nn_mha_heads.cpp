@@ -198,6 +198,27 @@ TEST_P(MhaHeadsOp, Bf16BitwiseEqualToCopyingPath) {
 INSTANTIATE_TEST_SUITE_P(Sweep, MhaHeadsOp, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& tp) { return tp.param.name(); });
 
+// The dropout bits the forward records for the backward cost B T S / 8 bytes; past the memory
+// of q, k, v and the output (here T = S = 1024 with D = 2) they are not kept, and the backward
+// draws the mask again: the same results either way.
+TEST(MhaHeadsOp, DropoutBitsAreKeptOnlyWithinTheActivationsMemory) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Case c{1, 1024, 1024, 2, 2, Lens::kNone, false, false, 0.3f, /*layout=*/0, /*H=*/1};
+    const AttentionOptions opts = case_options(c);
+    Context ctx = make_context(2, {});
+    const auto [q, k, v, dout] = make_inputs(c, dt);
+    const AttentionResult r = detail::multi_head_attention_forward(ctx, q, k, v, c.H, opts);
+    EXPECT_FALSE(r.dropout_keep.defined());
+    const Outcome got = run_heads(c, 2, opts, dt);
+    const Outcome want = run_split(c, 1, opts, dt);
+    EXPECT_TRUE(bitwise_equal(got.out, want.out));
+    EXPECT_TRUE(bitwise_equal(got.dq, want.dq)) << max_abs_diff(got.dq, want.dq);
+    EXPECT_TRUE(bitwise_equal(got.dk, want.dk)) << max_abs_diff(got.dk, want.dk);
+    EXPECT_TRUE(bitwise_equal(got.dv, want.dv)) << max_abs_diff(got.dv, want.dv);
+  }
+}
+
 // Long rows (T * (D + Dv) > 2^20 floats) make the backward pack q and dO per query tile instead
 // of once per item (flash_attention.cpp, PackWholeRows); both against the reference kernels.
 TEST(MhaHeadsOp, PerTileAndWholeRowPackingMatchTheReference) {
