@@ -291,6 +291,29 @@ std::vector<Case> sweep() {
   return cases;
 }
 
+// The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the backward
+// instead of the stream: the same bits as drawing them again, 1 and 2 threads, two stream bases.
+void ExpectKeptDropoutEqualsDrawn(const Case& c, bool fallback) {
+  for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
+    for (const int threads : {1, 2}) {
+      Problem drawn(c), kept(c);
+      std::vector<uint16_t> keep(static_cast<size_t>(dropout_keep_words(kept.p)), 0xdead);
+      kept.p.dropout_keep = keep.data();
+      for (Problem* x : {&drawn, &kept}) {
+        x->p.force_bf16_fallback = fallback;
+        x->p.threads = threads;
+        x->p.dropout_index_base = base;
+        flash_attention_forward_bf16(x->p);
+        flash_attention_backward_bf16(x->p, x->g);
+      }
+      SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
+      EXPECT_EQ(drawn.out.buf, kept.out.buf);
+      EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
+      EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
+      EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
+    }
+}
+
 class FlashBf16Sweep : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
@@ -326,27 +349,8 @@ TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
 
-    // The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the
-    // backward instead of the stream: the same bits as drawing them again, 1 and 2 threads.
-    if (!flash_bf16_keeps_dropout(pr.p)) continue;
-    for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
-      for (const int threads : {1, 2}) {
-        Problem drawn(c), kept(c);
-        std::vector<uint16_t> keep(static_cast<size_t>(dropout_keep_words(kept.p)), 0xdead);
-        kept.p.dropout_keep = keep.data();
-        for (Problem* x : {&drawn, &kept}) {
-          x->p.force_bf16_fallback = fallback;
-          x->p.threads = threads;
-          x->p.dropout_index_base = base;
-          flash_attention_forward_bf16(x->p);
-          flash_attention_backward_bf16(x->p, x->g);
-        }
-        SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
-        EXPECT_EQ(drawn.out.buf, kept.out.buf);
-        EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
-        EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
-        EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
-      }
+    // The forward's recorded dropout decisions, read by the backward instead of the stream.
+    if (flash_bf16_keeps_dropout(pr.p)) ExpectKeptDropoutEqualsDrawn(c, fallback);
   }
 }
 
@@ -514,27 +518,8 @@ TEST(FlashBf16, LongQueriesBackward) {
     EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
     EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
 
-    // The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the
-    // backward instead of the stream: the same bits as drawing them again, 1 and 2 threads.
-    if (!flash_bf16_keeps_dropout(pr.p)) continue;
-    for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
-      for (const int threads : {1, 2}) {
-        Problem drawn(c), kept(c);
-        std::vector<uint16_t> keep(static_cast<size_t>(dropout_keep_words(kept.p)), 0xdead);
-        kept.p.dropout_keep = keep.data();
-        for (Problem* x : {&drawn, &kept}) {
-          x->p.force_bf16_fallback = fallback;
-          x->p.threads = threads;
-          x->p.dropout_index_base = base;
-          flash_attention_forward_bf16(x->p);
-          flash_attention_backward_bf16(x->p, x->g);
-        }
-        SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
-        EXPECT_EQ(drawn.out.buf, kept.out.buf);
-        EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
-        EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
-        EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
-      }
+    // The forward's recorded dropout decisions, read by the backward instead of the stream.
+    if (flash_bf16_keeps_dropout(pr.p)) ExpectKeptDropoutEqualsDrawn(c, fallback);
   }
 }
 
