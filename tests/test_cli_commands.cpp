@@ -2,6 +2,7 @@
 // library, the tour's page and figures, and the error contract (exit status 2, one line on
 // stderr, no output file).
 #include "attn/ops/positional.hpp"
+#include "testing.hpp"
 #include "viz/xml_check.hpp"
 
 #include <gtest/gtest.h>
@@ -48,8 +49,8 @@ class Cli : public ::testing::Test {
     if (std::string(ATTN_CLI_PATH).empty())
       GTEST_SKIP() << "attn CLI not built (ATTN_BUILD_CLI=OFF)";
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() /
-           (std::string("attn_test_cli_") + info->test_suite_name() + "_" + info->name());
+    root = attn::testing::temp_path(std::string("attn_test_cli_") + info->test_suite_name() + "_" +
+                                    info->name());
     fs::remove_all(root);
     out = root / "out";
     fs::create_directories(out);

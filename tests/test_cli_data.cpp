@@ -1,6 +1,8 @@
 // End-to-end test of `attn data` (the built binary, ATTN_CLI_PATH): it writes DIR/train.tsv and
 // DIR/eval.tsv, the same bytes for the same seed, that `attn train --task tsv` trains on in
 // either precision; bad arguments exit 2 with one line on stderr and write nothing.
+#include "testing.hpp"
+
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -38,7 +40,7 @@ class CliData : public ::testing::Test {
     if (std::string(ATTN_CLI_PATH).empty())
       GTEST_SKIP() << "attn CLI not built (ATTN_BUILD_CLI=OFF)";
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() / (std::string("attn_test_cli_data_") + info->name());
+    root = attn::testing::temp_path(std::string("attn_test_cli_data_") + info->name());
     fs::remove_all(root);
     fs::create_directories(root / "capture");
   }

@@ -5,6 +5,7 @@
 // line, and a checkpoint of the other kind, a corrupt one, --beam 0 or a TSV line without a tab
 // -> exit 2, one line on stderr, nothing written.
 #include "attn/core/safetensors.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -57,7 +58,7 @@ class CliSeq2Seq : public ::testing::Test {
     if (std::string(ATTN_CLI_PATH).empty())
       GTEST_SKIP() << "attn CLI not built (ATTN_BUILD_CLI=OFF)";
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    root = fs::temp_directory_path() / (std::string("attn_test_cli_seq2seq_") + info->name());
+    root = attn::testing::temp_path(std::string("attn_test_cli_seq2seq_") + info->name());
     fs::remove_all(root);
     out = root / "out";
     fs::create_directories(out);

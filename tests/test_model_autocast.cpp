@@ -224,7 +224,7 @@ TEST(AutocastTrainer, LearnsLikeFp32WithFloat32Masters) {
 }
 
 TEST(AutocastTrainer, ResumesBitForBitAndCheckpointsLoadInEitherPrecision) {
-  const fs::path dir = fs::temp_directory_path() / "attn_test_autocast";
+  const fs::path dir = attn::testing::temp_path("attn_test_autocast");
   fs::create_directories(dir);
   const std::string ck = (dir / "bf16.safetensors").string();
   Tiny bf(model::Precision::kBFloat16);

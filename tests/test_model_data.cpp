@@ -3,6 +3,7 @@
 // file:line), vocabularies, batching with padding and valid_lens, and the epoch sampler.
 #include "attn/model/data.hpp"
 #include "attn/model/tasks.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -120,7 +121,7 @@ TEST(Tsv, MalformedLinesNameFileAndLine) {
 }
 
 TEST(Tsv, ReadsFilesAndReportsMissingOnes) {
-  const auto path = std::filesystem::temp_directory_path() / "attn_test_data.tsv";
+  const auto path = attn::testing::temp_path("attn_test_data").concat(".tsv");
   {
     std::ofstream f(path);
     f << "the cat\tanimal\nthe car\tthing\n";

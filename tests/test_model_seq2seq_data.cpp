@@ -6,6 +6,7 @@
 // tests/fixtures/seq2seq_bleu_vectors.py).
 #include "attn/model/seq2seq_data.hpp"
 #include "attn/model/seq2seq_tasks.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -129,7 +130,7 @@ TEST(Seq2SeqTsv, BadInputNamesFileAndLine) {
 }
 
 TEST(Seq2SeqTsv, ReadsAFile) {
-  const auto path = std::filesystem::temp_directory_path() / "attn_test_seq2seq_pairs.tsv";
+  const auto path = attn::testing::temp_path("attn_test_seq2seq_pairs").concat(".tsv");
   { std::ofstream(path) << "Hello!\tBonjour !\nThanks.\tMerci.\n"; }
   const auto ex = read_seq2seq_tsv(path.string(), TextPreprocess::d2l());
   std::filesystem::remove(path);

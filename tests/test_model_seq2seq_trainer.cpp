@@ -8,6 +8,7 @@
 #include "attn/model/seq2seq_trainer.hpp"
 #include "attn/model/trainer.hpp"
 #include "attn/ops/loss.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -68,7 +69,7 @@ struct Tiny {
 };
 
 fs::path temp_path(const std::string& name) {
-  return fs::temp_directory_path() / ("attn_test_seq2seq_trainer_" + name);
+  return attn::testing::temp_path("attn_test_seq2seq_trainer_" + name);
 }
 
 void expect_same_parameters(nn::Module& a, nn::Module& b) {

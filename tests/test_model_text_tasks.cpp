@@ -5,6 +5,7 @@
 // shares a text with the training split, and the TSV text reads back through parse_tsv /
 // read_tsv and encodes with the vocabulary `attn train --task tsv` builds.
 #include "attn/model/text_tasks.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -175,7 +176,7 @@ TEST(TextTasks, EvaluationTextsNeverAppearInTraining) {
 }
 
 TEST(TextTasks, TsvReadsBackThroughReadTsvAndEncodes) {
-  const auto path = std::filesystem::temp_directory_path() / "attn_test_text_tasks.tsv";
+  const auto path = attn::testing::temp_path("attn_test_text_tasks").concat(".tsv");
   for (TextTask t : kTasks) {
     const auto ex = generate_text_task(t, 300, 2, TaskSplit::kTrain);
     {

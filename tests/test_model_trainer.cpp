@@ -5,6 +5,7 @@
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
 #include "attn/ops/loss.hpp"
+#include "testing.hpp"
 
 #include <gtest/gtest.h>
 
@@ -62,7 +63,7 @@ struct Tiny {
 };
 
 fs::path temp_path(const std::string& name) {
-  return fs::temp_directory_path() / ("attn_test_trainer_" + name);
+  return attn::testing::temp_path("attn_test_trainer_" + name);
 }
 
 std::string file_bytes(const fs::path& p) {

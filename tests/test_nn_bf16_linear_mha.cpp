@@ -501,7 +501,7 @@ TEST(Bf16Mha, StateDictRoundTripsThroughSafetensors) {
   Tensor X = bf16_random({1, 5, 24}, 3);  // in = 24: the lazy projections take it
   a.forward(ctx, X, X, X);
   const std::string path =
-      (std::filesystem::temp_directory_path() / "attn_test_bf16_mha.safetensors").string();
+      attn::testing::temp_path("attn_test_bf16_mha").concat(".safetensors").string();
   save_safetensors(path, a.state_dict());
   SafetensorsFile f = load_safetensors(path);
   std::remove(path.c_str());

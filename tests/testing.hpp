@@ -7,11 +7,20 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <string>
 
 namespace attn::testing {
+
+// A path in the temporary directory named stem + "_" + this process's id, so that two test runs
+// at once (two build trees, ctest -j) never write the same file.
+inline std::filesystem::path temp_path(const std::string& stem) {
+  return std::filesystem::temp_directory_path() / (stem + "_" + std::to_string(::getpid()));
+}
 
 // Uniform values in [lo, hi) from a seeded Philox stream (never all zeros).
 inline Tensor random_tensor(const Shape& shape, DType dtype = DType::F64, uint64_t seed = 1,
