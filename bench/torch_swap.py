@@ -105,7 +105,7 @@ def load_module_version(path):
 def paired(num, den):
     """Per-round ratios num / den and their median, quartiles and range."""
     r = [a / b for a, b in zip(num, den)]
-    q = statistics.quantiles(r, n=4) if len(r) > 1 else [r[0]] * 3
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
     return r, dict(median=statistics.median(r), q1=q[0], q3=q[2], min=min(r), max=max(r))
 
 
