@@ -19,9 +19,12 @@ Which kernel runs:
     backward; the backward recomputes the weights from the saved output and logsumexp, so no
     (B, H, T, S) tensor is ever stored. MultiheadAttention and 4-D inputs whose heads sit in the
     feature axis (x.view(B, T, H, D).transpose(1, 2), the usual head split) read q, k, v through
-    head strides: no transpose copies.
+    head strides: no transpose copies. MultiheadAttention's in- and out-projections run there
+    on attn's GEMM too (oneDNN, _Linear), so the whole module, forward and backward, runs on the
+    one OpenMP pool that attn's kernels use, with no switch to OpenBLAS's threads in between.
   - float64, or a Context with backend='reference': attn's reference loops (double
-    accumulation), forward and backward. torch.autograd.gradcheck runs on this path.
+    accumulation), forward and backward; MultiheadAttention's projections are torch's F.linear.
+    torch.autograd.gradcheck runs on this path.
 
 Masks follow d2l: valid_lens None, (B,) or (B, T), integer or float; key s of row (b, t) is kept
 iff s < valid_lens. causal=True also masks keys s > t. A row with no kept key is uniform over all
@@ -398,10 +401,12 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     A subclass: same constructor, parameters (in_proj_weight, in_proj_bias, out_proj.weight,
     out_proj.bias; q/k/v_proj_weight when kdim or vdim differ from embed_dim), initialisation
-    (same torch random draws) and state dict, so weights load both ways. The projections are
-    torch ops (F.linear); the core is attn.torch's autograd Function. Self-attention (query is
-    key is value) projects once into one (B, T, 3E) tensor whose thirds the kernels read through
-    head strides, and gets its gradient back in the same layout.
+    (same torch random draws) and state dict, so weights load both ways. The core is
+    attn.torch's autograd Function; the projections are _Linear (attn's oneDNN GEMM, autograd
+    accumulating .grad as for torch's ops) where the fused kernels run (float32, bfloat16 on
+    the default backend), torch's F.linear otherwise (float64, backend='reference').
+    Self-attention (query is key is value) projects once into one (B, T, 3E) tensor whose thirds
+    the kernels read through head strides, and gets its gradient back in the same layout.
 
     Extra keyword arguments: masked_rows ('zero' by default: a query whose keys are all padded
     gets a zero output, where torch 1.13 gives NaN; 'uniform' is d2l's policy) and ctx (the
