@@ -23,10 +23,11 @@ nn.MultiheadAttention runs), the core without dropout (what the dropout draws co
 piece's GFLOP/s. Rounds alternate over all pieces so that load from other processes hits them
 alike; medians of wall and process CPU time (both threads) are printed.
 
-Each piece runs --reps times in a row, so the OpenBLAS rows run with OpenBLAS's worker already
-spinning (as it does after any OpenBLAS call: OPENBLAS_THREAD_TIMEOUT, 2^28 cycles by default)
-and the rows after them may share the cores with it for a while; d2l's loop has the same
-neighbours (its FFN GEMMs are OpenBLAS). --baseline-module FILE adds another version of
+Each piece runs --reps times in a row, the order of pieces rotated every round: a piece that
+follows an OpenBLAS row shares the cores for a while with OpenBLAS's worker, which keeps spinning
+after every OpenBLAS call (OPENBLAS_THREAD_TIMEOUT, 2^28 cycles, ~77 ms, by default), and the
+rotation spreads that over all pieces. d2l's loop has such neighbours all the time (its FFN GEMMs
+are OpenBLAS). --baseline-module FILE adds another version of
 python/attn/torch.py's module (e.g. main's: `git show main:python/attn/torch.py > f.py`).
 
     bash bench/run_torch_swap.sh's environment, then:
@@ -53,7 +54,7 @@ def main():
     ap.add_argument("--hiddens", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=10, help="calls per piece and round")
     ap.add_argument("--baseline-module", metavar="FILE",
                     help="another python/attn/torch.py, timed as 'attn_base module fwd+bwd'")
@@ -149,8 +150,12 @@ def main():
         f()
     wall = {n: [] for n in pieces}
     cpu = {n: [] for n in pieces}
-    for _ in range(args.rounds):
-        for name, f in pieces.items():
+    order = list(pieces)
+    for r in range(args.rounds):
+        # Rotated every round: no piece always runs right after the OpenBLAS rows (whose worker
+        # then spins beside it) or always after attn's own pieces.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            f = pieces[name]
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.reps):
                 f()
