@@ -219,8 +219,10 @@ class _Linear(torch.autograd.Function):
 def _attn_linear_ok(actx, x, weight, bias):
     """Whether _Linear serves this projection: float32 or bfloat16 of one dtype, non-empty, on a
     context whose backend runs the fused kernels (float64 and backend='reference' keep F.linear,
-    where gradcheck runs)."""
-    return x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype and \
+    where gradcheck runs), outside torch.autocast (whose F.linear casts to its dtype; a custom
+    Function would not)."""
+    return not torch.is_autocast_cpu_enabled() and \
+        x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype and \
         (bias is None or bias.dtype == x.dtype) and x.numel() > 0 and weight.numel() > 0 and \
         _attn._heads_supported(_dtype_name_of(x.dtype), actx)
 

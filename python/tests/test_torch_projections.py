@@ -271,3 +271,17 @@ def test_module_dropout_statistics_unchanged(rng):
     err = (draws.mean(0) - expected).abs().max() / expected.abs().max()
     assert err < 0.05, float(err)
     assert not torch.allclose(draws[0], draws[1])
+
+
+def test_module_under_cpu_autocast_follows_torch(rng):
+    """Inside torch.autocast('cpu', bfloat16) the projections stay torch's F.linear (autocast
+    casts them to bf16; a custom Function would run float32): output dtype as torch's module."""
+    ref, ours = pair(16, 4, batch_first=True)
+    x = tensor(rng, 2, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = ref(x, x, x, need_weights=False)
+        out, _ = ours(x, x, x, need_weights=False)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    assert "_LinearBackward" not in linear_nodes(out)
+    np.testing.assert_allclose(out.float().detach(), expected.float().detach(), rtol=5e-2,
+                               atol=5e-2)
