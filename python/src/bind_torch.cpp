@@ -155,15 +155,16 @@ Tensor linear_arg(py::handle obj, Input& keep, DType dtype, bool writable, const
                   const char* name) {
   Tensor t = writable ? writable_view(obj, keep, op, name)
                       : (keep = to_tensor(obj, op, name, InputKind::kFloatBF16)).tensor;
-  check(t.dtype() == dtype, op, "{} {} has dtype {}, expected {} (the dtype of x)", name,
+  check(t.dtype() == dtype, op, "{} {} has dtype {}, expected {} (the call's dtype)", name,
         shape_str(t.shape()), python_dtype_name(t.dtype()), python_dtype_name(dtype));
   return t;
 }
 
-DType linear_dtype(const Input& x, const char* op) {
+// The dtype of the call, read from its first argument `x` (named `name`): float32 or bfloat16.
+DType linear_dtype(const Input& x, const char* op, const char* name) {
   const DType t = x.tensor.dtype();
   check(t == DType::F32 || t == DType::BF16, op,
-        "x has dtype {}, expected float32 or bfloat16 (float64 runs torch's F.linear)",
+        "{} has dtype {}, expected float32 or bfloat16 (float64 runs torch's F.linear)", name,
         python_dtype_name(t));
   return t;
 }
@@ -329,7 +330,7 @@ void bind_torch(py::module_& m) {
         check(threads >= 1, op, "threads is {}, expected >= 1", threads);
         Input xi, wi, bi, yi;
         xi = to_tensor(x_, op, "x", InputKind::kFloatBF16);
-        const DType dtype = linear_dtype(xi, op);
+        const DType dtype = linear_dtype(xi, op, "x");
         const Matrix x = matrix_of(xi.tensor, op, "x");
         const Matrix w = matrix_of(linear_arg(w_, wi, dtype, false, op, "W"), op, "W");
         const Matrix y = matrix_of(linear_arg(y_, yi, dtype, true, op, "y"), op, "y");
@@ -364,7 +365,7 @@ void bind_torch(py::module_& m) {
         check(threads >= 1, op, "threads is {}, expected >= 1", threads);
         Input dyi, xi, wi, dxi, dwi, dbi;
         dyi = to_tensor(dy_, op, "grad_output", InputKind::kFloatBF16);
-        const DType dtype = linear_dtype(dyi, op);
+        const DType dtype = linear_dtype(dyi, op, "grad_output");
         const Matrix dy = matrix_of(dyi.tensor, op, "grad_output");
         const Matrix x = matrix_of(linear_arg(x_, xi, dtype, false, op, "x"), op, "x");
         const Matrix w = matrix_of(linear_arg(w_, wi, dtype, false, op, "W"), op, "W");
