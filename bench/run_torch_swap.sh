@@ -4,7 +4,7 @@
 # training benchmark's batch) and T = 512. Writes the <!-- torch_swap:begin --> block of
 # docs/performance.md.
 #
-#   bench/run_torch_swap.sh [build_dir] [rounds]        (default build/default, 3)
+#   bench/run_torch_swap.sh [build_dir] [rounds]        (default build/default, 12)
 #   ATTN_THREADS=2 (default) sets the thread count (torch.set_num_threads; attn.torch follows it).
 #
 # Settings as bench/run_train.sh gives PyTorch: OpenBLAS (Debian's default libblas.so.3 is the
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build/default}
-rounds=${2:-3}
+rounds=${2:-12}
 export ATTN_THREADS=${ATTN_THREADS:-2}
 ls "$build"/python/attn/_attn*.so >/dev/null 2>&1 ||
   { echo "run_torch_swap.sh: $build/python/attn/_attn*.so not built (-DATTN_BUILD_PYTHON=ON, target _attn)" >&2; exit 2; }
@@ -58,25 +58,27 @@ print("- Model: `bench/torch_train.py`'s (d2l's `TransformerEncoder`, E = 128, 4
       "`torch.nn.MultiheadAttention` or `attn.torch.MultiheadAttention` (batch_first, no bias, "
       "valid_lens as key_padding_mask, need_weights=False); half of each batch padded to 3T/4. "
       "One step: forward, cross-entropy, backward, clip_grad_norm(1.0), AdamW. "
-      f"`bench/torch_swap.py`: one process, same weights, {rounds} alternating rounds per side.")
+      f"`bench/torch_swap.py`: one process, same weights, {rounds} rounds of 0.5 s per side, the "
+      "order rotated every round.")
 print(f"- PyTorch {runs[0]['torch']}, BLAS {runs[0]['blas']} (`OPENBLAS_CORETYPE={coretype}`); "
       "`GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736 "
       "OMP_WAIT_POLICY=PASSIVE`.")
 print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Compare the "
-      "ratio, not the absolute numbers. Speedup: wall time per step, each torch round against "
-      "the attn round right after it; CPU time ratio: process CPU time per step (both threads), "
+      "ratio, not the absolute numbers. Speedup: wall time per step, torch's round over attn's "
+      "round of the same round, median over rounds (quartiles and range beside it); CPU time ratio: process CPU time per step (both threads), "
       "torch's median over attn's. Bound: nn.MultiheadAttention's step over the same loop with no "
       "attention at all (each block's attention returns its queries), both medians: the speedup "
       "an attention module that took no time would give (Amdahl).\n")
 print("| batch | nn.MultiheadAttention ms/step (median) | attn.torch ms/step (median) | "
-      "speedup (median of round pairs) | speedup per round pair | CPU time ratio | "
+      "speedup (median of round pairs) | quartiles (range) | CPU time ratio | "
       "bound (no attention) | eval loss torch / attn |")
 print("|---|---|---|---|---|---|---|---|")
 for r in runs:
     s, m, l = r["shape"], r["median_ms"], r["eval_loss"]
     print(f"| B = {s['B']}, T = {s['T']} | {m['torch']:.1f} | {m['attn']:.1f} | "
           f"**{r['speedup_paired_median']:.2f}x** | "
-          f"{', '.join(f'{x:.2f}' for x in r['speedup_per_round'])} | "
+          f"{r['speedup_paired']['q1']:.2f}-{r['speedup_paired']['q3']:.2f} "
+          f"({r['speedup_paired']['min']:.2f}-{r['speedup_paired']['max']:.2f}) | "
           f"{r['cpu_ratio_median']:.2f}x | {r['amdahl_bound']:.2f}x "
           f"({r['median_ms']['none']:.1f} ms) | "
           f"{l['torch']:.6f} / {l['attn']:.6f} |")

@@ -13,9 +13,20 @@ attention at all (each block's attention returns its queries): its step is what 
 loop costs, so median torch / median none bounds the speedup that any attention module, however
 fast, can give this loop (Amdahl).
 
-The two run in the same process, in alternating rounds (torch, attn, torch, attn, ...) of
---min-time seconds each, so that load from other processes hits both alike. Before timing, both
-run the same step in eval mode (no dropout) from the same weights and their losses are compared.
+All models run in the same process, in many short alternating rounds of --min-time seconds
+each (default 12 rounds of 0.5 s per side), the order rotated every round so that no side always
+follows the same one (the side before leaves OpenBLAS's spinning worker and warm caches behind).
+The figure is the median over rounds of the paired ratio torch round / attn round of the same
+round, with its quartiles and range: a pair sees about the same load from other processes, so
+the ratio moves far less than either time, and many short pairs resolve a few percent where three
+long rounds (this script's first method: 1.27-1.69 between pairs on a quiet machine) could not.
+Before timing, torch and attn run the same step in eval mode (no dropout) from the same weights
+and their losses and first gradients are compared.
+
+--baseline-module FILE adds a fourth model, "attn_base": attn.torch.MultiheadAttention from
+another version of python/attn/torch.py (e.g. `git show main:python/attn/torch.py > f.py`),
+loaded inside this build's attn package (so on this build's _attn), timed in the same rounds: an
+A/B of two versions of the module (attn_base / attn per round pair).
 
 Run it through bench/run_torch_swap.sh for PyTorch's best settings (OpenBLAS, no mmap per
 temporary, passive OpenMP waits). Prints one JSON object: ms per step of each round, the loss
@@ -23,6 +34,7 @@ check, the BLAS, the threads; also the process CPU time per step (both threads),
 moves less than wall time when other processes load the machine.
 """
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -81,6 +93,22 @@ def loaded_blas():
     return ", ".join(sorted(found)) or "?"
 
 
+def load_module_version(path):
+    """attn.torch as written in `path` (another version of python/attn/torch.py), as a module
+    of this build's attn package: its `from . import _attn` finds this build's extension."""
+    spec = importlib.util.spec_from_file_location("attn._torch_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def paired(num, den):
+    """Per-round ratios num / den and their median, quartiles and range."""
+    r = [a / b for a, b in zip(num, den)]
+    q = statistics.quantiles(r, n=4, method="inclusive") if len(r) > 1 else [r[0]] * 3
+    return r, dict(median=statistics.median(r), q1=q[0], q3=q[2], min=min(r), max=max(r))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -93,8 +121,10 @@ def main():
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--classes", type=int, default=2)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--min-time", type=float, default=2.0, help="seconds per round and side")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-time", type=float, default=0.5, help="seconds per round and side")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--baseline-module", metavar="FILE",
+                    help="another python/attn/torch.py, timed as the side attn_base")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -110,15 +140,18 @@ def main():
                                           batch_first=True)))
         return model
 
-    models = {"torch": build(nn.MultiheadAttention), "attn": build(attn.torch.MultiheadAttention)}
+    classes = {"torch": nn.MultiheadAttention, "attn": attn.torch.MultiheadAttention}
+    if args.baseline_module:
+        classes["attn_base"] = load_module_version(args.baseline_module).MultiheadAttention
+    models = {name: build(cls) for name, cls in classes.items()}
     torch.manual_seed(1)
     ids = torch.randint(2, args.vocab, (B, T))
     valid_lens = torch.full((B,), T, dtype=torch.int64)
     valid_lens[B // 2:] = T * 3 // 4  # half the batch padded: the mask path is exercised
     targets = torch.randint(0, args.classes, (B,))
-    models["torch"](ids, valid_lens)  # materialise the lazy layers (the FFN's LazyLinear)
-    models["attn"](ids, valid_lens)
-    models["attn"].load_state_dict(models["torch"].state_dict())
+    for m in models.values():
+        m(ids, valid_lens)  # materialise the lazy layers (the FFN's LazyLinear)
+        m.load_state_dict(models["torch"].state_dict())
     models["none"] = build(None)
     models["none"](ids, valid_lens)
 
@@ -153,8 +186,9 @@ def main():
     ms = {n: [] for n in models}
     cpu_ms = {n: [] for n in models}  # process CPU time: less sensitive to being descheduled
     losses = {n: [] for n in models}
-    for _ in range(args.rounds):
-        for name in ("torch", "attn", "none"):
+    sides = list(models)
+    for r in range(args.rounds):
+        for name in sides[r % len(sides):] + sides[:r % len(sides)]:  # rotated every round
             steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
             while True:
                 losses[name].append(step(name))
@@ -165,14 +199,22 @@ def main():
             ms[name].append(1000.0 * elapsed / steps)
             cpu_ms[name].append(1000.0 * (time.process_time() - cpu_start) / steps)
     med = {n: statistics.median(v) for n, v in ms.items()}
-    # Each torch round and the attn round right after it saw about the same load.
-    paired = [t / a for t, a in zip(ms["torch"], ms["attn"])]
+    # The torch and attn rounds of one round saw about the same load.
+    per_round, spread = paired(ms["torch"], ms["attn"])
+    extra = {}
+    if "attn_base" in ms:
+        extra["base_speedup_paired"] = paired(ms["torch"], ms["attn_base"])[1]
+        extra["attn_vs_base_per_round"], extra["attn_vs_base_paired"] = \
+            paired(ms["attn_base"], ms["attn"])
+        extra["baseline_module"] = args.baseline_module
     print(json.dumps({
         "shape": dict(B=B, T=T, E=E, H=H, blocks=args.blocks, ffn=args.ffn, dropout=args.dropout),
         "threads": torch.get_num_threads(), "blas": loaded_blas(), "torch": torch.__version__,
+        "rounds": args.rounds, "min_time": args.min_time,
         "ms_per_step": ms, "median_ms": med, "speedup_median": med["torch"] / med["attn"],
         "speedup_best": min(ms["torch"]) / min(ms["attn"]),
-        "speedup_per_round": paired, "speedup_paired_median": statistics.median(paired),
+        "speedup_per_round": per_round, "speedup_paired_median": spread["median"],
+        "speedup_paired": spread, **extra,
         "cpu_ms_per_step": cpu_ms,
         "amdahl_bound": med["torch"] / med["none"],
         "cpu_ratio_median": statistics.median(cpu_ms["torch"]) / statistics.median(cpu_ms["attn"]),

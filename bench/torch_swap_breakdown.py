@@ -5,25 +5,36 @@ One module call of bench/torch_swap.py (batch_first, no bias, dropout, train mod
 padded to 3T/4 through key_padding_mask), forward and backward, cut into the pieces that
 attn.torch.MultiheadAttention runs, each timed alone on the same tensors:
 
-  in_proj fwd      F.linear(x, in_proj_weight): (B*T, E) x (E, 3E), torch's GEMM (OpenBLAS)
+  in_proj fwd      x (B*T, E) W^T, W (3E, E) in_proj_weight: attn's GEMM (_attn._linear_forward,
+                   oneDNN on OpenMP), as the module runs it
   core fwd         attn's fused kernel through head strides (_attn._heads_forward)
-  out_proj fwd     F.linear(o, out_proj.weight): (B*T, E) x (E, E)
-  out_proj bwd     its dX and dW (two torch mm, as autograd runs them)
+  out_proj fwd     o (B*T, E) W^T, W (E, E) out_proj.weight: attn's GEMM
+  out_proj bwd     its dX and dW (_attn._linear_backward: two GEMMs in one call)
   core bwd         attn's fused backward (_attn._heads_backward), reading the forward's recorded
                    dropout decisions (AVX-512 CPUs; "mask redrawn": drawing them again)
-  in_proj bwd      dX and dW of the in-projection (two torch mm)
+  in_proj bwd      dX and dW of the in-projection (_attn._linear_backward)
   glue             module fwd+bwd minus the pieces: Python, autograd, the mask conversion,
                    allocations, gradient accumulation
 
 beside the two modules' fwd+bwd (nn.MultiheadAttention and attn.torch.MultiheadAttention, the
-backward seeded with a fixed dense gradient), the core without dropout (what the dropout draws
-cost), and each piece's GFLOP/s. Rounds alternate over all pieces so that load from other
-processes hits them alike; medians of wall and process CPU time (both threads) are printed.
+backward seeded with a fixed dense gradient), the same four projection pieces on torch's GEMM
+(F.linear and two torch mm per backward, OpenBLAS: what the module ran before, and what
+nn.MultiheadAttention runs), the core without dropout (what the dropout draws cost), and each
+piece's GFLOP/s. Rounds alternate over all pieces so that load from other processes hits them
+alike; medians of wall and process CPU time (both threads) are printed.
+
+Each piece runs --reps times in a row, the order of pieces rotated every round: a piece that
+follows an OpenBLAS row shares the cores for a while with OpenBLAS's worker, which keeps spinning
+after every OpenBLAS call (OPENBLAS_THREAD_TIMEOUT, 2^28 cycles, ~77 ms, by default), and the
+rotation spreads that over all pieces. d2l's loop has such neighbours all the time (its FFN GEMMs
+are OpenBLAS). --baseline-module FILE adds another version of
+python/attn/torch.py's module (e.g. main's: `git show main:python/attn/torch.py > f.py`).
 
     bash bench/run_torch_swap.sh's environment, then:
     PYTHONPATH=build/default/python python3 bench/torch_swap_breakdown.py [--length 128]
 """
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -43,8 +54,10 @@ def main():
     ap.add_argument("--hiddens", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--dropout", type=float, default=0.1)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--reps", type=int, default=10, help="calls per piece and round")
+    ap.add_argument("--baseline-module", metavar="FILE",
+                    help="another python/attn/torch.py, timed as 'attn_base module fwd+bwd'")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     B, T, E, H, p = args.batch, args.length, args.hiddens, args.heads, args.dropout
@@ -56,10 +69,17 @@ def main():
     lens[B // 2:] = T * 3 // 4
     mask = torch.arange(T)[None, :] >= lens[:, None]
     gy = torch.randn(B, T, E)
+    classes = {"torch": torch.nn.MultiheadAttention, "attn": at.MultiheadAttention}
+    if args.baseline_module:
+        spec = importlib.util.spec_from_file_location("attn._torch_baseline",
+                                                      args.baseline_module)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)  # inside this build's attn package: this build's _attn
+        classes["attn_base"] = base.MultiheadAttention
     mods = {name: cls(E, H, dropout=p, bias=False, batch_first=True)
-            for name, cls in (("torch", torch.nn.MultiheadAttention),
-                              ("attn", at.MultiheadAttention))}
-    mods["attn"].load_state_dict(mods["torch"].state_dict())
+            for name, cls in classes.items()}
+    for m in mods.values():
+        m.load_state_dict(mods["torch"].state_dict())
     ctx = mods["attn"].context
     w_in = mods["attn"].in_proj_weight.detach()
     w_out = mods["attn"].out_proj.weight.detach()
@@ -90,15 +110,28 @@ def main():
                                              "zero", seed, off, dq, dk, dv, th, ctx,
                                              keep if recorded else None)
 
+    def attn_fwd(a, w):
+        y = torch.empty(a.shape[0], w.shape[0])
+        return lambda: _attn._linear_forward(a, w, None, y, th)
+
+    def attn_bwd(dy, a, w):
+        dx, dw = torch.empty(a.shape), torch.empty(w.shape)
+        return lambda: _attn._linear_backward(dy, a, w, dx, dw, None, th)
+
     pieces = {
         "torch module fwd+bwd": module("torch"),
         "attn module fwd+bwd": module("attn"),
-        "in_proj fwd": lambda: F.linear(xd, w_in),
+        **({"attn_base module fwd+bwd": module("attn_base")} if "attn_base" in mods else {}),
+        "in_proj fwd": attn_fwd(xd, w_in),
         "core fwd": core_fwd(p),
-        "out_proj fwd": lambda: F.linear(o2, w_out),
-        "out_proj bwd": lambda: (g2.mm(w_out), g2.t().mm(o2)),
+        "out_proj fwd": attn_fwd(o2, w_out),
+        "out_proj bwd": attn_bwd(g2, o2, w_out),
         "core bwd": core_bwd(p),
-        "in_proj bwd": lambda: (dqkv2.mm(w_in), dqkv2.t().mm(xd)),
+        "in_proj bwd": attn_bwd(dqkv2, xd, w_in),
+        "in_proj fwd, torch": lambda: F.linear(xd, w_in),
+        "out_proj fwd, torch": lambda: F.linear(o2, w_out),
+        "out_proj bwd, torch": lambda: (g2.mm(w_out), g2.t().mm(o2)),
+        "in_proj bwd, torch": lambda: (dqkv2.mm(w_in), dqkv2.t().mm(xd)),
         "core fwd, no dropout": core_fwd(0.0),
         "core bwd, no dropout": core_bwd(0.0),
         "core bwd, mask redrawn": core_bwd(p, recorded=False),
@@ -108,6 +141,8 @@ def main():
     core = 2.0 * B * H * T * T * (E // H)
     flops = {"in_proj fwd": 3 * proj, "out_proj fwd": proj, "out_proj bwd": 2 * proj,
              "in_proj bwd": 6 * proj, "core fwd": 2 * core, "core bwd": 5 * core,
+             "in_proj fwd, torch": 3 * proj, "out_proj fwd, torch": proj,
+             "out_proj bwd, torch": 2 * proj, "in_proj bwd, torch": 6 * proj,
              "core fwd, no dropout": 2 * core, "core bwd, no dropout": 5 * core,
              "core bwd, mask redrawn": 5 * core}
     for f in pieces.values():  # warm-up
@@ -115,8 +150,12 @@ def main():
         f()
     wall = {n: [] for n in pieces}
     cpu = {n: [] for n in pieces}
-    for _ in range(args.rounds):
-        for name, f in pieces.items():
+    order = list(pieces)
+    for r in range(args.rounds):
+        # Rotated every round: no piece always runs right after the OpenBLAS rows (whose worker
+        # then spins beside it) or always after attn's own pieces.
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            f = pieces[name]
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.reps):
                 f()

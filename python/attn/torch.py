@@ -19,9 +19,12 @@ Which kernel runs:
     backward; the backward recomputes the weights from the saved output and logsumexp, so no
     (B, H, T, S) tensor is ever stored. MultiheadAttention and 4-D inputs whose heads sit in the
     feature axis (x.view(B, T, H, D).transpose(1, 2), the usual head split) read q, k, v through
-    head strides: no transpose copies.
+    head strides: no transpose copies. MultiheadAttention's in- and out-projections run there
+    on attn's GEMM too (oneDNN, _Linear), so the whole module, forward and backward, runs on the
+    one OpenMP pool that attn's kernels use, with no switch to OpenBLAS's threads in between.
   - float64, or a Context with backend='reference': attn's reference loops (double
-    accumulation), forward and backward. torch.autograd.gradcheck runs on this path.
+    accumulation), forward and backward; MultiheadAttention's projections are torch's F.linear.
+    torch.autograd.gradcheck runs on this path.
 
 Masks follow d2l: valid_lens None, (B,) or (B, T), integer or float; key s of row (b, t) is kept
 iff s < valid_lens. causal=True also masks keys s > t. A row with no kept key is uniform over all
@@ -169,6 +172,59 @@ class _PackedHeadsAttention(torch.autograd.Function):
         thirds = lambda t: (t[..., :E], t[..., E:2 * E], t[..., 2 * E:])  # noqa: E731
         _heads_grads(fctx, dout, *thirds(qkv), out, lse, *thirds(dqkv))
         return (dqkv,) + (None,) * 8
+
+
+def _rows(t):
+    """t (..., n) as the (rows, n) matrix attn's GEMM reads (unit column stride, non-overlapping
+    rows): a view where the leading axes merge (contiguous tensors, column slices, the rows of a
+    (T, B, E) tensor), else a contiguous copy (e.g. gradients with zero strides from .expand())."""
+    n = t.shape[-1]
+    m = t.reshape(-1, n)
+    if (m.stride(1) == 1 or n <= 1) and (m.stride(0) >= n or m.shape[0] <= 1):
+        return m
+    return m.contiguous()
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b on attn's GEMM (oneDNN on OpenMP, the pool attn's attention kernels run on),
+    float32 or bfloat16: MultiheadAttention's projections on its fused path. x (..., K) any
+    layout whose leading axes merge into rows (else copied once), W (N, K) with unit column stride
+    (slices of in_proj_weight included), b (N) or None; y (..., N) contiguous. The backward writes
+    dx, dW, db into fresh tensors (only those needs_input_grad asks for) and autograd accumulates
+    them into .grad as it does torch's."""
+
+    @staticmethod
+    def forward(fctx, x, weight, bias, threads):
+        x2, w2 = _rows(x), _rows(weight)
+        y = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
+        _attn._linear_forward(x2, w2, bias, y.view(-1, weight.shape[0]), threads)
+        fctx.save_for_backward(x2, w2)
+        fctx.x_shape, fctx.threads = x.shape, threads
+        return y
+
+    @staticmethod
+    @once_differentiable  # as the core: no backward of the backward
+    def backward(fctx, dy):
+        x2, w2 = fctx.saved_tensors
+        need_x, need_w, need_b, _ = fctx.needs_input_grad
+        dx = torch.empty(fctx.x_shape, dtype=x2.dtype) if need_x else None
+        dw = torch.empty(w2.shape, dtype=w2.dtype) if need_w else None
+        db = torch.empty(w2.shape[0], dtype=w2.dtype) if need_b else None
+        if need_x or need_w or need_b:
+            _attn._linear_backward(_rows(dy), x2, w2, None if dx is None else dx.view(x2.shape),
+                                   dw, db, fctx.threads)
+        return dx, dw, db, None
+
+
+def _attn_linear_ok(actx, x, weight, bias):
+    """Whether _Linear serves this projection: float32 or bfloat16 of one dtype, non-empty, on a
+    context whose backend runs the fused kernels (float64 and backend='reference' keep F.linear,
+    where gradcheck runs), outside torch.autocast (whose F.linear casts to its dtype; a custom
+    Function would not)."""
+    return not torch.is_autocast_cpu_enabled() and \
+        x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype and \
+        (bias is None or bias.dtype == x.dtype) and x.numel() > 0 and weight.numel() > 0 and \
+        _attn._heads_supported(_dtype_name_of(x.dtype), actx)
 
 
 def _fused_heads_ok(dtype, actx, *tensors):
@@ -347,10 +403,12 @@ class MultiheadAttention(nn.MultiheadAttention):
 
     A subclass: same constructor, parameters (in_proj_weight, in_proj_bias, out_proj.weight,
     out_proj.bias; q/k/v_proj_weight when kdim or vdim differ from embed_dim), initialisation
-    (same torch random draws) and state dict, so weights load both ways. The projections are
-    torch ops (F.linear); the core is attn.torch's autograd Function. Self-attention (query is
-    key is value) projects once into one (B, T, 3E) tensor whose thirds the kernels read through
-    head strides, and gets its gradient back in the same layout.
+    (same torch random draws) and state dict, so weights load both ways. The core is
+    attn.torch's autograd Function; the projections are _Linear (attn's oneDNN GEMM, autograd
+    accumulating .grad as for torch's ops) where the fused kernels run (float32, bfloat16 on
+    the default backend), torch's F.linear otherwise (float64, backend='reference').
+    Self-attention (query is key is value) projects once into one (B, T, 3E) tensor whose thirds
+    the kernels read through head strides, and gets its gradient back in the same layout.
 
     Extra keyword arguments: masked_rows ('zero' by default: a query whose keys are all padded
     gets a zero output, where torch 1.13 gives NaN; 'uniform' is d2l's policy) and ctx (the
@@ -396,6 +454,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         self.context = _attn.Context(seed=seed, threads=threads, backend=backend)
         self.context.dropout_offset = offset
 
+    def _linear(self, x, weight, bias):
+        """x W^T + b: attn's GEMM (_Linear) where the fused kernels run, else torch's F.linear."""
+        if _attn_linear_ok(self.context, x, weight, bias):
+            return _Linear.apply(x, weight, bias, _threads(self.context))
+        return F.linear(x, weight, bias)
+
     def _projections(self, query, key, value):
         """q, k, v as (B, L, E) views (unit feature stride), or a packed (B, T, 3E) qkv."""
         E = self.embed_dim
@@ -403,14 +467,14 @@ class MultiheadAttention(nn.MultiheadAttention):
         if self._qkv_same_embed_dim:
             w, b = self.in_proj_weight, self.in_proj_bias
             if query is key and key is value:
-                return None, to_btE(F.linear(query, w, b))
+                return None, to_btE(self._linear(query, w, b))
             wq, wk, wv = w[:E], w[E:2 * E], w[2 * E:]
         else:
             wq, wk, wv = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
             b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
-        return (to_btE(F.linear(query, wq, bq)), to_btE(F.linear(key, wk, bk)),
-                to_btE(F.linear(value, wv, bv))), None
+        return (to_btE(self._linear(query, wq, bq)), to_btE(self._linear(key, wk, bk)),
+                to_btE(self._linear(value, wv, bv))), None
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
                 attn_mask=None, average_attn_weights=True):
@@ -456,7 +520,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             out = out.view(B, H, T, E // H).transpose(1, 2).reshape(B, T, E)
         if not self.batch_first:
             out = out.transpose(0, 1)
-        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        out = self._linear(out, self.out_proj.weight, self.out_proj.bias)
         weights = None
         if need_weights:
             _, weights = reference_attention(*(_split_heads(x, H) for x in (q, k, v)), lens, causal,

@@ -14,6 +14,14 @@
 //     (T, B, 3E) transpose), float32 or bfloat16, run by the fused kernel through head strides
 //     (ops/attention_heads.hpp): no transpose copies. valid_lens per batch row b.
 //
+//   _linear_forward / _linear_backward: a linear layer y = x W^T + b on attn's GEMM (oneDNN through
+//     kernels/cpu/matmul.hpp, on OpenMP: the pool attn's attention kernels and torch's own parallel
+//     ops use), float32 or bfloat16. Every argument is a 2-D matrix with unit column stride and a
+//     row stride (x may be a column slice or the rows of a (T, B, E) tensor read as (T*B, E)); the
+//     results go into tensors the caller allocated with torch (written, never accumulated: torch's
+//     autograd accumulates .grad itself). bf16 as attn::linear: f32 accumulation, each result
+//     rounded once to bf16 as it is stored, db summed in double and rounded once.
+//
 // Tensors come in as torch tensors and go through numpy_tensor.hpp's to_tensor (a view of the
 // tensor's memory, torch.bfloat16 included); results go out as torch tensors over attn's buffers
 // (to_torch). The backward of the heads entry point writes into gradient tensors the caller
@@ -28,8 +36,10 @@
 // torch.get_num_threads().
 #include "bindings.hpp"
 
+#include "attn/core/dtype.hpp"
 #include "attn/core/error.hpp"
 #include "attn/ops/attention.hpp"
+#include "kernels/cpu/matmul.hpp"
 #include "ops/attention_heads.hpp"
 
 #include <pybind11/stl.h>
@@ -37,6 +47,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace attn::python {
 
@@ -99,6 +110,76 @@ AttentionResult saved_result(const Input& out, const Input& lse, uint64_t offset
   r.logsumexp = lse.tensor;
   r.dropout_offset = offset;
   return r;
+}
+
+// A (rows, cols) matrix as the GEMM reads it: unit column stride, row stride ld >= cols.
+struct Matrix {
+  void* data = nullptr;
+  int64_t rows = 0, cols = 0, ld = 0;
+};
+
+Matrix matrix_of(const Tensor& t, const char* op, const char* name) {
+  check(t.ndim() == 2, op, "{} has shape {}, expected a 2-D matrix", name, shape_str(t.shape()));
+  Matrix m{t.raw_data(), t.dim(0), t.dim(1), t.stride(0)};
+  check(m.cols <= 1 || t.stride(1) == 1, op,
+        "{} {} has column stride {}, expected 1 (a row-major matrix or a column slice of one)",
+        name, shape_str(t.shape()), t.stride(1));
+  if (m.rows <= 1) m.ld = std::max<int64_t>(m.cols, 1);
+  check(m.ld >= m.cols, op, "{} {} has row stride {}, expected >= {} (rows that do not overlap)",
+        name, shape_str(t.shape()), m.ld, m.cols);
+  return m;
+}
+
+// Checks that `m` is (rows, cols); `what` spells the expectation for the message.
+void check_dims(const Matrix& m, int64_t rows, int64_t cols, const char* op, const char* name,
+                const char* what) {
+  check(m.rows == rows && m.cols == cols, op, "{} is ({}, {}), expected {} = ({}, {})", name,
+        m.rows, m.cols, what, rows, cols);
+}
+
+// The GEMM's element types for output `c` of dtype `dtype`: f32 in and out, or bf16 in and bf16
+// out (oneDNN accumulates in f32 and rounds once as it stores).
+void set_output(cpu::GemmArgs& g, const Matrix& c, DType dtype) {
+  g.ldc = c.ld;
+  if (dtype == DType::BF16) {
+    g.type = cpu::GemmType::kBF16;
+    g.C_bf16 = static_cast<uint16_t*>(c.data);
+  } else {
+    g.C = static_cast<float*>(c.data);
+  }
+}
+
+// A float32 or bfloat16 torch tensor as an attn Tensor, dtype `dtype` (an Error names the first
+// that differs); outputs (`writable`) must be viewed in place.
+Tensor linear_arg(py::handle obj, Input& keep, DType dtype, bool writable, const char* op,
+                  const char* name) {
+  Tensor t = writable ? writable_view(obj, keep, op, name)
+                      : (keep = to_tensor(obj, op, name, InputKind::kFloatBF16)).tensor;
+  check(t.dtype() == dtype, op, "{} {} has dtype {}, expected {} (the call's dtype)", name,
+        shape_str(t.shape()), python_dtype_name(t.dtype()), python_dtype_name(dtype));
+  return t;
+}
+
+// The dtype of the call, read from its first argument `x` (named `name`): float32 or bfloat16.
+DType linear_dtype(const Input& x, const char* op, const char* name) {
+  const DType t = x.tensor.dtype();
+  check(t == DType::F32 || t == DType::BF16, op,
+        "{} has dtype {}, expected float32 or bfloat16 (float64 runs torch's F.linear)", name,
+        python_dtype_name(t));
+  return t;
+}
+
+// The bias (N) as float (the GEMM adds it in f32; bf16 values widen exactly).
+std::vector<float> bias_as_float(const Tensor& b) {
+  std::vector<float> out(static_cast<size_t>(b.dim(0)));
+  for (int64_t n = 0; n < b.dim(0); ++n) {
+    const std::byte* p = static_cast<const std::byte*>(b.raw_data()) +
+                         n * b.stride(0) * static_cast<int64_t>(dtype_size(b.dtype()));
+    out[static_cast<size_t>(n)] = b.dtype() == DType::BF16
+                                      ? bf16_to_float(*reinterpret_cast<const uint16_t*>(p))
+                                      : *reinterpret_cast<const float*>(p);
+  }
+  return out;
 }
 
 }  // namespace
@@ -241,6 +322,110 @@ void bind_torch(py::module_& m) {
       py::arg("threads"), py::arg("ctx"), py::arg("dropout_keep") = py::none(),
       "attn.torch's fused backward on (B, T, H*D) tensors: writes dq, dk, dv (torch tensors the "
       "caller allocated, shapes of q, k, v, unit feature stride); dropout_keep: the forward's.");
+
+  m.def(
+      "_linear_forward",
+      [](py::handle x_, py::handle w_, py::handle b_, py::handle y_, int threads) {
+        const char* op = "attn.torch linear";
+        check(threads >= 1, op, "threads is {}, expected >= 1", threads);
+        Input xi, wi, bi, yi;
+        xi = to_tensor(x_, op, "x", InputKind::kFloatBF16);
+        const DType dtype = linear_dtype(xi, op, "x");
+        const Matrix x = matrix_of(xi.tensor, op, "x");
+        const Matrix w = matrix_of(linear_arg(w_, wi, dtype, false, op, "W"), op, "W");
+        const Matrix y = matrix_of(linear_arg(y_, yi, dtype, true, op, "y"), op, "y");
+        check(w.cols == x.cols, op, "x is ({}, {}) and W ({}, {}), expected W (out, {})", x.rows,
+              x.cols, w.rows, w.cols, x.cols);
+        check_dims(y, x.rows, w.rows, op, "y", "(rows of x, rows of W)");
+        std::vector<float> bias;
+        if (!b_.is_none()) {
+          const Tensor b = linear_arg(b_, bi, dtype, false, op, "b");
+          check(b.ndim() == 1 && b.dim(0) == w.rows, op, "b has shape {}, expected (out) = ({})",
+                shape_str(b.shape()), w.rows);
+          bias = bias_as_float(b);
+        }
+        // y (M, N) = x (M, K) * W^T + b: W (N, K) is read in place as transposed weights.
+        cpu::GemmArgs g;
+        g.M = x.rows, g.N = w.rows, g.K = x.cols;
+        g.A = x.data, g.lda = x.ld;
+        g.B = w.data, g.ldb = w.ld, g.trans_b = true;
+        set_output(g, y, dtype);
+        g.bias = bias.empty() ? nullptr : bias.data();
+        without_gil([&] { cpu::gemm(g, threads); });
+      },
+      py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("y"), py::arg("threads"),
+      "y (M, N) = x (M, K) W^T + b on attn's GEMM, written into y (a torch tensor the caller "
+      "allocated); float32 or bfloat16 2-D matrices with unit column stride.");
+
+  m.def(
+      "_linear_backward",
+      [](py::handle dy_, py::handle x_, py::handle w_, py::handle dx_, py::handle dw_,
+         py::handle db_, int threads) {
+        const char* op = "attn.torch linear backward";
+        check(threads >= 1, op, "threads is {}, expected >= 1", threads);
+        Input dyi, xi, wi, dxi, dwi, dbi;
+        dyi = to_tensor(dy_, op, "grad_output", InputKind::kFloatBF16);
+        const DType dtype = linear_dtype(dyi, op, "grad_output");
+        const Matrix dy = matrix_of(dyi.tensor, op, "grad_output");
+        const Matrix x = matrix_of(linear_arg(x_, xi, dtype, false, op, "x"), op, "x");
+        const Matrix w = matrix_of(linear_arg(w_, wi, dtype, false, op, "W"), op, "W");
+        check(w.cols == x.cols, op, "x is ({}, {}) and W ({}, {}), expected W (out, {})", x.rows,
+              x.cols, w.rows, w.cols, x.cols);
+        check_dims(dy, x.rows, w.rows, op, "grad_output", "(rows of x, rows of W)");
+        const int64_t M = x.rows, N = w.rows, K = x.cols;
+        std::optional<Matrix> dx, dw;
+        if (!dx_.is_none()) dx = matrix_of(linear_arg(dx_, dxi, dtype, true, op, "dx"), op, "dx");
+        if (!dw_.is_none()) dw = matrix_of(linear_arg(dw_, dwi, dtype, true, op, "dW"), op, "dW");
+        if (dx) check_dims(*dx, M, K, op, "dx", "x's shape");
+        if (dw) check_dims(*dw, N, K, op, "dW", "W's shape");
+        Tensor db;
+        if (!db_.is_none()) {
+          db = linear_arg(db_, dbi, dtype, true, op, "db");
+          check(db.ndim() == 1 && db.dim(0) == N && (N <= 1 || db.stride(0) == 1), op,
+                "db has shape {} (stride {}), expected a contiguous (out) = ({})",
+                shape_str(db.shape()), db.ndim() == 1 ? db.stride(0) : 0, N);
+        }
+        without_gil([&] {
+          // forward: y = x W^T + b
+          // so:      dx (M, K) = dy (M, N) * W (N, K)
+          if (dx) {
+            cpu::GemmArgs g;
+            g.M = M, g.N = K, g.K = N;
+            g.A = dy.data, g.lda = dy.ld;
+            g.B = w.data, g.ldb = w.ld;
+            set_output(g, *dx, dtype);
+            cpu::gemm(g, threads);
+          }
+          //          dW (N, K) = dy^T (N, M) * x (M, K): the sum over rows is the contraction
+          if (dw) {
+            cpu::GemmArgs g;
+            g.M = N, g.N = K, g.K = M;
+            g.A = dy.data, g.lda = dy.ld, g.trans_a = true;
+            g.B = x.data, g.ldb = x.ld;
+            set_output(g, *dw, dtype);
+            cpu::gemm(g, threads);
+          }
+          //          db (N) = sum over rows of dy, in double (bf16: rounded once at the end)
+          if (db.defined()) {
+            if (dtype == DType::BF16) {
+              std::vector<float> sum(static_cast<size_t>(N));
+              cpu::column_sum(static_cast<const uint16_t*>(dy.data), M, N, dy.ld, sum.data(), false,
+                              threads);
+              auto* out = static_cast<uint16_t*>(db.raw_data());
+              for (int64_t n = 0; n < N; ++n)
+                out[n] = float_to_bf16(sum[static_cast<size_t>(n)]);
+            } else {
+              cpu::column_sum(static_cast<const float*>(dy.data), M, N, dy.ld, db.data<float>(),
+                              false, threads);
+            }
+          }
+        });
+      },
+      py::arg("grad_output"), py::arg("x"), py::arg("weight"), py::arg("dx"), py::arg("dweight"),
+      py::arg("dbias"), py::arg("threads"),
+      "The linear layer's gradients on attn's GEMM, each written (not accumulated) into a torch "
+      "tensor the caller allocated, or skipped when None: dx = dy W, dW = dy^T x, db = sum of dy "
+      "over rows.");
 }
 
 }  // namespace attn::python

@@ -496,10 +496,11 @@ def test_d2l_encoder_trains_to_the_same_loss_curve(rng):
     a, b = losses(ref), losses(ours)
     assert a[-1] < 0.5 * a[0]  # it learns
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)  # measured: within 3e-6
-    # the attn run really went through attn's Function
-    fn = ours["enc"].blks[0].attention.mha(torch.zeros(1, 2, E), torch.zeros(1, 2, E),
-                                           torch.zeros(1, 2, E), need_weights=False)[0].grad_fn
-    seen, todo = set(), [fn]
+    # the attn run really went through attn's Functions (the output is kept alive: a Python
+    # Function's graph node lives only as long as the tensors it made)
+    x = torch.zeros(1, 2, E)
+    out = ours["enc"].blks[0].attention.mha(x, x, x, need_weights=False)[0]
+    seen, todo = set(), [out.grad_fn]
     while todo:
         f = todo.pop()
         if f is None or f in seen:
@@ -507,6 +508,7 @@ def test_d2l_encoder_trains_to_the_same_loss_curve(rng):
         seen.add(f)
         todo.extend(g for g, _ in f.next_functions)
     assert any("HeadsAttention" in type(f).__name__ for f in seen)
+    assert sum(type(f).__name__ == "_LinearBackward" for f in seen) == 2  # packed in-proj., out-proj.
 
 
 def test_mask_helpers_no_mask():
