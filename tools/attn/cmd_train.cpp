@@ -21,14 +21,12 @@
 #include "tools/attn/commands.hpp"
 #include "tools/attn/train_history.hpp"
 #include "tools/attn/train_progress.hpp"
-#include "viz/io.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -337,9 +335,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
             "{}: the vocabulary built from {} differs from the checkpoint's (was the data "
             "file changed?)",
             a.resume, a.data);
-    history.load(extra["train.history"], a.resume);
-    check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
-          trainer.step(), a.steps);
+    resume_history(history, extra, a.resume, trainer.step(), a.steps);
   }
 
   auto save = [&](const std::string& path) {
@@ -378,28 +374,14 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       [&] { save(a.checkpoint); });
 
   // Outputs after everything else succeeded; each is written atomically.
-  const std::string title = fmt::format(
-      "attn train --task {} --pe {}: {} steps, eval accuracy "
-      "{:.3f}",
-      a.task, a.pe, trainer.step(), history.last("eval_accuracy"));
   if (!a.checkpoint.empty()) save(a.checkpoint);  // collective: rank 0 writes
   if (!rank0) return;
-  if (!a.metrics.empty()) {
-    const std::string text = a.metrics.ends_with(".csv")
-                                 ? history.csv()
-                                 : json({{"args", result_args(a)},
-                                         {"options", json::parse(model::to_json(o))},
-                                         {"history", history.to_json()}})
-                                           .dump(1) +
-                                       "\n";
-    viz::write_file_atomic(a.metrics, text);
-  }
-  if (!a.curve.empty()) viz::write_file_atomic(a.curve, history.curve_svg(title));
-  const TrainHistory::Row& r = history.back();
-  print(fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
-                    std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
-                    history.scores_text(r, ", "), run.seconds,
-                    a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+  write_run_outputs(history,
+                    {a.metrics, a.curve, result_args(a), model::to_json(o),
+                     fmt::format("attn train --task {} --pe {}: {} steps, eval accuracy "
+                                 "{:.3f}",
+                                 a.task, a.pe, trainer.step(), history.last("eval_accuracy"))});
+  print(run_summary(history, run, a.checkpoint));
 }
 
 }  // namespace
