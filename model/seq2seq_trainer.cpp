@@ -6,6 +6,7 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
 #include "model/checkpoint_io.hpp"
+#include "model/eval_scope.hpp"
 #include "model/train_options.hpp"
 
 #include <nlohmann/json.hpp>
@@ -16,27 +17,7 @@ namespace attn::model {
 
 namespace {
 
-// Evaluation and translation run in eval mode and must not move the training dropout stream:
-// the guard puts back the mode and the offset it found.
-class EvalScope {
- public:
-  EvalScope(nn::EncoderDecoder& model, Context& ctx)
-      : model_(model), ctx_(ctx), training_(model.training()), offset_(ctx.dropout_offset()) {
-    model_.eval();
-  }
-  ~EvalScope() {
-    model_.train(training_);
-    ctx_.set_dropout_offset(offset_);
-  }
-  EvalScope(const EvalScope&) = delete;
-  EvalScope& operator=(const EvalScope&) = delete;
-
- private:
-  nn::EncoderDecoder& model_;
-  Context& ctx_;
-  bool training_;
-  uint64_t offset_;
-};
+using detail::EvalScope;
 
 constexpr const char* kKind = "an attn sequence-to-sequence checkpoint";
 

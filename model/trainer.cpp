@@ -6,6 +6,7 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
 #include "model/checkpoint_io.hpp"
+#include "model/eval_scope.hpp"
 #include "model/train_options.hpp"
 
 #include <nlohmann/json.hpp>
@@ -321,12 +322,11 @@ void argmax_rows(const T* logits, int64_t N, int64_t C, int64_t* out) {
 }  // namespace
 
 Tensor Trainer::predict(const Batch& batch) {
-  const bool was_training = model_->training();
-  const uint64_t offset = ctx_.dropout_offset();
-  model_->eval();
-  Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens).contiguous();
-  model_->train(was_training);
-  ctx_.set_dropout_offset(offset);  // evaluation must not shift the training dropout stream
+  Tensor logits;
+  {
+    detail::EvalScope scope(*model_, ctx_);  // must not shift the training dropout stream
+    logits = model_->forward(ctx_, batch.ids, batch.valid_lens).contiguous();
+  }
   const int64_t C = logits.dim(-1);
   Shape shape = logits.shape();
   shape.pop_back();
@@ -339,35 +339,33 @@ Tensor Trainer::predict(const Batch& batch) {
 }
 
 EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
-  const bool was_training = model_->training();
-  const uint64_t offset = ctx_.dropout_offset();
-  model_->eval();
   EvalStats s;
   double loss_sum = 0;
   CrossEntropyOptions ce;
   ce.reduction = Reduction::kSum;
   const size_t ranks = static_cast<size_t>(comm_->size());
-  for (size_t i = static_cast<size_t>(comm_->rank()); i < batches.size(); i += ranks) {
-    const Batch& b = batches[i];
-    Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
-    const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
-    loss_sum += r.loss;
-    const int64_t C = logits.dim(-1), N = logits.numel() / C;
-    std::vector<int64_t> pred(static_cast<size_t>(N));
-    if (logits.dtype() == DType::F32)
-      argmax_rows(logits.data<float>(), N, C, pred.data());
-    else
-      argmax_rows(logits.data<double>(), N, C, pred.data());
-    const Tensor targets = b.targets.contiguous();
-    const int64_t* t = targets.data<int64_t>();
-    for (int64_t n = 0; n < N; ++n) {
-      if (t[n] == kIgnoreTag) continue;
-      ++s.count;
-      s.correct += pred[static_cast<size_t>(n)] == t[n];
+  {
+    detail::EvalScope scope(*model_, ctx_);  // back to training before the collective below
+    for (size_t i = static_cast<size_t>(comm_->rank()); i < batches.size(); i += ranks) {
+      const Batch& b = batches[i];
+      Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
+      const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
+      loss_sum += r.loss;
+      const int64_t C = logits.dim(-1), N = logits.numel() / C;
+      std::vector<int64_t> pred(static_cast<size_t>(N));
+      if (logits.dtype() == DType::F32)
+        argmax_rows(logits.data<float>(), N, C, pred.data());
+      else
+        argmax_rows(logits.data<double>(), N, C, pred.data());
+      const Tensor targets = b.targets.contiguous();
+      const int64_t* t = targets.data<int64_t>();
+      for (int64_t n = 0; n < N; ++n) {
+        if (t[n] == kIgnoreTag) continue;
+        ++s.count;
+        s.correct += pred[static_cast<size_t>(n)] == t[n];
+      }
     }
   }
-  model_->train(was_training);
-  ctx_.set_dropout_offset(offset);
   if (ranks > 1) {
     // Sums of up to 2^53 counts are exact in double.
     double sums[3] = {loss_sum, static_cast<double>(s.correct), static_cast<double>(s.count)};
