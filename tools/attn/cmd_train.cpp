@@ -41,26 +41,6 @@ namespace {
 constexpr const char* kOp = "train";
 using nlohmann::json;
 
-struct TrainArgs {
-  std::string task = "shift";  // shift | sorted | tsv | conllu
-  std::string data, eval_data;
-  std::string tag_column = "upos";
-  int64_t length = 16, symbols = 8, max_len = 256, min_freq = 1;
-  std::string pe = "sinusoidal";
-  int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
-  double dropout = 0.0;
-  int64_t steps = 1000, batch_size = 32;
-  double lr = 3e-3, weight_decay = 0.01, clip = 1.0;
-  uint64_t seed = 0;
-  int threads = 0;
-  int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
-  std::string metrics, curve, checkpoint, resume;
-  // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
-  // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
-  std::string precision = "fp32";
-  bool precision_given = false;
-};
-
 // The arguments that decide the results, by option name (what a checkpoint stores and a resume
 // compares). Output paths, threads, --steps and the evaluation cadence are not among them.
 json result_args(const TrainArgs& a) {
@@ -271,34 +251,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
     check(a.precision == "fp32", kOp,
           "--precision {} is for the encoder tasks; the encoder-decoder ({}) trains in fp32",
           a.precision, a.task);
-    run_seq2seq_train({a.task,
-                       a.data,
-                       a.eval_data,
-                       a.pe,
-                       a.length,
-                       a.symbols,
-                       a.max_len,
-                       a.min_freq,
-                       a.num_hiddens,
-                       a.ffn_num_hiddens,
-                       a.num_heads,
-                       a.num_blks,
-                       a.dropout,
-                       a.steps,
-                       a.batch_size,
-                       a.lr,
-                       a.weight_decay,
-                       a.clip,
-                       a.seed,
-                       a.threads,
-                       a.eval_every,
-                       a.eval_examples,
-                       a.checkpoint_every,
-                       a.metrics,
-                       a.curve,
-                       a.checkpoint,
-                       a.resume,
-                       result_args(a).dump()});
+    run_seq2seq_train(a, result_args(a).dump());
     return;
   }
   const bool user = a.task == "tsv" || a.task == "conllu";

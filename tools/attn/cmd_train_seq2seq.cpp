@@ -38,7 +38,7 @@ struct Seq2SeqSource {
   std::string eval_name, summary;
 };
 
-Seq2SeqSource generated_source(const Seq2SeqTrainArgs& a) {
+Seq2SeqSource generated_source(const TrainArgs& a) {
   model::Seq2SeqTaskOptions t;
   t.task = model::parse_seq2seq_task(a.task);
   t.num_symbols = a.symbols;
@@ -78,7 +78,7 @@ Seq2SeqSource generated_source(const Seq2SeqTrainArgs& a) {
   return s;
 }
 
-Seq2SeqSource file_source(const Seq2SeqTrainArgs& a) {
+Seq2SeqSource file_source(const TrainArgs& a) {
   Seq2SeqSource s;
   s.preprocess = model::TextPreprocess::d2l();
   s.num_steps = a.max_len;
@@ -120,7 +120,7 @@ bool is_seq2seq_task(const std::string& task) {
   return task == "translate" || task == "dates" || task == "copy" || task == "reverse";
 }
 
-void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
+void run_seq2seq_train(const TrainArgs& a, const std::string& args_json) {
   check(a.pe == "sinusoidal", kOp,
         "--task {} trains an encoder-decoder with d2l's sinusoidal encoding; --pe {} is for the "
         "encoder tasks",
@@ -154,7 +154,7 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
   }
   auto save = [&](const std::string& path) {
     trainer.save_checkpoint(
-        path, {{"train.args", a.args_json}, {"train.history", history.to_json().dump()}});
+        path, {{"train.args", args_json}, {"train.history", history.to_json().dump()}});
   };
 
   Progress progress(a.steps);
@@ -196,7 +196,7 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
 
   if (!a.checkpoint.empty()) save(a.checkpoint);
   write_run_outputs(history,
-                    {a.metrics, a.curve, json::parse(a.args_json), model::to_json(o),
+                    {a.metrics, a.curve, json::parse(args_json), model::to_json(o),
                      fmt::format("attn train --task {}: {} steps, exact match {:.3f}", a.task,
                                  history.back().step, history.last("exact_match"))});
   print(run_summary(history, run, a.checkpoint));
