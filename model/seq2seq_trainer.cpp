@@ -60,23 +60,25 @@ std::string checkpoint_format(const std::string& path) {
 
 std::string to_json(const Seq2SeqTrainOptions& o) {
   const nn::Seq2SeqConfig& m = o.model;
-  nlohmann::json j = {{"model",
-                       {{"type", "seq2seq"},
-                        {"src_vocab_size", m.src_vocab_size},
-                        {"tgt_vocab_size", m.tgt_vocab_size},
-                        {"num_hiddens", m.num_hiddens},
-                        {"ffn_num_hiddens", m.ffn_num_hiddens},
-                        {"num_heads", m.num_heads},
-                        {"num_enc_blks", m.num_enc_blks},
-                        {"num_dec_blks", m.num_dec_blks},
-                        {"dropout", m.dropout},
-                        {"use_bias", m.use_bias},
-                        {"max_len", m.max_len}}},
-                      {"num_steps", o.num_steps},
-                      {"preprocess",
-                       {{"nbsp_to_space", o.preprocess.nbsp_to_space},
-                        {"lowercase", o.preprocess.lowercase},
-                        {"space_before_punct", o.preprocess.space_before_punct}}}};
+  nlohmann::json j = {
+      {"model",
+       {{"type", "seq2seq"},
+        {"src_vocab_size", m.src_vocab_size},
+        {"tgt_vocab_size", m.tgt_vocab_size},
+        {"num_hiddens", m.num_hiddens},
+        {"ffn_num_hiddens", m.ffn_num_hiddens},
+        {"num_heads", m.num_heads},
+        {"num_enc_blks", m.num_enc_blks},
+        {"num_dec_blks", m.num_dec_blks},
+        {"dropout", m.dropout},
+        {"use_bias", m.use_bias},
+        {"max_len", m.max_len}}},
+      {"num_steps", o.num_steps},
+      {"preprocess",
+       {{"nbsp_to_space", o.preprocess.nbsp_to_space},
+        {"lowercase", o.preprocess.lowercase},
+        {"space_before_punct", o.preprocess.space_before_punct}}},
+  };
   detail::write_shared_options(j, o.adamw, o.clip_norm, o.seed);
   return j.dump();
 }

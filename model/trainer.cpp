@@ -60,17 +60,19 @@ Precision parse_precision(const std::string& name) {
 
 std::string to_json(const TrainOptions& o) {
   const ModelConfig& m = o.model;
-  nlohmann::json j = {{"model",
-                       {{"type", task_type_name(m.type)},
-                        {"vocab_size", m.vocab_size},
-                        {"num_classes", m.num_classes},
-                        {"num_hiddens", m.num_hiddens},
-                        {"ffn_num_hiddens", m.ffn_num_hiddens},
-                        {"num_heads", m.num_heads},
-                        {"num_blks", m.num_blks},
-                        {"dropout", m.dropout},
-                        {"positional", nn::positional_kind_name(m.positional)},
-                        {"max_len", m.max_len}}}};
+  nlohmann::json j = {
+      {"model",
+       {{"type", task_type_name(m.type)},
+        {"vocab_size", m.vocab_size},
+        {"num_classes", m.num_classes},
+        {"num_hiddens", m.num_hiddens},
+        {"ffn_num_hiddens", m.ffn_num_hiddens},
+        {"num_heads", m.num_heads},
+        {"num_blks", m.num_blks},
+        {"dropout", m.dropout},
+        {"positional", nn::positional_kind_name(m.positional)},
+        {"max_len", m.max_len}}},
+  };
   detail::write_shared_options(j, o.adamw, o.clip_norm, o.seed);
   return j.dump();
 }
