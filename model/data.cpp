@@ -2,16 +2,15 @@
 #include "attn/model/data.hpp"
 
 #include "attn/core/error.hpp"
-#include "attn/core/rng.hpp"
+#include "model/shuffle.hpp"
+#include "model/text_file.hpp"
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <charconv>
-#include <fstream>
 #include <numeric>
-#include <sstream>
 #include <unordered_map>
 
 namespace attn::model {
@@ -223,29 +222,9 @@ std::vector<int64_t> Vocabulary::encode(const std::vector<std::string>& tokens) 
 
 namespace {
 
-std::string read_file(const char* op, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), op, "cannot open '{}'", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  check(!in.bad(), op, "cannot read '{}'", path);
-  return ss.str();
-}
-
-// Calls f(line, line_number) for every line; '\n' ends a line, a trailing '\r' is dropped.
-template <typename F>
-void for_each_line(std::string_view text, F&& f) {
-  int64_t number = 0;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    size_t end = text.find('\n', pos);
-    if (end == std::string_view::npos) end = text.size();
-    std::string_view line = text.substr(pos, end - pos);
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    f(line, ++number);
-    pos = end + 1;
-  }
-}
+using detail::blank;
+using detail::fail_at;
+using detail::for_each_line;
 
 std::vector<std::string> split(std::string_view s, char sep) {
   std::vector<std::string> out;
@@ -277,18 +256,6 @@ std::vector<std::string> words(std::string_view s) {
   return out;
 }
 
-bool blank(std::string_view s) {
-  return std::all_of(s.begin(), s.end(), [](char c) { return c == ' ' || c == '\t'; });
-}
-
-// A throw with the file:line prefix every reader error carries.
-template <typename... Args>
-[[noreturn]] void fail_at(const char* op, const std::string& file, int64_t line,
-                          fmt::format_string<Args...> format, Args&&... args) {
-  throw Error(
-      op, fmt::format("{}:{}: {}", file, line, fmt::format(format, std::forward<Args>(args)...)));
-}
-
 }  // namespace
 
 std::vector<TextExample> parse_tsv(std::string_view text, const std::string& file_name) {
@@ -317,7 +284,7 @@ std::vector<TextExample> parse_tsv(std::string_view text, const std::string& fil
 }
 
 std::vector<TextExample> read_tsv(const std::string& path) {
-  return parse_tsv(read_file("read_tsv", path), path);
+  return parse_tsv(detail::read_text_file("read_tsv", path), path);
 }
 
 std::vector<TaggedSentence> parse_conllu(std::string_view text, const std::string& file_name,
@@ -365,7 +332,7 @@ std::vector<TaggedSentence> parse_conllu(std::string_view text, const std::strin
 }
 
 std::vector<TaggedSentence> read_conllu(const std::string& path, ConlluTag column) {
-  return parse_conllu(read_file("read_conllu", path), path, column);
+  return parse_conllu(detail::read_text_file("read_conllu", path), path, column);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -455,18 +422,6 @@ std::vector<Batch> make_batches(const Dataset& data, int64_t batch_size) {
 
 namespace {
 
-// Fisher-Yates with the library's Philox generator (std::shuffle's result differs between
-// standard libraries; this one is the same everywhere).
-std::vector<int64_t> shuffled(int64_t n, uint64_t seed, uint64_t stream) {
-  std::vector<int64_t> p(static_cast<size_t>(n));
-  std::iota(p.begin(), p.end(), 0);
-  Rng rng(seed, stream);
-  for (int64_t i = n - 1; i > 0; --i)
-    std::swap(p[static_cast<size_t>(i)],
-              p[static_cast<size_t>(rng.below(static_cast<uint64_t>(i) + 1))]);
-  return p;
-}
-
 // Streams of this file's shuffles, apart from the generated tasks' per-step streams.
 constexpr uint64_t kEpochStreams = uint64_t{3} << 60;
 constexpr uint64_t kHoldoutStream = (uint64_t{3} << 60) - 1;
@@ -481,7 +436,7 @@ EpochSampler::EpochSampler(int64_t num_examples, int64_t batch_size, uint64_t se
 
 const std::vector<int64_t>& EpochSampler::permutation(int64_t epoch) {
   if (epoch != cached_epoch_) {
-    perm_ = shuffled(n_, seed_, kEpochStreams + static_cast<uint64_t>(epoch));
+    perm_ = detail::shuffled(n_, seed_, kEpochStreams + static_cast<uint64_t>(epoch));
     cached_epoch_ = epoch;
   }
   return perm_;
@@ -499,12 +454,8 @@ std::vector<int64_t> EpochSampler::indices(int64_t step) {
 }
 
 std::pair<Dataset, Dataset> split_holdout(const Dataset& data, double fraction, uint64_t seed) {
-  const char* op = "split_holdout";
-  check(data.size() >= 2, op, "need at least 2 examples to hold some out, got {}", data.size());
-  check(fraction > 0.0 && fraction < 1.0, op, "fraction must be in (0, 1), got {}", fraction);
-  const int64_t held =
-      std::clamp<int64_t>(static_cast<int64_t>(fraction * data.size()), 1, data.size() - 1);
-  const std::vector<int64_t> p = shuffled(data.size(), seed, kHoldoutStream);
+  const detail::HoldoutOrder h =
+      detail::holdout_order(data.size(), fraction, seed, kHoldoutStream, "examples");
   Dataset a, b;
   for (Dataset* d : {&a, &b}) {
     d->type = data.type;
@@ -512,8 +463,8 @@ std::pair<Dataset, Dataset> split_holdout(const Dataset& data, double fraction, 
     d->num_classes = data.num_classes;
   }
   for (int64_t k = 0; k < data.size(); ++k) {
-    Dataset& d = k < data.size() - held ? a : b;
-    const size_t e = static_cast<size_t>(p[static_cast<size_t>(k)]);
+    Dataset& d = k < data.size() - h.held ? a : b;
+    const size_t e = static_cast<size_t>(h.order[static_cast<size_t>(k)]);
     d.inputs.push_back(data.inputs[e]);
     if (data.type == TaskType::kTagging)
       d.tags.push_back(data.tags[e]);

@@ -5,9 +5,10 @@
 // of source b), S source positions, V target vocabulary, t the step.
 #include "attn/model/generation.hpp"
 
+#include "nn/internal.hpp"
+
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -38,21 +39,6 @@ class EvalGuard {
   bool training_, need_weights_;
 };
 
-// Row i of the result is row rows[i] of t (batch dim; t contiguous or made so).
-Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
-  Shape shape = t.shape();
-  shape[0] = static_cast<int64_t>(rows.size());
-  Tensor out = Tensor::empty(shape, t.dtype());
-  const Tensor src = t.contiguous();
-  const size_t row_bytes = src.nbytes() / static_cast<size_t>(std::max<int64_t>(1, src.dim(0)));
-  for (size_t i = 0; i < rows.size(); ++i)
-    std::memcpy(
-        static_cast<std::byte*>(out.raw_data()) + i * row_bytes,
-        static_cast<const std::byte*>(src.raw_data()) + static_cast<size_t>(rows[i]) * row_bytes,
-        row_bytes);
-  return out;
-}
-
 // The next-token logits of R prefixes, by the cache (one step per call) or by the decoder's
 // forward on the whole prefix (the reference: the same numbers up to rounding).
 class PrefixDecoder {
@@ -70,8 +56,9 @@ class PrefixDecoder {
     std::vector<int64_t> rows(static_cast<size_t>(enc_outputs.dim(0) * rows_per_source));
     for (size_t i = 0; i < rows.size(); ++i)
       rows[i] = static_cast<int64_t>(i) / rows_per_source;
-    enc_ = gather_rows(enc_outputs, rows);
-    if (src_valid_lens.defined()) lens_ = gather_rows(src_valid_lens.to(DType::F64), rows);
+    enc_ = nn::detail::gather_rows(enc_outputs, rows);
+    if (src_valid_lens.defined())
+      lens_ = nn::detail::gather_rows(src_valid_lens.to(DType::F64), rows);
   }
 
   // prefixes[r]: <bos> and the tokens so far, all of one length t + 1. Returns (R, V) logits of

@@ -3,15 +3,14 @@
 #include "attn/model/seq2seq_data.hpp"
 
 #include "attn/core/error.hpp"
-#include "attn/core/rng.hpp"
+#include "model/shuffle.hpp"
+#include "model/text_file.hpp"
 #include "model/unicode_lower.hpp"
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <map>
 #include <numeric>
-#include <sstream>
 
 namespace attn::model {
 
@@ -74,40 +73,14 @@ std::vector<std::string> tokenize_text(std::string_view text, const TextPreproce
 // ----------------------------------------------------------------------------------------------
 // Reader
 
-namespace {
-
-template <typename... Args>
-[[noreturn]] void fail_at(const char* op, const std::string& file, int64_t line,
-                          fmt::format_string<Args...> format, Args&&... args) {
-  throw Error(
-      op, fmt::format("{}:{}: {}", file, line, fmt::format(format, std::forward<Args>(args)...)));
-}
-
-std::string read_whole_file(const char* op, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  check(in.good(), op, "cannot open '{}'", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  check(!in.bad(), op, "cannot read '{}'", path);
-  return ss.str();
-}
-
-}  // namespace
+using detail::fail_at;
 
 std::vector<Seq2SeqExample> parse_seq2seq_tsv(std::string_view text, const std::string& file_name,
                                               const TextPreprocess& options) {
   const char* op = "read_seq2seq_tsv";
   std::vector<Seq2SeqExample> out;
-  int64_t number = 0;
-  size_t pos = 0;
-  while (pos < text.size()) {
-    size_t end = text.find('\n', pos);
-    if (end == std::string_view::npos) end = text.size();
-    std::string_view line = text.substr(pos, end - pos);
-    pos = end + 1;
-    ++number;
-    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
-    if (line.find_first_not_of(" \t") == std::string_view::npos) continue;  // blank
+  detail::for_each_line(text, [&](std::string_view line, int64_t number) {
+    if (detail::blank(line)) return;
     if (const size_t bad = detail::find_invalid_utf8(line); bad != std::string_view::npos)
       fail_at(op, file_name, number, "byte {} (0x{:02X}) is not valid UTF-8", bad + 1,
               static_cast<unsigned char>(line[bad]));
@@ -131,14 +104,14 @@ std::vector<Seq2SeqExample> parse_seq2seq_tsv(std::string_view text, const std::
     if (ex.source.empty()) fail_at(op, file_name, number, "the source before the tab is empty");
     if (ex.target.empty()) fail_at(op, file_name, number, "the target after the tab is empty");
     out.push_back(std::move(ex));
-  }
+  });
   check(!out.empty(), op, "{}: no pairs (expected lines \"source<TAB>target\")", file_name);
   return out;
 }
 
 std::vector<Seq2SeqExample> read_seq2seq_tsv(const std::string& path,
                                              const TextPreprocess& options) {
-  return parse_seq2seq_tsv(read_whole_file("read_seq2seq_tsv", path), path, options);
+  return parse_seq2seq_tsv(detail::read_text_file("read_seq2seq_tsv", path), path, options);
 }
 
 std::pair<Vocabulary, Vocabulary> build_seq2seq_vocabularies(
@@ -203,27 +176,18 @@ Seq2SeqDataset encode_seq2seq(const std::vector<Seq2SeqExample>& examples, const
 
 std::pair<Seq2SeqDataset, Seq2SeqDataset> split_holdout(const Seq2SeqDataset& data, double fraction,
                                                         uint64_t seed) {
-  const char* op = "split_holdout";
-  check(data.size() >= 2, op, "need at least 2 pairs to hold some out, got {}", data.size());
-  check(fraction > 0.0 && fraction < 1.0, op, "fraction must be in (0, 1), got {}", fraction);
-  const int64_t held = std::clamp<int64_t>(
-      static_cast<int64_t>(fraction * static_cast<double>(data.size())), 1, data.size() - 1);
-  // Fisher-Yates with the library's Philox generator, on a stream of its own (the encoder
-  // data's split_holdout uses (3 << 60) - 1; this one sits just below).
-  std::vector<int64_t> p(static_cast<size_t>(data.size()));
-  std::iota(p.begin(), p.end(), 0);
-  Rng rng(seed, (uint64_t{3} << 60) - 2);
-  for (int64_t i = data.size() - 1; i > 0; --i)
-    std::swap(p[static_cast<size_t>(i)],
-              p[static_cast<size_t>(rng.below(static_cast<uint64_t>(i) + 1))]);
+  // A Philox stream of its own: the encoder data's split_holdout uses (3 << 60) - 1; this one
+  // sits just below.
+  const detail::HoldoutOrder h =
+      detail::holdout_order(data.size(), fraction, seed, (uint64_t{3} << 60) - 2, "pairs");
   Seq2SeqDataset a, b;
   for (Seq2SeqDataset* d : {&a, &b}) {
     d->src_vocab_size = data.src_vocab_size;
     d->tgt_vocab_size = data.tgt_vocab_size;
   }
   for (int64_t k = 0; k < data.size(); ++k) {
-    Seq2SeqDataset& d = k < data.size() - held ? a : b;
-    const size_t e = static_cast<size_t>(p[static_cast<size_t>(k)]);
+    Seq2SeqDataset& d = k < data.size() - h.held ? a : b;
+    const size_t e = static_cast<size_t>(h.order[static_cast<size_t>(k)]);
     d.sources.push_back(data.sources[e]);
     d.targets.push_back(data.targets[e]);
   }

@@ -3,6 +3,7 @@
 
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"
+#include "model/words_hash.hpp"
 
 #include <algorithm>
 #include <array>
@@ -83,23 +84,6 @@ void year_words(std::vector<std::string>& out, int y) {
 
 std::string two_digits(int n) {
   return fmt::format("{:02}", n);
-}
-
-// FNV-1a over the tokens (a 0 byte between them), then a splitmix64 finaliser so that the bucket
-// (hash % 10) depends on every bit. Fixed: the split is the same on every machine and seed.
-uint64_t content_hash(const std::vector<std::string>& tokens) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (const auto& t : tokens) {
-    for (char c : t)
-      h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
-    h = (h ^ 0u) * 0x100000001B3ull;
-  }
-  h ^= h >> 30;
-  h *= 0xBF58476D1CE4E5B9ull;
-  h ^= h >> 27;
-  h *= 0x94D049BB133111EBull;
-  h ^= h >> 31;
-  return h;
 }
 
 // Number of distinct copy/reverse sequences, capped at `cap`.
@@ -216,7 +200,7 @@ bool seq2seq_task_held_out(const Seq2SeqTaskOptions& o, const Seq2SeqExample& e)
   // The content that must not be shared: the date (its ISO form, the same for both phrasings),
   // or the source sequence.
   const auto& key = o.task == Seq2SeqTask::kDates ? e.target : e.source;
-  return content_hash(key) % kHeldOutBuckets == 0;
+  return detail::words_hash(key) % kHeldOutBuckets == 0;
 }
 
 std::vector<Seq2SeqExample> generate_seq2seq_task(const Seq2SeqTaskOptions& o, int64_t num_examples,

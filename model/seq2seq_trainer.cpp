@@ -6,38 +6,18 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
 #include "model/checkpoint_io.hpp"
+#include "model/eval_scope.hpp"
+#include "model/train_options.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
 namespace attn::model {
 
 namespace {
 
-// Evaluation and translation run in eval mode and must not move the training dropout stream:
-// the guard puts back the mode and the offset it found.
-class EvalScope {
- public:
-  EvalScope(nn::EncoderDecoder& model, Context& ctx)
-      : model_(model), ctx_(ctx), training_(model.training()), offset_(ctx.dropout_offset()) {
-    model_.eval();
-  }
-  ~EvalScope() {
-    model_.train(training_);
-    ctx_.set_dropout_offset(offset_);
-  }
-  EvalScope(const EvalScope&) = delete;
-  EvalScope& operator=(const EvalScope&) = delete;
-
- private:
-  nn::EncoderDecoder& model_;
-  Context& ctx_;
-  bool training_;
-  uint64_t offset_;
-};
+using detail::EvalScope;
 
 constexpr const char* kKind = "an attn sequence-to-sequence checkpoint";
 
@@ -63,17 +43,6 @@ SafetensorsFile load_seq2seq_file(const std::string& path) {
   check(format == kSeq2SeqCheckpointFormat, "load_checkpoint", "{}: format '{}', expected '{}'",
         path, format, kSeq2SeqCheckpointFormat);
   return f;
-}
-
-std::string first_difference(const std::string& a, const std::string& b) {
-  const nlohmann::json ja = nlohmann::json::parse(a), jb = nlohmann::json::parse(b);
-  const nlohmann::json patch = nlohmann::json::diff(ja, jb);
-  if (patch.empty()) return "?";
-  const std::string where = patch[0].value("path", "?");
-  const nlohmann::json::json_pointer ptr(where);
-  return fmt::format("{} is {} in the checkpoint, {} here", where,
-                     ja.contains(ptr) ? ja.at(ptr).dump() : "absent",
-                     jb.contains(ptr) ? jb.at(ptr).dump() : "absent");
 }
 
 Tensor ids_tensor(const std::vector<int64_t>& v) {
@@ -109,22 +78,15 @@ std::string to_json(const Seq2SeqTrainOptions& o) {
        {{"nbsp_to_space", o.preprocess.nbsp_to_space},
         {"lowercase", o.preprocess.lowercase},
         {"space_before_punct", o.preprocess.space_before_punct}}},
-      {"adamw",
-       {{"lr", o.adamw.lr},
-        {"beta1", o.adamw.beta1},
-        {"beta2", o.adamw.beta2},
-        {"eps", o.adamw.eps},
-        {"weight_decay", o.adamw.weight_decay}}},
-      {"clip_norm", o.clip_norm},
-      {"seed", std::to_string(o.seed)}};  // a string: 64 bits do not survive a JSON double
+  };
+  detail::write_shared_options(j, o.adamw, o.clip_norm, o.seed);
   return j.dump();
 }
 
 Seq2SeqTrainOptions seq2seq_train_options_from_json(const std::string& text) {
   const char* op = "Seq2SeqTrainOptions";
-  try {
-    const nlohmann::json j = nlohmann::json::parse(text);
-    Seq2SeqTrainOptions o;
+  Seq2SeqTrainOptions o;
+  auto read_own = [&](const nlohmann::json& j) {
     const auto& m = j.at("model");
     const std::string type = m.at("type").get<std::string>();
     check(type == "seq2seq", op, "model type '{}', expected 'seq2seq'", type);
@@ -143,20 +105,9 @@ Seq2SeqTrainOptions seq2seq_train_options_from_json(const std::string& text) {
     o.preprocess.nbsp_to_space = p.at("nbsp_to_space").get<bool>();
     o.preprocess.lowercase = p.at("lowercase").get<bool>();
     o.preprocess.space_before_punct = p.at("space_before_punct").get<bool>();
-    const auto& a = j.at("adamw");
-    o.adamw.lr = a.at("lr").get<double>();
-    o.adamw.beta1 = a.at("beta1").get<double>();
-    o.adamw.beta2 = a.at("beta2").get<double>();
-    o.adamw.eps = a.at("eps").get<double>();
-    o.adamw.weight_decay = a.at("weight_decay").get<double>();
-    o.clip_norm = j.at("clip_norm").get<double>();
-    o.seed = std::stoull(j.at("seed").get<std::string>());
-    return o;
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw Error(op, fmt::format("malformed options JSON: {}", e.what()));
-  }
+  };
+  detail::read_options_json(op, text, read_own, o.adamw, o.clip_norm, o.seed);
+  return o;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -166,9 +117,7 @@ Seq2SeqTrainer::Seq2SeqTrainer(const Seq2SeqTrainOptions& options, Vocabulary sr
                                Vocabulary tgt_vocab)
     : options_(options), src_vocab_(std::move(src_vocab)), tgt_vocab_(std::move(tgt_vocab)) {
   const char* op = "Seq2SeqTrainer";
-  check(options.clip_norm >= 0.0 && std::isfinite(options.clip_norm), op,
-        "clip_norm must be finite and >= 0, got {}", options.clip_norm);
-  check(options.threads >= 0, op, "threads must be >= 0, got {}", options.threads);
+  detail::check_shared_options(op, options.clip_norm, options.threads);
   check(options.num_steps >= 2, op, "num_steps must be >= 2 (a token and <eos>), got {}",
         options.num_steps);
   check(options.model.dtype == DType::F32, op, "the model dtype must be float32");
@@ -204,13 +153,9 @@ Seq2SeqStepStats Seq2SeqTrainer::train_step(const Seq2SeqBatch& batch) {
   ce.valid_lens = batch.tgt_valid_lens;
   Tensor logits = model_->forward(ctx_, batch.src, batch.dec_input, batch.src_valid_lens);
   const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.labels, ce);
-  check(std::isfinite(loss.loss), "train",
-        "loss is {} at step {} (the learning rate {} may be too high)", loss.loss, step_ + 1,
-        options_.adamw.lr);
+  detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
   model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.labels, ce));
-  const double max_norm =
-      options_.clip_norm > 0.0 ? options_.clip_norm : std::numeric_limits<double>::infinity();
-  const double norm = nn::clip_grad_norm(optimizer_->parameters(), max_norm);
+  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
   optimizer_->step();
   ++step_;
   return {step_, loss.loss, norm, loss.kept};
@@ -336,7 +281,7 @@ std::map<std::string, std::string> Seq2SeqTrainer::load_checkpoint(const std::st
       seq2seq_train_options_from_json(meta_at(f, path, "attn.options"));
   check(to_json(saved) == to_json(options_), op,
         "{}: the checkpoint was trained with other options: {}", path,
-        first_difference(to_json(saved), to_json(options_)));
+        detail::first_difference(to_json(saved), to_json(options_)));
   check(meta_at(f, path, "attn.src_vocab") == src_vocab_.to_json() &&
             meta_at(f, path, "attn.tgt_vocab") == tgt_vocab_.to_json(),
         op, "{}: the checkpoint's vocabularies differ from this trainer's", path);

@@ -3,6 +3,7 @@
 
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"
+#include "model/words_hash.hpp"
 
 #include <algorithm>
 #include <array>
@@ -39,23 +40,6 @@ std::string join(const std::vector<std::string>& words) {
   for (const auto& w : words)
     s += (s.empty() ? "" : " ") + w;
   return s;
-}
-
-// FNV-1a over the words (a 0 byte after each), then a splitmix64 finaliser so that the bucket
-// depends on every bit. Fixed: the split is the same on every machine and for every seed.
-uint64_t words_hash(const std::vector<std::string>& tokens) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (const auto& t : tokens) {
-    for (char c : t)
-      h = (h ^ static_cast<unsigned char>(c)) * 0x100000001B3ull;
-    h = (h ^ 0u) * 0x100000001B3ull;
-  }
-  h ^= h >> 30;
-  h *= 0xBF58476D1CE4E5B9ull;
-  h ^= h >> 27;
-  h *= 0x94D049BB133111EBull;
-  h ^= h >> 31;
-  return h;
 }
 
 // Reading texts back: the words of each kind and the numbers they spell.
@@ -138,7 +122,7 @@ std::vector<std::string> text_task_labels(TextTask task) {
 }
 
 bool text_task_held_out(const std::vector<std::string>& tokens) {
-  return words_hash(tokens) % kHeldOutBuckets == 0;
+  return detail::words_hash(tokens) % kHeldOutBuckets == 0;
 }
 
 std::string text_task_label(TextTask task, const std::vector<std::string>& tokens) {

@@ -6,13 +6,14 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
 #include "model/checkpoint_io.hpp"
+#include "model/eval_scope.hpp"
+#include "model/train_options.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <exception>
 #include <functional>
-#include <limits>
 #include <span>
 
 namespace attn::model {
@@ -71,23 +72,15 @@ std::string to_json(const TrainOptions& o) {
         {"dropout", m.dropout},
         {"positional", nn::positional_kind_name(m.positional)},
         {"max_len", m.max_len}}},
-      {"adamw",
-       {{"lr", o.adamw.lr},
-        {"beta1", o.adamw.beta1},
-        {"beta2", o.adamw.beta2},
-        {"eps", o.adamw.eps},
-        {"weight_decay", o.adamw.weight_decay}}},
-      {"clip_norm", o.clip_norm},
-      // As a string: JSON numbers are doubles to many readers, and a seed is 64 bits.
-      {"seed", std::to_string(o.seed)}};
+  };
+  detail::write_shared_options(j, o.adamw, o.clip_norm, o.seed);
   return j.dump();
 }
 
 TrainOptions train_options_from_json(const std::string& text) {
   const char* op = "TrainOptions";
-  try {
-    const nlohmann::json j = nlohmann::json::parse(text);
-    TrainOptions o;
+  TrainOptions o;
+  auto read_model = [&](const nlohmann::json& j) {
     const auto& m = j.at("model");
     const std::string type = m.at("type").get<std::string>();
     check(type == "classification" || type == "tagging", op, "unknown task type '{}'", type);
@@ -101,20 +94,9 @@ TrainOptions train_options_from_json(const std::string& text) {
     o.model.dropout = m.at("dropout").get<double>();
     o.model.positional = nn::parse_positional_kind(m.at("positional").get<std::string>());
     o.model.max_len = m.at("max_len").get<int64_t>();
-    const auto& a = j.at("adamw");
-    o.adamw.lr = a.at("lr").get<double>();
-    o.adamw.beta1 = a.at("beta1").get<double>();
-    o.adamw.beta2 = a.at("beta2").get<double>();
-    o.adamw.eps = a.at("eps").get<double>();
-    o.adamw.weight_decay = a.at("weight_decay").get<double>();
-    o.clip_norm = j.at("clip_norm").get<double>();
-    o.seed = std::stoull(j.at("seed").get<std::string>());
-    return o;
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    throw Error(op, fmt::format("malformed options JSON: {}", e.what()));
-  }
+  };
+  detail::read_options_json(op, text, read_model, o.adamw, o.clip_norm, o.seed);
+  return o;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -189,9 +171,7 @@ int64_t SequenceModel::stage_of(const std::string& name) const {
 Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm)
     : options_(options), comm_(comm ? std::move(comm) : single_process_communicator()) {
   const char* op = "Trainer";
-  check(options.clip_norm >= 0.0 && std::isfinite(options.clip_norm), op,
-        "clip_norm must be finite and >= 0, got {}", options.clip_norm);
-  check(options.threads >= 0, op, "threads must be >= 0, got {}", options.threads);
+  detail::check_shared_options(op, options.clip_norm, options.threads);
   ctx_.threads = options.threads;
   ctx_.seed = options.seed;
   ctx_.autocast_bf16 = options.precision == Precision::kBFloat16;
@@ -239,14 +219,9 @@ StepStats Trainer::train_step(const Batch& batch) {
   static_assert(kIgnoreTag == -100);
   Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens);
   const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.targets, ce);
-  check(std::isfinite(loss.loss), "train",
-        "loss is {} at step {} (the learning rate {} may be too high)", loss.loss, step_ + 1,
-        options_.adamw.lr);
+  detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
   model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.targets, ce));
-  const auto& params = optimizer_->parameters();
-  const double norm = options_.clip_norm > 0.0
-                          ? nn::clip_grad_norm(params, options_.clip_norm)
-                          : nn::clip_grad_norm(params, std::numeric_limits<double>::infinity());
+  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
   optimizer_->step();
   ++step_;
   return {step_, loss.loss, norm, batch.tokens};
@@ -325,12 +300,8 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
     }
   }
   const double loss = kept > 0 ? loss_sum[0] / static_cast<double>(kept) : std::nan("");
-  check(std::isfinite(loss), op, "loss is {} at step {} (the learning rate {} may be too high)",
-        loss, step_ + 1, options_.adamw.lr);
-  const auto& params = optimizer_->parameters();
-  const double norm = options_.clip_norm > 0.0
-                          ? nn::clip_grad_norm(params, options_.clip_norm)
-                          : nn::clip_grad_norm(params, std::numeric_limits<double>::infinity());
+  detail::check_loss_finite(loss, step_ + 1, options_.adamw.lr);
+  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
   optimizer_->step();
   ++step_;
   return {step_, loss, norm, batch.tokens};
@@ -353,12 +324,11 @@ void argmax_rows(const T* logits, int64_t N, int64_t C, int64_t* out) {
 }  // namespace
 
 Tensor Trainer::predict(const Batch& batch) {
-  const bool was_training = model_->training();
-  const uint64_t offset = ctx_.dropout_offset();
-  model_->eval();
-  Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens).contiguous();
-  model_->train(was_training);
-  ctx_.set_dropout_offset(offset);  // evaluation must not shift the training dropout stream
+  Tensor logits;
+  {
+    detail::EvalScope scope(*model_, ctx_);  // must not shift the training dropout stream
+    logits = model_->forward(ctx_, batch.ids, batch.valid_lens).contiguous();
+  }
   const int64_t C = logits.dim(-1);
   Shape shape = logits.shape();
   shape.pop_back();
@@ -371,35 +341,33 @@ Tensor Trainer::predict(const Batch& batch) {
 }
 
 EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
-  const bool was_training = model_->training();
-  const uint64_t offset = ctx_.dropout_offset();
-  model_->eval();
   EvalStats s;
   double loss_sum = 0;
   CrossEntropyOptions ce;
   ce.reduction = Reduction::kSum;
   const size_t ranks = static_cast<size_t>(comm_->size());
-  for (size_t i = static_cast<size_t>(comm_->rank()); i < batches.size(); i += ranks) {
-    const Batch& b = batches[i];
-    Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
-    const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
-    loss_sum += r.loss;
-    const int64_t C = logits.dim(-1), N = logits.numel() / C;
-    std::vector<int64_t> pred(static_cast<size_t>(N));
-    if (logits.dtype() == DType::F32)
-      argmax_rows(logits.data<float>(), N, C, pred.data());
-    else
-      argmax_rows(logits.data<double>(), N, C, pred.data());
-    const Tensor targets = b.targets.contiguous();
-    const int64_t* t = targets.data<int64_t>();
-    for (int64_t n = 0; n < N; ++n) {
-      if (t[n] == kIgnoreTag) continue;
-      ++s.count;
-      s.correct += pred[static_cast<size_t>(n)] == t[n];
+  {
+    detail::EvalScope scope(*model_, ctx_);  // back to training before the collective below
+    for (size_t i = static_cast<size_t>(comm_->rank()); i < batches.size(); i += ranks) {
+      const Batch& b = batches[i];
+      Tensor logits = model_->forward(ctx_, b.ids, b.valid_lens).contiguous();
+      const CrossEntropyResult r = softmax_cross_entropy(ctx_, logits, b.targets, ce);
+      loss_sum += r.loss;
+      const int64_t C = logits.dim(-1), N = logits.numel() / C;
+      std::vector<int64_t> pred(static_cast<size_t>(N));
+      if (logits.dtype() == DType::F32)
+        argmax_rows(logits.data<float>(), N, C, pred.data());
+      else
+        argmax_rows(logits.data<double>(), N, C, pred.data());
+      const Tensor targets = b.targets.contiguous();
+      const int64_t* t = targets.data<int64_t>();
+      for (int64_t n = 0; n < N; ++n) {
+        if (t[n] == kIgnoreTag) continue;
+        ++s.count;
+        s.correct += pred[static_cast<size_t>(n)] == t[n];
+      }
     }
   }
-  model_->train(was_training);
-  ctx_.set_dropout_offset(offset);
   if (ranks > 1) {
     // Sums of up to 2^53 counts are exact in double.
     double sums[3] = {loss_sum, static_cast<double>(s.correct), static_cast<double>(s.count)};
@@ -495,19 +463,6 @@ SafetensorsFile load_checked(const std::string& path) {
   return f;
 }
 
-// The first differing field of two option sets, for the error message.
-std::string first_difference(const TrainOptions& a, const TrainOptions& b) {
-  const nlohmann::json ja = nlohmann::json::parse(to_json(a)),
-                       jb = nlohmann::json::parse(to_json(b));
-  const nlohmann::json patch = nlohmann::json::diff(ja, jb);
-  if (patch.empty()) return "?";
-  const std::string where = patch[0].value("path", "?");
-  const nlohmann::json::json_pointer ptr(where);
-  return fmt::format("{} is {} in the checkpoint, {} here", where,
-                     ja.contains(ptr) ? ja.at(ptr).dump() : "absent",
-                     jb.contains(ptr) ? jb.at(ptr).dump() : "absent");
-}
-
 }  // namespace
 
 TrainOptions Trainer::checkpoint_options(const std::string& path) {
@@ -535,7 +490,7 @@ std::map<std::string, std::string> Trainer::load_checkpoint_local(const std::str
   // Compared through their JSON, which leaves out threads (results do not depend on it).
   check(to_json(saved) == to_json(options_), op,
         "{}: the checkpoint was trained with other options: {}", path,
-        first_difference(saved, options_));
+        detail::first_difference(to_json(saved), to_json(options_)));
   detail::RestoredState r = detail::restore_checkpoint(f, path, *model_, *optimizer_);
   step_ = r.step;
   ctx_.set_dropout_offset(r.dropout_offset);

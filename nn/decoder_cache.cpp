@@ -100,21 +100,6 @@ void reserve(DecoderState& state, int64_t needed) {
   state.capacity = cap;
 }
 
-// Row i of the result is row rows[i] of t (the batch dim of any contiguous tensor).
-Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
-  Shape shape = t.shape();
-  shape[0] = static_cast<int64_t>(rows.size());
-  Tensor out = Tensor::empty(shape, t.dtype());
-  const Tensor src = t.contiguous();
-  const size_t row_bytes = src.nbytes() / static_cast<size_t>(std::max<int64_t>(1, src.dim(0)));
-  for (size_t i = 0; i < rows.size(); ++i)
-    std::memcpy(
-        static_cast<std::byte*>(out.raw_data()) + i * row_bytes,
-        static_cast<const std::byte*>(src.raw_data()) + static_cast<size_t>(rows[i]) * row_bytes,
-        row_bytes);
-  return out;
-}
-
 }  // namespace
 
 // ----------------------------------------------------------------------------------------------
@@ -141,12 +126,12 @@ void DecoderState::reorder(const std::vector<int64_t>& rows) {
       *t = moved;
     }
     if (!same_sources) {
-      c.enc_keys = gather_rows(c.enc_keys, rows);
-      c.enc_values = gather_rows(c.enc_values, rows);
+      c.enc_keys = detail::gather_rows(c.enc_keys, rows);
+      c.enc_values = detail::gather_rows(c.enc_values, rows);
     }
   }
   if (!same_sources) {
-    if (enc_valid_lens.defined()) enc_valid_lens = gather_rows(enc_valid_lens, rows);
+    if (enc_valid_lens.defined()) enc_valid_lens = detail::gather_rows(enc_valid_lens, rows);
     std::vector<int64_t> sources(rows.size());
     for (size_t i = 0; i < rows.size(); ++i)
       sources[i] = source_row[static_cast<size_t>(rows[i])];
@@ -161,8 +146,8 @@ void DecoderState::repeat_interleave(int64_t times) {
     rows[i] = static_cast<int64_t>(i) / times;
   for (DecoderBlockCache& c : blocks)
     for (Tensor* t : {&c.keys, &c.values, &c.enc_keys, &c.enc_values})
-      *t = gather_rows(*t, rows);
-  if (enc_valid_lens.defined()) enc_valid_lens = gather_rows(enc_valid_lens, rows);
+      *t = detail::gather_rows(*t, rows);
+  if (enc_valid_lens.defined()) enc_valid_lens = detail::gather_rows(enc_valid_lens, rows);
   std::vector<int64_t> sources(rows.size());
   for (size_t i = 0; i < rows.size(); ++i)
     sources[i] = source_row[static_cast<size_t>(rows[i])];

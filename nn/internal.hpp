@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace attn::nn::detail {
 
@@ -59,5 +60,10 @@ Tensor split_heads(const Tensor& X, int64_t num_heads);
 Tensor merge_heads(const Tensor& Y, int64_t num_heads);
 // The same into out (B, L, H*D) of Y's dtype, any strides (e.g. a slice of a (B, L, 3E) buffer).
 void merge_heads_into(const Tensor& Y, int64_t num_heads, Tensor& out);
+
+// Row i of the result is row rows[i] of t along dim 0 (t made contiguous first): beam search's
+// reordering of the decoder cache (decoder_cache.cpp) and of the encoder outputs
+// (model/generation.cpp).
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows);
 
 }  // namespace attn::nn::detail

@@ -199,6 +199,20 @@ void merge_heads_into(const Tensor& Y, int64_t num_heads, Tensor& out) {
     permute_heads<double, false>(Y, out, B, L, num_heads, D);
 }
 
+Tensor gather_rows(const Tensor& t, const std::vector<int64_t>& rows) {
+  Shape shape = t.shape();
+  shape[0] = static_cast<int64_t>(rows.size());
+  Tensor out = Tensor::empty(shape, t.dtype());
+  const Tensor src = t.contiguous();
+  const size_t row_bytes = src.nbytes() / static_cast<size_t>(std::max<int64_t>(1, src.dim(0)));
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::memcpy(
+        static_cast<std::byte*>(out.raw_data()) + i * row_bytes,
+        static_cast<const std::byte*>(src.raw_data()) + static_cast<size_t>(rows[i]) * row_bytes,
+        row_bytes);
+  return out;
+}
+
 }  // namespace detail
 
 // ----------------------------------------------------------------------------------------------

@@ -85,16 +85,7 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
       if (dropping) dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, r0 * E, r1 * E, dc.scale);
     }
   }
-  if (gamma == nullptr) return;
-  for (int64_t e = 0; e < E; ++e) {
-    double g = 0.0, b = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      g += partial[static_cast<size_t>(c * 2 * E + e)];
-      b += partial[static_cast<size_t>(c * 2 * E + E + e)];
-    }
-    dgamma[e] = static_cast<float>(g);
-    dbeta[e] = static_cast<float>(b);
-  }
+  if (gamma != nullptr) layer_norm_sum_partials_f32(partial.data(), chunks, E, dgamma, dbeta);
 }
 
 }  // namespace attn::cpu

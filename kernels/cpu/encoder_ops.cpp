@@ -135,12 +135,16 @@ void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma
                                  c * kLayerNormChunkRows,
                                  std::min(R, (c + 1) * kLayerNormChunkRows), E);
   }
-  if (gamma == nullptr) return;
+  if (gamma != nullptr) layer_norm_sum_partials_f32(partial.data(), chunks, E, dgamma, dbeta);
+}
+
+void layer_norm_sum_partials_f32(const double* partial, int64_t chunks, int64_t E, float* dgamma,
+                                 float* dbeta) {
   for (int64_t e = 0; e < E; ++e) {
     double g = 0.0, b = 0.0;
     for (int64_t c = 0; c < chunks; ++c) {
-      g += partial[static_cast<size_t>(c * 2 * E + e)];
-      b += partial[static_cast<size_t>(c * 2 * E + E + e)];
+      g += partial[c * 2 * E + e];
+      b += partial[c * 2 * E + E + e];
     }
     dgamma[e] = static_cast<float>(g);
     dbeta[e] = static_cast<float>(b);

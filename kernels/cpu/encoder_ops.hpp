@@ -44,5 +44,10 @@ void layer_norm_forward_f32(const float* x, const float* gamma, const float* bet
 void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma, const float* mean,
                              const float* rstd, float* dx, float* dgamma, float* dbeta, int64_t R,
                              int64_t E, int threads);
+// dgamma, dbeta (E) from per-chunk double partials (2 * E per chunk: dgamma's E, then dbeta's),
+// the chunks added in order; what layer_norm_backward_f32 and the fused AddNorm backward
+// (add_norm.hpp) end with.
+void layer_norm_sum_partials_f32(const double* partial, int64_t chunks, int64_t E, float* dgamma,
+                                 float* dbeta);
 
 }  // namespace attn::cpu

@@ -21,14 +21,12 @@
 #include "tools/attn/commands.hpp"
 #include "tools/attn/train_history.hpp"
 #include "tools/attn/train_progress.hpp"
-#include "viz/io.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -42,26 +40,6 @@ namespace {
 
 constexpr const char* kOp = "train";
 using nlohmann::json;
-
-struct TrainArgs {
-  std::string task = "shift";  // shift | sorted | tsv | conllu
-  std::string data, eval_data;
-  std::string tag_column = "upos";
-  int64_t length = 16, symbols = 8, max_len = 256, min_freq = 1;
-  std::string pe = "sinusoidal";
-  int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
-  double dropout = 0.0;
-  int64_t steps = 1000, batch_size = 32;
-  double lr = 3e-3, weight_decay = 0.01, clip = 1.0;
-  uint64_t seed = 0;
-  int threads = 0;
-  int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
-  std::string metrics, curve, checkpoint, resume;
-  // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
-  // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
-  std::string precision = "fp32";
-  bool precision_given = false;
-};
 
 // The arguments that decide the results, by option name (what a checkpoint stores and a resume
 // compares). Output paths, threads, --steps and the evaluation cadence are not among them.
@@ -273,34 +251,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
     check(a.precision == "fp32", kOp,
           "--precision {} is for the encoder tasks; the encoder-decoder ({}) trains in fp32",
           a.precision, a.task);
-    run_seq2seq_train({a.task,
-                       a.data,
-                       a.eval_data,
-                       a.pe,
-                       a.length,
-                       a.symbols,
-                       a.max_len,
-                       a.min_freq,
-                       a.num_hiddens,
-                       a.ffn_num_hiddens,
-                       a.num_heads,
-                       a.num_blks,
-                       a.dropout,
-                       a.steps,
-                       a.batch_size,
-                       a.lr,
-                       a.weight_decay,
-                       a.clip,
-                       a.seed,
-                       a.threads,
-                       a.eval_every,
-                       a.eval_examples,
-                       a.checkpoint_every,
-                       a.metrics,
-                       a.curve,
-                       a.checkpoint,
-                       a.resume,
-                       result_args(a).dump()});
+    run_seq2seq_train(a, result_args(a).dump());
     return;
   }
   const bool user = a.task == "tsv" || a.task == "conllu";
@@ -337,9 +288,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
             "{}: the vocabulary built from {} differs from the checkpoint's (was the data "
             "file changed?)",
             a.resume, a.data);
-    history.load(extra["train.history"], a.resume);
-    check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
-          trainer.step(), a.steps);
+    resume_history(history, extra, a.resume, trainer.step(), a.steps);
   }
 
   auto save = [&](const std::string& path) {
@@ -378,28 +327,14 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       [&] { save(a.checkpoint); });
 
   // Outputs after everything else succeeded; each is written atomically.
-  const std::string title = fmt::format(
-      "attn train --task {} --pe {}: {} steps, eval accuracy "
-      "{:.3f}",
-      a.task, a.pe, trainer.step(), history.last("eval_accuracy"));
   if (!a.checkpoint.empty()) save(a.checkpoint);  // collective: rank 0 writes
   if (!rank0) return;
-  if (!a.metrics.empty()) {
-    const std::string text = a.metrics.ends_with(".csv")
-                                 ? history.csv()
-                                 : json({{"args", result_args(a)},
-                                         {"options", json::parse(model::to_json(o))},
-                                         {"history", history.to_json()}})
-                                           .dump(1) +
-                                       "\n";
-    viz::write_file_atomic(a.metrics, text);
-  }
-  if (!a.curve.empty()) viz::write_file_atomic(a.curve, history.curve_svg(title));
-  const TrainHistory::Row& r = history.back();
-  print(fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
-                    std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
-                    history.scores_text(r, ", "), run.seconds,
-                    a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+  write_run_outputs(history,
+                    {a.metrics, a.curve, result_args(a), model::to_json(o),
+                     fmt::format("attn train --task {} --pe {}: {} steps, eval accuracy "
+                                 "{:.3f}",
+                                 a.task, a.pe, trainer.step(), history.last("eval_accuracy"))});
+  print(run_summary(history, run, a.checkpoint));
 }
 
 }  // namespace

@@ -15,11 +15,9 @@
 #include "tools/attn/commands.hpp"
 #include "tools/attn/train_history.hpp"
 #include "tools/attn/train_progress.hpp"
-#include "viz/io.hpp"
 
 #include <nlohmann/json.hpp>
 
-#include <cmath>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -40,7 +38,7 @@ struct Seq2SeqSource {
   std::string eval_name, summary;
 };
 
-Seq2SeqSource generated_source(const Seq2SeqTrainArgs& a) {
+Seq2SeqSource generated_source(const TrainArgs& a) {
   model::Seq2SeqTaskOptions t;
   t.task = model::parse_seq2seq_task(a.task);
   t.num_symbols = a.symbols;
@@ -80,7 +78,7 @@ Seq2SeqSource generated_source(const Seq2SeqTrainArgs& a) {
   return s;
 }
 
-Seq2SeqSource file_source(const Seq2SeqTrainArgs& a) {
+Seq2SeqSource file_source(const TrainArgs& a) {
   Seq2SeqSource s;
   s.preprocess = model::TextPreprocess::d2l();
   s.num_steps = a.max_len;
@@ -122,7 +120,7 @@ bool is_seq2seq_task(const std::string& task) {
   return task == "translate" || task == "dates" || task == "copy" || task == "reverse";
 }
 
-void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
+void run_seq2seq_train(const TrainArgs& a, const std::string& args_json) {
   check(a.pe == "sinusoidal", kOp,
         "--task {} trains an encoder-decoder with d2l's sinusoidal encoding; --pe {} is for the "
         "encoder tasks",
@@ -152,13 +150,11 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
       "loss / score");
   if (!a.resume.empty()) {
     auto extra = trainer.load_checkpoint(a.resume);
-    history.load(extra["train.history"], a.resume);
-    check(trainer.step() <= a.steps, kOp, "{} is at step {}, beyond --steps {}", a.resume,
-          trainer.step(), a.steps);
+    resume_history(history, extra, a.resume, trainer.step(), a.steps);
   }
   auto save = [&](const std::string& path) {
     trainer.save_checkpoint(
-        path, {{"train.args", a.args_json}, {"train.history", history.to_json().dump()}});
+        path, {{"train.args", args_json}, {"train.history", history.to_json().dump()}});
   };
 
   Progress progress(a.steps);
@@ -198,26 +194,12 @@ void run_seq2seq_train(const Seq2SeqTrainArgs& a) {
         join(model::ids_to_tokens(pred[static_cast<size_t>(i)], src.tgt_vocab)), join(target)));
   }
 
-  const TrainHistory::Row& r = history.back();
   if (!a.checkpoint.empty()) save(a.checkpoint);
-  if (!a.metrics.empty()) {
-    const std::string text = a.metrics.ends_with(".csv")
-                                 ? history.csv()
-                                 : json({{"args", json::parse(a.args_json)},
-                                         {"options", json::parse(model::to_json(o))},
-                                         {"history", history.to_json()}})
-                                           .dump(1) +
-                                       "\n";
-    viz::write_file_atomic(a.metrics, text);
-  }
-  if (!a.curve.empty())
-    viz::write_file_atomic(
-        a.curve, history.curve_svg(fmt::format("attn train --task {}: {} steps, exact match {:.3f}",
-                                               a.task, r.step, history.last("exact_match"))));
-  print(fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
-                    std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
-                    history.scores_text(r, ", "), run.seconds,
-                    a.checkpoint.empty() ? "" : ", checkpoint " + a.checkpoint));
+  write_run_outputs(history,
+                    {a.metrics, a.curve, json::parse(args_json), model::to_json(o),
+                     fmt::format("attn train --task {}: {} steps, exact match {:.3f}", a.task,
+                                 history.back().step, history.last("exact_match"))});
+  print(run_summary(history, run, a.checkpoint));
 }
 
 }  // namespace attn::cli

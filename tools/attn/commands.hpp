@@ -123,23 +123,32 @@ std::vector<Command> add_data_command(CLI::App& app);
 
 // --- attn train --task translate|dates|copy|reverse (cmd_train_seq2seq.cpp) -----------------
 
-// The flags of `attn train` that a sequence-to-sequence run reads (cmd_train.cpp fills them after
-// merging a resumed run's arguments). max_len is num_steps (d2l): the model's length limit.
-struct Seq2SeqTrainArgs {
-  std::string task, data, eval_data, pe;
-  int64_t length = 0, symbols = 0, max_len = 0, min_freq = 1;
-  int64_t num_hiddens = 0, ffn_num_hiddens = 0, num_heads = 0, num_blks = 0;
-  double dropout = 0;
-  int64_t steps = 0, batch_size = 0;
-  double lr = 0, weight_decay = 0, clip = 0;
+// The flags of `attn train` (cmd_train.cpp parses them and merges a resumed run's arguments), for
+// the encoder tasks and the sequence-to-sequence ones alike; a sequence-to-sequence run reads all
+// but tag_column and precision, and its max_len is num_steps (d2l): the model's length limit.
+struct TrainArgs {
+  std::string task = "shift";  // shift | sorted | tsv | conllu
+  std::string data, eval_data;
+  std::string tag_column = "upos";
+  int64_t length = 16, symbols = 8, max_len = 256, min_freq = 1;
+  std::string pe = "sinusoidal";
+  int64_t num_hiddens = 32, ffn_num_hiddens = 64, num_heads = 2, num_blks = 2;
+  double dropout = 0.0;
+  int64_t steps = 1000, batch_size = 32;
+  double lr = 3e-3, weight_decay = 0.01, clip = 1.0;
   uint64_t seed = 0;
   int threads = 0;
-  int64_t eval_every = 0, eval_examples = 0, checkpoint_every = 0;
+  int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
   std::string metrics, curve, checkpoint, resume;
-  std::string args_json;  // "train.args" of the checkpoint: what a resume compares
+  // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
+  // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
+  std::string precision = "fp32";
+  bool precision_given = false;
 };
+
 bool is_seq2seq_task(const std::string& task);
-void run_seq2seq_train(const Seq2SeqTrainArgs& args);
+// args_json: the run's result arguments, its checkpoints' "train.args" (what a resume compares).
+void run_seq2seq_train(const TrainArgs& args, const std::string& args_json);
 
 // --- attn translate, attn predict (cmd_translate.cpp) ------------------------------------------
 

@@ -3,6 +3,7 @@
 
 #include "attn/core/error.hpp"
 #include "viz/chart.hpp"
+#include "viz/io.hpp"
 
 #include <fmt/format.h>
 
@@ -141,6 +142,37 @@ LoopResult run_train_loop(TrainHistory& history, Progress& progress, const LoopS
   }
   if (history.empty() || history.back().step != current_step) evaluate();
   return {last_loss, elapsed()};
+}
+
+void resume_history(TrainHistory& history, const std::map<std::string, std::string>& extra,
+                    const std::string& path, int64_t step, int64_t steps) {
+  const auto it = extra.find("train.history");
+  history.load(it != extra.end() ? it->second : std::string(), path);
+  check(step <= steps, "train", "{} is at step {}, beyond --steps {}", path, step, steps);
+}
+
+void write_run_outputs(const TrainHistory& history, const RunOutputs& outputs) {
+  if (!outputs.metrics.empty()) {
+    const std::string text = outputs.metrics.ends_with(".csv")
+                                 ? history.csv()
+                                 : json({{"args", outputs.args},
+                                         {"options", json::parse(outputs.options_json)},
+                                         {"history", history.to_json()}})
+                                           .dump(1) +
+                                       "\n";
+    viz::write_file_atomic(outputs.metrics, text);
+  }
+  if (!outputs.curve.empty())
+    viz::write_file_atomic(outputs.curve, history.curve_svg(outputs.curve_title));
+}
+
+std::string run_summary(const TrainHistory& history, const LoopResult& run,
+                        const std::string& checkpoint) {
+  const TrainHistory::Row& r = history.back();
+  return fmt::format("step {}: train loss {:.4f}, eval loss {:.4f}, {} ({:.1f} s{})\n", r.step,
+                     std::isnan(run.last_loss) ? r.train_loss : run.last_loss, r.eval_loss,
+                     history.scores_text(r, ", "), run.seconds,
+                     checkpoint.empty() ? "" : ", checkpoint " + checkpoint);
 }
 
 }  // namespace attn::cli

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -81,5 +82,25 @@ struct LoopResult {
 LoopResult run_train_loop(TrainHistory& history, Progress& progress, const LoopSchedule& schedule,
                           int64_t current_step, const std::function<LoopStep()>& step,
                           const std::function<LoopEval()>& eval, const std::function<void()>& save);
+
+// A resumed run: the checkpoint's "train.history" (in `extra`, what the trainer's load_checkpoint
+// returned) into `history`; Error("train") when the checkpoint `path` is at `step`, beyond --steps.
+void resume_history(TrainHistory& history, const std::map<std::string, std::string>& extra,
+                    const std::string& path, int64_t step, int64_t steps);
+
+// What a finished run writes after its final checkpoint, each file atomically: --metrics as CSV,
+// or as JSON {"args", "options", "history"}; --curve as an SVG titled curve_title.
+struct RunOutputs {
+  std::string metrics, curve;  // paths ("": not asked for)
+  nlohmann::json args;         // the run's result arguments, as its checkpoints store them
+  std::string options_json;    // the trainer's options (model::to_json)
+  std::string curve_title;
+};
+void write_run_outputs(const TrainHistory& history, const RunOutputs& outputs);
+
+// The run's last line on stdout: "step N: train loss L, eval loss L, <scores> (S s[, checkpoint
+// PATH])\n"; the train loss is the last step's, or the history's when no step ran here.
+std::string run_summary(const TrainHistory& history, const LoopResult& run,
+                        const std::string& checkpoint);
 
 }  // namespace attn::cli
