@@ -90,6 +90,43 @@ inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, flo
   dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
+// The rows one backward item reads (q, k, v, out, dO of its b) and writes (dq, dk, dv),
+// prefetched during the item before it while they are a small part of L2 (below T + S = 1024 at
+// D = Dv = 32; 256 at 128). Short items run for microseconds, with head strides each row a line
+// or two of its own, and their first touches of these rows were the largest cost outside the
+// products (T = S = 128, D = 32: ~25% of the backward). Longer rows keep the hardware's
+// prefetch: an item's own tiles would evict them before use.
+class NextItemPrefetch {
+ public:
+  NextItemPrefetch(const FlashParams& p, const FlashGrads& g, int64_t next_b) {
+    if (next_b < 0 || (p.T + p.S) * (p.D + p.Dv) * int64_t{sizeof(float)} > (int64_t{256} << 10))
+      return;
+    const auto add = [&](const auto& view, int64_t rows, int64_t cols, bool write) {
+      if (view.sd != 1) return;
+      rows_[n_++] =
+          RowPrefetch(view.data + HeadOffset(p, next_b, view.sb, view.sh), rows, cols, view.st,
+                      write ? RowPrefetch::Mode::kWholeItemWrite : RowPrefetch::Mode::kWholeItem);
+    };
+    add(p.q, p.T, p.D, false);
+    add(g.dout, p.T, p.Dv, false);
+    add(p.out, p.T, p.Dv, false);
+    add(p.k, p.S, p.D, false);
+    add(p.v, p.S, p.Dv, false);
+    add(g.dk, p.S, p.D, true);
+    add(g.dv, p.S, p.Dv, true);
+    add(g.dq, p.T, p.D, true);
+  }
+  // Issues the share of steps up to i of n (RowPrefetch::Step).
+  void Step(int64_t i, int64_t n) {
+    for (int j = 0; j < n_; ++j)
+      rows_[j].Step(i, n);
+  }
+
+ private:
+  RowPrefetch rows_[8];
+  int n_ = 0;
+};
+
 }  // namespace
 }  // namespace attn::cpu
 #endif  // ATTN_FLASH_ATTENTION_SHARED_
@@ -489,6 +526,67 @@ bool PackWholeRows(const FlashParams& p) {
   return p.T * (RoundUpLanes(p.D) + RoundUpLanes(p.Dv)) <= (int64_t{1} << 20);
 }
 
+// dst[k * sd] = mul * src[k] for k < n (the backward's dK and dV rows).
+HWY_INLINE void StoreRow(const float* src, int64_t n, float mul, float* dst, int64_t sd) {
+  const DF d;
+  int64_t k = 0;
+  if (sd == 1) {
+    const VF vm = hn::Set(d, mul);
+    for (; k + kL <= n; k += kL)
+      hn::StoreU(hn::Mul(vm, hn::LoadU(d, src + k)), d, dst + k);
+  }
+  for (; k < n; ++k)
+    dst[k * sd] = mul * src[k];
+}
+
+// out[t] = sum_k double(a[t, k]) b[t, k] for t < rows (a[t, k] at a + t*a_st + k*a_sd, b alike),
+// k ascending, rounded to float once: D_t = dO_t . out_t, in double since the backward subtracts
+// it from dP, a difference of similar values. Each product of two floats is exact in double, so
+// every row's result is fixed by the order of its sums: 16 rows at once along the lanes (16 x 16
+// tiles transposed in registers, two vectors of 8 doubles), k in order, give the scalar loop's
+// bits without its chain of dependent scalar adds.
+void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, int64_t b_st, int64_t b_sd,
+             int64_t rows, int64_t cols, float* out) {
+  int64_t t0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (a_sd == 1 && b_sd == 1) {
+    for (; t0 + 16 <= rows; t0 += 16) {
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      int64_t c0 = 0;
+      for (; c0 + 16 <= cols; c0 += 16) {
+        __m512 xa[16], xb[16];
+        for (int i = 0; i < 16; ++i) {
+          xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
+          xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
+        }
+        Transpose16(xa);
+        Transpose16(xb);
+        for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
+          lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
+                               _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
+          hi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(xa[i], 1)),
+                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(xb[i], 1)), hi);
+        }
+      }
+      alignas(64) double acc[16];
+      _mm512_store_pd(acc, lo);
+      _mm512_store_pd(acc + 8, hi);
+      for (int64_t i = 0; i < 16; ++i) {
+        for (int64_t c = c0; c < cols; ++c)
+          acc[i] += double(a[(t0 + i) * a_st + c]) * b[(t0 + i) * b_st + c];
+        out[t0 + i] = static_cast<float>(acc[i]);
+      }
+    }
+  }
+#endif
+  for (; t0 < rows; ++t0) {
+    double acc = 0;
+    for (int64_t k = 0; k < cols; ++k)
+      acc += double(a[t0 * a_st + k * a_sd]) * b[t0 * b_st + k * b_sd];
+    out[t0] = static_cast<float>(acc);
+  }
+}
+
 size_t BackwardScratchFloats(const FlashParams& p) {
   const int64_t Dp = RoundUpLanes(p.D), Dvp = RoundUpLanes(p.Dv);
   return static_cast<size_t>(p.D * kBlockK + kBlockK * Dp + p.Dv * kBlockK + kBwdBlockQ * Dp +
@@ -498,9 +596,10 @@ size_t BackwardScratchFloats(const FlashParams& p) {
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch b, and their share of dQ (unscaled, summed
-// into dq_part (T, ldq), ldq >= the padded D).
+// into dq_part (T, ldq), ldq >= the padded D). next_b >= 0: the item this thread probably runs
+// next, all keys of next_b (NextItemPrefetch).
 void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t sa, int64_t sb,
-                  float* dq_part, int64_t ldq, float* scratch) {
+                  float* dq_part, int64_t ldq, float* scratch, int64_t next_b) {
   const DF d;
   const int64_t T = p.T, D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
   float* kt = scratch;                        // (D, kBlockK)      K^T of the tile (scores)
@@ -541,13 +640,14 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     lse2[t] = p.lse[b * T + t] * kLog2e;
-    const float* o = p.out.data + OOff(p, b) + t * p.out.st;
-    const float* dout = g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
-    double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
-    for (int64_t k = 0; k < Dv; ++k)
-      acc += double(o[k * p.out.sd]) * dout[k * g.dout.sd];
-    drow[t] = static_cast<float>(acc);
   }
+  RowDots(p.out.data + OOff(p, b), p.out.st, p.out.sd,
+          g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh), g.dout.st, g.dout.sd, T, Dv, drow);
+  NextItemPrefetch next(p, g, next_b);
+  // Prefetch steps: one per key block and 16 query rows as if none were skipped; the rest at the
+  // end.
+  const int64_t steps = (sb - sa + kBlockK - 1) / kBlockK * ((T + 15) / 16);
+  int64_t step = 0;
 
   for (int64_t s0 = sa; s0 < sb; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, sb - s0), nkp = RoundUpLanes(nk);
@@ -581,6 +681,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
       Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
 
       for (int64_t r = 0; r < mq; ++r) {
+        if (r % 16 == 0) next.Step(step++, steps);
         const int64_t t = t0 + r;
         float* prow = pb + r * nkp;
         float* drw = ds + r * nkp;
@@ -662,11 +763,29 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     for (int64_t s = 0; s < nk; ++s) {
       float* dk = g.dk.data + HeadOffset(p, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
       float* dv = g.dv.data + HeadOffset(p, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
-      for (int64_t k = 0; k < D; ++k)
-        dk[k * g.dk.sd] = kLn2 * dk_acc[s * Dp + k];
-      for (int64_t k = 0; k < Dv; ++k)
-        dv[k * g.dv.sd] = dv_acc[s * Dvp + k];
+      StoreRow(dk_acc + s * Dp, D, kLn2, dk, g.dk.sd);
+      StoreRow(dv_acc + s * Dvp, Dv, 1.0f, dv, g.dv.sd);
     }
+  }
+  next.Step(steps - 1, steps);
+}
+
+// dq rows [0, T) of batch b = scale * (0 + part): the one share of a single-split backward (the
+// 0 + of the general sum keeps its bits, -0 included).
+void WriteDq(const FlashParams& p, const FlashGrads& g, int64_t b, const float* part, int64_t ldq) {
+  const DF d;
+  const int64_t D = p.D;
+  const VF vs = hn::Set(d, p.scale);
+  for (int64_t t = 0; t < p.T; ++t) {
+    const float* row = part + t * ldq;
+    float* dq = g.dq.data + HeadOffset(p, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
+    int64_t k = 0;
+    if (g.dq.sd == 1) {
+      for (; k + kL <= D; k += kL)
+        hn::StoreU(hn::Mul(vs, hn::Add(hn::Zero(d), hn::LoadU(d, row + k))), d, dq + k);
+    }
+    for (; k < D; ++k)
+      dq[k * g.dq.sd] = p.scale * (0.0f + row[k]);
   }
 }
 
@@ -692,6 +811,7 @@ HWY_EXPORT(ForwardScratchFloats);
 HWY_EXPORT(ForwardBlock);
 HWY_EXPORT(BackwardScratchFloats);
 HWY_EXPORT(BackwardItem);
+HWY_EXPORT(WriteDq);
 HWY_EXPORT(KeepsDropout);
 
 bool flash_attention_keeps_dropout(const FlashParams& p) {
@@ -781,6 +901,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   const size_t part_floats = static_cast<size_t>(p.T * Dp);
   const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p);
   auto* item_fn = HWY_DYNAMIC_DISPATCH(BackwardItem);
+  auto* write_dq_fn = HWY_DYNAMIC_DISPATCH(WriteDq);
   // dQ row (b, t) from its shares: dq = scale * (0 + part_0 + part_1 + ...), in j order, so the
   // same sum whatever thread made each part (the leading 0 + keeps -0 shares as the sum did).
   auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
@@ -802,14 +923,14 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     {
       float* scratch = scratches.get(omp_get_thread_num());
       float* part = parts.get(omp_get_thread_num());
+      // With a dynamic schedule of equal items, a thread's next item is most often b + threads.
+      const int64_t stride = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
         std::fill(part, part + part_floats, 0.0f);
-        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch);
-        for (int64_t t = 0; t < p.T; ++t) {
-          const float* row = part + t * Dp;
-          write_dq(b, t, &row);
-        }
+        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch,
+                b + stride < p.B ? b + stride : -1);
+        write_dq_fn(p, g, b, part, Dp);
       }
     }
     return;
@@ -827,7 +948,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
       float* part = parts + static_cast<size_t>(i) * part_floats;
       std::fill(part, part + part_floats, 0.0f);
       const int64_t b = i / splits, j = i % splits;
-      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch);
+      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch, -1);
     }
     const int64_t rows = p.B * p.T;
     std::vector<const float*> part_rows(static_cast<size_t>(splits));

@@ -15,22 +15,40 @@ namespace attn::cpu {
 // run hides those misses (a perf profile at T = S = 512 put ~4% of the kernel's time on the
 // first q loads). Earlier prefetches would be evicted again by the K and V rows streaming
 // through L2 at long S. Prefetches never fault: lines past the end of a tensor are harmless.
+// The backward at short sequences (the next item's rows are a small part of L2) prefetches all of
+// the next item's rows instead, spread evenly over all of an item's steps and into L2 only
+// (a burst of ~2000 lines into L1 would evict itself before use), its outputs with prefetchw (the
+// lines arrive owned, so the stores that fill them do not wait for them): Mode::kWholeItem.
 class RowPrefetch {
  public:
+  enum class Mode : uint8_t {
+    kLastSteps,       // read, into L1, over the last (up to 8) steps
+    kWholeItem,       // read, into L2, over all steps
+    kWholeItemWrite,  // to be written (prefetchw), over all steps
+  };
+  RowPrefetch() = default;
   template <typename T>
-  RowPrefetch(const T* base, int64_t rows, int64_t cols, int64_t st)
-      : row_(reinterpret_cast<const char*>(base)),
+  RowPrefetch(const T* base, int64_t rows, int64_t cols, int64_t st, Mode mode = Mode::kLastSteps)
+      : mode_(mode),
+        row_(reinterpret_cast<const char*>(base)),
         row_bytes_(st * static_cast<int64_t>(sizeof(T))),
         lines_(Lines(reinterpret_cast<uintptr_t>(base), cols * static_cast<int64_t>(sizeof(T)),
                      st * static_cast<int64_t>(sizeof(T)))),
         total_(base == nullptr ? 0 : rows * lines_) {}
   void Step(int64_t i, int64_t n) {
-    const int64_t span = std::min<int64_t>(n, 8), first = n - span;
+    const int64_t span = mode_ == Mode::kLastSteps ? std::min<int64_t>(n, 8) : n, first = n - span;
     if (i < first) return;
-    const int64_t upto = total_ * (i - first + 1) / span;
+    const int64_t upto = std::min(total_, total_ * (i - first + 1) / span);
     // Row and line counters, not done_ / lines_ and done_ % lines_ (a 64-bit division per line).
     for (; done_ < upto; ++done_) {
-      __builtin_prefetch(row_ + col_ * 64);
+      const char* line = row_ + col_ * 64;
+      if (mode_ == Mode::kLastSteps) {
+        __builtin_prefetch(line);
+      } else if (mode_ == Mode::kWholeItem) {
+        __builtin_prefetch(line, 0, 2);
+      } else {
+        __builtin_prefetch(line, 1);
+      }
       if (++col_ == lines_) {
         col_ = 0;
         row_ += row_bytes_;
@@ -45,8 +63,9 @@ class RowPrefetch {
     const bool aligned = base % 64 == 0 && stride % 64 == 0;
     return (row + 63) / 64 + (aligned ? 0 : 1);
   }
-  const char* row_;  // the row of line done_
-  int64_t row_bytes_, lines_, total_, done_ = 0;
+  Mode mode_ = Mode::kLastSteps;
+  const char* row_ = nullptr;  // the row of line done_
+  int64_t row_bytes_ = 0, lines_ = 0, total_ = 0, done_ = 0;
   int64_t col_ = 0;  // line done_'s place within its row
 };
 
