@@ -90,17 +90,22 @@ inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, flo
   dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
+// Whether one batch row's q, k, v and out (or dO) rows are a small part of L2: below T + S = 1024
+// at D = Dv = 32, 256 at 128. Then the kernels prefetch a whole work item ahead (below).
+inline bool ShortRows(const FlashParams& p) {
+  return (p.T + p.S) * (p.D + p.Dv) * int64_t{sizeof(float)} <= (int64_t{256} << 10);
+}
+
 // The rows one backward item reads (q, k, v, out, dO of its b) and writes (dq, dk, dv),
-// prefetched during the item before it while they are a small part of L2 (below T + S = 1024 at
-// D = Dv = 32; 256 at 128). Short items run for microseconds, with head strides each row a line
-// or two of its own, and their first touches of these rows were the largest cost outside the
-// products (T = S = 128, D = 32: ~25% of the backward). Longer rows keep the hardware's
-// prefetch: an item's own tiles would evict them before use.
+// prefetched during the item before it while they are a small part of L2 (ShortRows). Short items
+// run for microseconds, with head strides each row a line or two of its own, and their first
+// touches of these rows were the largest cost outside the products (T = S = 128, D = 32: ~25% of
+// the backward). Longer rows keep the hardware's prefetch: an item's own tiles would evict them
+// before use.
 class NextItemPrefetch {
  public:
   NextItemPrefetch(const FlashParams& p, const FlashGrads& g, int64_t next_b) {
-    if (next_b < 0 || (p.T + p.S) * (p.D + p.Dv) * int64_t{sizeof(float)} > (int64_t{256} << 10))
-      return;
+    if (next_b < 0 || !ShortRows(p)) return;
     const auto add = [&](const auto& view, int64_t rows, int64_t cols, bool write) {
       if (view.sd != 1) return;
       rows_[n_++] =
@@ -427,17 +432,33 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
   std::fill(lv, lv + mqp, 0.0f);
 
   // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
+  // Short rows (ShortRows): all of the next item's q, k and v rows and this item's out rows,
+  // spread over every panel of the item; else the next q and this out over the last tiles.
   const bool prefetch = p.q.sd == 1 && p.out.sd == 1;
+  const bool whole = ShortRows(p);
+  const int64_t tiles = (max_lim + kBlockK - 1) / kBlockK;
+  const int64_t panels = (mqp + kPanel - 1) / kPanel, steps = whole ? tiles * panels : tiles;
+  const RowPrefetch::Mode read =
+      whole ? RowPrefetch::Mode::kWholeItem : RowPrefetch::Mode::kLastSteps;
   RowPrefetch next_q(
       prefetch && next_b >= 0 ? p.q.data + QOff(p, next_b) + next_t0 * p.q.st : nullptr,
-      std::min(kBlockQ, p.T - next_t0), D, p.q.st);
+      std::min(kBlockQ, p.T - next_t0), D, p.q.st, read);
   RowPrefetch this_out(prefetch ? p.out.data + OOff(p, b) + t0 * p.out.st : nullptr, mq, Dv,
-                       p.out.st);
-  const int64_t tiles = (max_lim + kBlockK - 1) / kBlockK;
+                       p.out.st, whole ? RowPrefetch::Mode::kWholeItemWrite : read);
+  const bool next_kv = whole && next_b >= 0 && next_b != b && p.k.sd == 1 && p.v.sd == 1;
+  RowPrefetch next_k(next_kv ? p.k.data + KOff(p, next_b) : nullptr, p.S, D, p.k.st, read);
+  RowPrefetch next_v(next_kv ? p.v.data + VOff(p, next_b) : nullptr, p.S, Dv, p.v.st, read);
+  int64_t step = 0;
+  const auto prefetch_step = [&] {
+    next_q.Step(step, steps);
+    this_out.Step(step, steps);
+    next_k.Step(step, steps);
+    next_v.Step(step, steps);
+    ++step;
+  };
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
-    next_q.Step(s0 / kBlockK, tiles);
-    this_out.Step(s0 / kBlockK, tiles);
+    if (!whole) prefetch_step();
     // Queries before the first one that keeps a key of this tile are skipped, a vector at a time
     // (causal: those above the diagonal).
     int64_t r_first = 0;
@@ -457,6 +478,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     // One panel of kPanel query columns at a time through all the steps, so that its scores,
     // weights and O^T columns stay in L1 between the two products.
     for (int64_t c1 = c0; c1 < mqp; c1 += kPanel) {
+      if (whole) prefetch_step();
       const int64_t c2 = std::min(mqp, c1 + kPanel), w = c2 - c1;
       // X^T = K (Q^T scaled): (nk, w), and mn = max(m, column maxima of X^T).
       std::copy(mv + c1, mv + c2, mn + c1);
@@ -496,6 +518,10 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     }
   }
 
+  if (whole) {  // the steps of panels skipped (causal), then the rest at once
+    step = std::max<int64_t>(step, steps - 1);
+    prefetch_step();
+  }
   if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);
 
   // out = O^T transposed back, each row divided by its l (alpha is free again: its last use was

@@ -36,6 +36,7 @@ class RowPrefetch {
                      st * static_cast<int64_t>(sizeof(T)))),
         total_(base == nullptr ? 0 : rows * lines_) {}
   void Step(int64_t i, int64_t n) {
+    if (n <= 0) return;
     const int64_t span = mode_ == Mode::kLastSteps ? std::min<int64_t>(n, 8) : n, first = n - span;
     if (i < first) return;
     const int64_t upto = std::min(total_, total_ * (i - first + 1) / span);
