@@ -194,6 +194,8 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const VU bound = KeepBound(p.dropout);
+  const VF vscale = hn::Set(d, keep_scale);
   HWY_ALIGN float buf[4 * kL];
   for (int64_t k0 = 0; k0 < n; k0 += 4 * kL) {
     const uint64_t blk = (i0 >> 2) + static_cast<uint64_t>(k0 / 4);
@@ -203,10 +205,9 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
     c[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
     c[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
     Philox4x32(DU(), c, p.seed);
-    hn::StoreInterleaved4(DropMultiplier(c[0], p.dropout, keep_scale),
-                          DropMultiplier(c[1], p.dropout, keep_scale),
-                          DropMultiplier(c[2], p.dropout, keep_scale),
-                          DropMultiplier(c[3], p.dropout, keep_scale), d, buf);
+    hn::StoreInterleaved4(DropMultiplier(c[0], bound, vscale), DropMultiplier(c[1], bound, vscale),
+                          DropMultiplier(c[2], bound, vscale), DropMultiplier(c[3], bound, vscale),
+                          d, buf);
     std::copy(buf, buf + std::min<int64_t>(4 * kL, n - k0), z + k0);
   }
 #endif
@@ -228,11 +229,14 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const VU bound = KeepBound(p.dropout);
+  const VF vscale = hn::Set(d, keep_scale);
   // The decisions for the backward (KeepsDropout): word of key s, 16 queries from t0 (t0 % 16 = 0).
   uint16_t* keep = kL == 16 && p.dropout_keep != nullptr
                        ? p.dropout_keep + (b * ((p.T + kL - 1) / kL) + t0 / kL) * p.S
                        : nullptr;
   HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
+  const int64_t groups = (nk + 3) / 4;
   for (int64_t c = c0; c < c_end; c += kL) {
     for (int64_t l = 0; l < kL; ++l) {
       const uint64_t blk = p.dropout_index(b, t0 + c + l, s0) >> 2;
@@ -240,20 +244,24 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
       hi_w[l] = static_cast<uint32_t>(blk >> 32);
     }
     const VU lo = hn::Load(du, lo_w), hi = hn::Load(du, hi_w);
-    for (int64_t g = 0; 4 * g < nk; ++g) {
-      VU w[4];
-      CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g)), w[0], w[1]);
-      w[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
-      w[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-      Philox4x32(DU(), w, p.seed);
-      for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
-        float* row = xt + (4 * g + j) * mqp + c;
-        const VF z = DropMultiplier(w[j], p.dropout, keep_scale);
-        hn::StoreU(hn::Mul(hn::LoadU(d, row), z), d, row);
-        if (keep != nullptr) {  // a multiplier is nonzero iff its weight is kept (0 when p = 1)
+    // Keys 4g + j, j < 4, from word j of block g: two blocks (g, g + 1) drawn at once.
+    for (int64_t g = 0; g < groups; g += 2) {
+      VU w[2][4];
+      for (int n = 0; n < 2; ++n) {
+        CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g + n)), w[n][0], w[n][1]);
+        w[n][2] = hn::Set(du, static_cast<uint32_t>(p.offset));
+        w[n][3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
+      }
+      Philox4x32N<2>(du, w, p.seed);  // a block past the last group is drawn and not used
+      for (int64_t k = 4 * g; k < std::min(nk, 4 * g + 8); ++k) {
+        float* row = xt + k * mqp + c;
+        // Kept iff the multiplier is nonzero (none when p = 1: then keep_scale is 0 too).
+        const auto kept = hn::RebindMask(d, hn::Gt(w[(k - 4 * g) / 4][k % 4], bound));
+        hn::StoreU(hn::Mul(hn::LoadU(d, row), hn::IfThenElseZero(kept, vscale)), d, row);
+        if (keep != nullptr) {
           uint8_t bits[8] = {};
-          hn::StoreMaskBits(d, hn::Ne(z, hn::Zero(d)), bits);
-          keep[c / kL * p.S + s0 + 4 * g + j] = static_cast<uint16_t>(bits[0] | (bits[1] << 8));
+          hn::StoreMaskBits(d, kept, bits);
+          keep[c / kL * p.S + s0 + k] = static_cast<uint16_t>(bits[0] | (bits[1] << 8));
         }
       }
     }

@@ -17,6 +17,7 @@
 #include "kernels/cpu/transpose16.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -405,13 +406,16 @@ HWY_INLINE void CounterAdd(VU lo, VU hi, VU g, VU& c0, VU& c1) {
   c1 = hn::Sub(hi, hn::BitCast(du, hn::VecFromMask(di, carry)));
 }
 
-// Dropout multiplier (0 or keep_scale) from a Philox output word: kept iff (r >> 8) 2^-24 >= p.
-HWY_INLINE VF DropMultiplier(VU r, float p, float keep_scale) {
-  const DF d;
-  const hn::RebindToSigned<DF> di;
-  const VF u = hn::Mul(hn::ConvertTo(d, hn::BitCast(di, hn::ShiftRight<8>(r))),
-                       hn::Set(d, 1.0f / 16777216.0f));
-  return hn::IfThenElseZero(hn::Ge(u, hn::Set(d, p)), hn::Set(d, keep_scale));
+// Dropout multiplier (0 or keep_scale) from a Philox output word: kept iff (r >> 8) 2^-24 >= p
+// (attn/core/rng.hpp). Both sides are exact, so for p in (0, 1] that is r >> 8 >= ceil(p 2^24),
+// or r > bound = 256 ceil(p 2^24) - 1 (KeepBound): one unsigned compare per word instead of a
+// shift, a conversion, a multiply and a float compare. p = 1 gives bound 2^32 - 1: nothing kept.
+HWY_INLINE VU KeepBound(float p) {
+  const double t = std::clamp(std::ceil(static_cast<double>(p) * 16777216.0), 1.0, 16777216.0);
+  return hn::Set(DU(), static_cast<uint32_t>(static_cast<uint64_t>(t) * 256 - 1));
+}
+HWY_INLINE VF DropMultiplier(VU r, VU bound, VF keep_scale) {
+  return hn::IfThenElseZero(hn::RebindMask(DF(), hn::Gt(r, bound)), keep_scale);
 }
 #endif  // HWY_TARGET != HWY_SCALAR
 
