@@ -106,20 +106,19 @@ class NextItemPrefetch {
  public:
   NextItemPrefetch(const FlashParams& p, const FlashGrads& g, int64_t next_b) {
     if (next_b < 0 || !ShortRows(p)) return;
-    const auto add = [&](const auto& view, int64_t rows, int64_t cols, bool write) {
+    const auto add = [&](const auto& view, int64_t rows, int64_t cols) {
       if (view.sd != 1) return;
-      rows_[n_++] =
-          RowPrefetch(view.data + HeadOffset(p, next_b, view.sb, view.sh), rows, cols, view.st,
-                      write ? RowPrefetch::Mode::kWholeItemWrite : RowPrefetch::Mode::kWholeItem);
+      rows_[n_++] = RowPrefetch(view.data + HeadOffset(p, next_b, view.sb, view.sh), rows, cols,
+                                view.st, RowPrefetch::Mode::kWholeItem);
     };
-    add(p.q, p.T, p.D, false);
-    add(g.dout, p.T, p.Dv, false);
-    add(p.out, p.T, p.Dv, false);
-    add(p.k, p.S, p.D, false);
-    add(p.v, p.S, p.Dv, false);
-    add(g.dk, p.S, p.D, true);
-    add(g.dv, p.S, p.Dv, true);
-    add(g.dq, p.T, p.D, true);
+    add(p.q, p.T, p.D);
+    add(g.dout, p.T, p.Dv);
+    add(p.out, p.T, p.Dv);
+    add(p.k, p.S, p.D);
+    add(p.v, p.S, p.Dv);
+    add(g.dk, p.S, p.D);
+    add(g.dv, p.S, p.Dv);
+    add(g.dq, p.T, p.D);
   }
   // Issues the share of steps up to i of n (RowPrefetch::Step).
   void Step(int64_t i, int64_t n) {
@@ -452,7 +451,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
       prefetch && next_b >= 0 ? p.q.data + QOff(p, next_b) + next_t0 * p.q.st : nullptr,
       std::min(kBlockQ, p.T - next_t0), D, p.q.st, read);
   RowPrefetch this_out(prefetch ? p.out.data + OOff(p, b) + t0 * p.out.st : nullptr, mq, Dv,
-                       p.out.st, whole ? RowPrefetch::Mode::kWholeItemWrite : read);
+                       p.out.st, read);
   const bool next_kv = whole && next_b >= 0 && next_b != b && p.k.sd == 1 && p.v.sd == 1;
   RowPrefetch next_k(next_kv ? p.k.data + KOff(p, next_b) : nullptr, p.S, D, p.k.st, read);
   RowPrefetch next_v(next_kv ? p.v.data + VOff(p, next_b) : nullptr, p.S, Dv, p.v.st, read);

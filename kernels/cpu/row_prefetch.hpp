@@ -15,16 +15,15 @@ namespace attn::cpu {
 // run hides those misses (a perf profile at T = S = 512 put ~4% of the kernel's time on the
 // first q loads). Earlier prefetches would be evicted again by the K and V rows streaming
 // through L2 at long S. Prefetches never fault: lines past the end of a tensor are harmless.
-// The backward at short sequences (the next item's rows are a small part of L2) prefetches all of
+// At short sequences (the next item's rows are a small part of L2) the kernels prefetch all of
 // the next item's rows instead, spread evenly over all of an item's steps and into L2 only
-// (a burst of ~2000 lines into L1 would evict itself before use), its outputs with prefetchw (the
-// lines arrive owned, so the stores that fill them do not wait for them): Mode::kWholeItem.
+// (a burst of ~2000 lines into L1 evicts itself before use; prefetcht0 of the rows an item
+// writes, or none, measured slower than prefetcht1): Mode::kWholeItem.
 class RowPrefetch {
  public:
   enum class Mode : uint8_t {
-    kLastSteps,       // read, into L1, over the last (up to 8) steps
-    kWholeItem,       // read, into L2, over all steps
-    kWholeItemWrite,  // to be written (prefetchw), over all steps
+    kLastSteps,  // into L1, over the last (up to 8) steps
+    kWholeItem,  // into L2, over all steps
   };
   RowPrefetch() = default;
   template <typename T>
@@ -45,10 +44,8 @@ class RowPrefetch {
       const char* line = row_ + col_ * 64;
       if (mode_ == Mode::kLastSteps) {
         __builtin_prefetch(line);
-      } else if (mode_ == Mode::kWholeItem) {
-        __builtin_prefetch(line, 0, 2);
       } else {
-        __builtin_prefetch(line, 1);
+        __builtin_prefetch(line, 0, 2);
       }
       if (++col_ == lines_) {
         col_ = 0;
