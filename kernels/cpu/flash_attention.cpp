@@ -687,6 +687,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
     // masked-row term of dV below).
     const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
+    const int64_t nkrp = RoundUpLanes(nkr);
     PackTransposed(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kt, nkp);
     PackRows(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kp, Dp);
     PackTransposed(p.v.data + VOff(p, b) + s0 * p.v.st, nkr, Dv, p.v.st, p.v.sd, 1.0f, vt, nkp);
@@ -710,8 +711,9 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         PackRows(g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t0 * g.dout.st, mq, Dv,
                  g.dout.st, g.dout.sd, 1.0f, do_tile, Dvp);
       }
-      Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
-      Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
+      // Columns [nkrp, nkp) (keys no query keeps) are neither computed nor read below.
+      Gemm(mq, nkrp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
+      Gemm(mq, nkrp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
 
       for (int64_t r = 0; r < mq; ++r) {
         if (r % 16 == 0) next.Step(step++, steps);
@@ -721,21 +723,21 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         float* pzrow = pz + r * nkp;
         const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(limf[t]) - s0, 0, nk);
         if (n == 0) {
-          std::fill(prow, prow + nkp, 0.0f);
-          std::fill(drw, drw + nkp, 0.0f);
-          if (dropout) std::fill(pzrow, pzrow + nkp, 0.0f);
+          std::fill(prow, prow + nkrp, 0.0f);
+          std::fill(drw, drw + nkrp, 0.0f);
+          if (dropout) std::fill(pzrow, pzrow + nkrp, 0.0f);
           continue;
         }
-        std::fill(prow + n, prow + nkp, kNegInf);
+        std::fill(prow + n, prow + nkrp, kNegInf);
         const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
         if (dropout) {
           if (p.dropout_keep != nullptr)
             DropoutRowKept(p, b, t, s0, n, z);
           else
             DropoutRow(p, p.dropout_index(b, t, s0), n, z);
-          std::fill(z + n, z + nkp, 0.0f);
+          std::fill(z + n, z + nkrp, 0.0f);
         }
-        for (int64_t k = 0; k < nkp; k += kL) {
+        for (int64_t k = 0; k < nkrp; k += kL) {
           const VF pv = Exp2(d, hn::Sub(hn::LoadU(d, prow + k), vl));  // P
           VF dp = hn::LoadU(d, drw + k);
           if (dropout) {
@@ -747,7 +749,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
           hn::StoreU(hn::Mul(pv, hn::Sub(dp, vd)), d, drw + k);  // dS = P (dP - D)
         }
         // Masked keys: dS = 0 exactly, even if their v made dP NaN (0 * NaN would not be 0).
-        std::fill(drw + n, drw + nkp, 0.0f);
+        std::fill(drw + n, drw + nkrp, 0.0f);
       }
       const float* pzb = dropout ? pz : pb;
       // dV += (P Z)^T dO, dK += dS^T (c Q), dQ += dS K (A read transposed by its strides).
