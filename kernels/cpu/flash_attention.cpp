@@ -31,6 +31,12 @@
 // see ForwardBlock) and key tiles of 64; the backward on key blocks of 64 and query tiles of 96.
 // Only Q^T (forward) and the key block's K, K^T, V^T plus each query tile's Q and dO (backward)
 // are packed; their cost is O(1/64) of the FMAs.
+// Short sequences (d2l's PyTorch loop: B*H = 128 items of T = S = 128, D = 32, head strides) are
+// dominated by per-item fixed costs instead: each item runs for tens of microseconds and first
+// touches ~50 KB of head-strided rows. There both kernels prefetch all of the next item's rows
+// into L2 over the whole item (ShortRows, NextItemPrefetch), the backward sums D_t 16 rows at a
+// time (RowDots) and stores dK, dV, dQ rows as vectors, and the forward's dropout draws two Philox
+// blocks per lane at once; the arithmetic, hence every result bit, is that of the long-row path.
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_attention.cpp"
