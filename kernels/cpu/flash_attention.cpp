@@ -97,47 +97,6 @@ inline void DropoutMultipliers(const FlashParams& p, uint64_t i0, int64_t n, flo
   dropout_multipliers(p.dropout, p.seed, p.offset, i0, n, z);
 }
 
-// Whether one batch row's q, k, v and out (or dO) rows are a small part of L2: below T + S = 1024
-// at D = Dv = 32, 256 at 128. Then the kernels prefetch a whole work item ahead (below).
-inline bool ShortRows(const FlashParams& p) {
-  return (p.T + p.S) * (p.D + p.Dv) * int64_t{sizeof(float)} <= (int64_t{256} << 10);
-}
-
-// The rows one backward item reads (q, k, v, out, dO of its b) and writes (dq, dk, dv),
-// prefetched during the item before it while they are a small part of L2 (ShortRows). Short items
-// run for microseconds, with head strides each row a line or two of its own, and their first
-// touches of these rows were the largest cost outside the products (T = S = 128, D = 32: ~25% of
-// the backward). Longer rows keep the hardware's prefetch: an item's own tiles would evict them
-// before use.
-class NextItemPrefetch {
- public:
-  NextItemPrefetch(const FlashParams& p, const FlashGrads& g, int64_t next_b) {
-    if (next_b < 0 || !ShortRows(p)) return;
-    const auto add = [&](const auto& view, int64_t rows, int64_t cols) {
-      if (view.sd != 1) return;
-      rows_[n_++] = RowPrefetch(view.data + HeadOffset(p, next_b, view.sb, view.sh), rows, cols,
-                                view.st, RowPrefetch::Mode::kWholeItem);
-    };
-    add(p.q, p.T, p.D);
-    add(g.dout, p.T, p.Dv);
-    add(p.out, p.T, p.Dv);
-    add(p.k, p.S, p.D);
-    add(p.v, p.S, p.Dv);
-    add(g.dk, p.S, p.D);
-    add(g.dv, p.S, p.Dv);
-    add(g.dq, p.T, p.D);
-  }
-  // Issues the share of steps up to i of n (RowPrefetch::Step).
-  void Step(int64_t i, int64_t n) {
-    for (int j = 0; j < n_; ++j)
-      rows_[j].Step(i, n);
-  }
-
- private:
-  RowPrefetch rows_[8];
-  int n_ = 0;
-};
-
 }  // namespace
 }  // namespace attn::cpu
 #endif  // ATTN_FLASH_ATTENTION_SHARED_
@@ -564,67 +523,6 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
 // values, so the same results). Longer rows keep the O(tile) memory of the per-tile packing.
 bool PackWholeRows(const FlashParams& p) {
   return p.T * (RoundUpLanes(p.D) + RoundUpLanes(p.Dv)) <= (int64_t{1} << 20);
-}
-
-// dst[k * sd] = mul * src[k] for k < n (the backward's dK and dV rows).
-HWY_INLINE void StoreRow(const float* src, int64_t n, float mul, float* dst, int64_t sd) {
-  const DF d;
-  int64_t k = 0;
-  if (sd == 1) {
-    const VF vm = hn::Set(d, mul);
-    for (; k + kL <= n; k += kL)
-      hn::StoreU(hn::Mul(vm, hn::LoadU(d, src + k)), d, dst + k);
-  }
-  for (; k < n; ++k)
-    dst[k * sd] = mul * src[k];
-}
-
-// out[t] = sum_k double(a[t, k]) b[t, k] for t < rows (a[t, k] at a + t*a_st + k*a_sd, b alike),
-// k ascending, rounded to float once: D_t = dO_t . out_t, in double since the backward subtracts
-// it from dP, a difference of similar values. Each product of two floats is exact in double, so
-// every row's result is fixed by the order of its sums: 16 rows at once along the lanes (16 x 16
-// tiles transposed in registers, two vectors of 8 doubles), k in order, give the scalar loop's
-// bits without its chain of dependent scalar adds.
-void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, int64_t b_st, int64_t b_sd,
-             int64_t rows, int64_t cols, float* out) {
-  int64_t t0 = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  if (a_sd == 1 && b_sd == 1) {
-    for (; t0 + 16 <= rows; t0 += 16) {
-      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-      int64_t c0 = 0;
-      for (; c0 + 16 <= cols; c0 += 16) {
-        __m512 xa[16], xb[16];
-        for (int i = 0; i < 16; ++i) {
-          xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
-          xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
-        }
-        Transpose16(xa);
-        Transpose16(xb);
-        for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
-          lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
-                               _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
-          hi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(xa[i], 1)),
-                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(xb[i], 1)), hi);
-        }
-      }
-      alignas(64) double acc[16];
-      _mm512_store_pd(acc, lo);
-      _mm512_store_pd(acc + 8, hi);
-      for (int64_t i = 0; i < 16; ++i) {
-        for (int64_t c = c0; c < cols; ++c)
-          acc[i] += double(a[(t0 + i) * a_st + c]) * b[(t0 + i) * b_st + c];
-        out[t0 + i] = static_cast<float>(acc[i]);
-      }
-    }
-  }
-#endif
-  for (; t0 < rows; ++t0) {
-    double acc = 0;
-    for (int64_t k = 0; k < cols; ++k)
-      acc += double(a[t0 * a_st + k * a_sd]) * b[t0 * b_st + k * b_sd];
-    out[t0] = static_cast<float>(acc);
-  }
 }
 
 size_t BackwardScratchFloats(const FlashParams& p) {

@@ -391,6 +391,68 @@ HWY_INLINE void AxpyRow(float s, const float* x, float* y, int64_t n) {
     hn::StoreU(hn::MulAdd(vs, hn::LoadU(d, x + c), hn::LoadU(d, y + c)), d, y + c);
 }
 
+// dst[k * sd] = mul * src[k] for k < n (the backward's dK and dV rows).
+HWY_INLINE void StoreRow(const float* src, int64_t n, float mul, float* dst, int64_t sd) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  int64_t k = 0;
+  if (sd == 1) {
+    const VF vm = hn::Set(d, mul);
+    for (; k + L <= n; k += L)
+      hn::StoreU(hn::Mul(vm, hn::LoadU(d, src + k)), d, dst + k);
+  }
+  for (; k < n; ++k)
+    dst[k * sd] = mul * src[k];
+}
+
+// out[t] = sum_k double(a[t, k]) b[t, k] for t < rows (a[t, k] at a + t*a_st + k*a_sd, b alike),
+// k ascending, rounded to float once: D_t = dO_t . out_t, in double since the backward subtracts
+// it from dP, a difference of similar values. Each product of two floats is exact in double, so
+// every row's result is fixed by the order of its sums: 16 rows at once along the lanes (16 x 16
+// tiles transposed in registers, two vectors of 8 doubles), k in order, give the scalar loop's
+// bits without its chain of dependent scalar adds.
+inline void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, int64_t b_st,
+                    int64_t b_sd, int64_t rows, int64_t cols, float* out) {
+  int64_t t0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (a_sd == 1 && b_sd == 1) {
+    for (; t0 + 16 <= rows; t0 += 16) {
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      int64_t c0 = 0;
+      for (; c0 + 16 <= cols; c0 += 16) {
+        __m512 xa[16], xb[16];
+        for (int i = 0; i < 16; ++i) {
+          xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
+          xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
+        }
+        Transpose16(xa);
+        Transpose16(xb);
+        for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
+          lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
+                               _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
+          hi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(xa[i], 1)),
+                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(xb[i], 1)), hi);
+        }
+      }
+      alignas(64) double acc[16];
+      _mm512_store_pd(acc, lo);
+      _mm512_store_pd(acc + 8, hi);
+      for (int64_t i = 0; i < 16; ++i) {
+        for (int64_t c = c0; c < cols; ++c)
+          acc[i] += double(a[(t0 + i) * a_st + c]) * b[(t0 + i) * b_st + c];
+        out[t0 + i] = static_cast<float>(acc[i]);
+      }
+    }
+  }
+#endif
+  for (; t0 < rows; ++t0) {
+    double acc = 0;
+    for (int64_t k = 0; k < cols; ++k)
+      acc += double(a[t0 * a_st + k * a_sd]) * b[t0 * b_st + k * b_sd];
+    out[t0] = static_cast<float>(acc);
+  }
+}
+
 #if HWY_TARGET != HWY_SCALAR
 using DU = hn::RebindToUnsigned<DF>;
 using VU = hn::Vec<DU>;
