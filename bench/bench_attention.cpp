@@ -162,6 +162,76 @@ BENCHMARK(BM_FlashDropoutStep)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
+// d2l's PyTorch training loop with attn's MultiheadAttention swapped in (issue 17;
+// bench/torch_swap_breakdown.py): batch 32, T = S = 128, E = 128 in 4 heads (D = 32), q, k, v read
+// in place through head strides from one (B, T, 3E) in-projection, half the batch padded to
+// valid_len 96, dropout 0.1 with the forward's keep bits read by the backward. Args: dropout
+// (0/1), what (0: forward, 1: backward, 2: forward + backward).
+struct SmallHeadBuffers {
+  static constexpr int64_t kBatch = 32, kHeads = 4, kT = 128, kD = 32, kE = kHeads * kD;
+  AlignedVec<float> qkv, out, lse, dout, dqkv;
+  std::vector<int32_t> kept;
+  std::vector<uint16_t> keep;
+  attn::cpu::FlashParams p;
+  attn::cpu::FlashGrads g;
+  explicit SmallHeadBuffers(bool dropout) {
+    std::mt19937 gen(42);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    qkv.resize(kBatch * kT * 3 * kE);
+    for (auto& e : qkv)
+      e = u(gen);
+    dout.resize(kBatch * kT * kE);
+    for (auto& e : dout)
+      e = u(gen);
+    out.assign(kBatch * kT * kE, 0.0f);
+    dqkv.assign(qkv.size(), 0.0f);
+    lse.assign(kBatch * kHeads * kT, 0.0f);
+    for (int64_t b = 0; b < kBatch * kHeads; ++b)
+      for (int64_t t = 0; t < kT; ++t)
+        kept.push_back(b / kHeads < kBatch / 2 ? kT : 96);
+    p.B = kBatch * kHeads, p.T = kT, p.S = kT, p.D = kD, p.Dv = kD, p.heads = kHeads;
+    const int64_t sb = kT * 3 * kE, st = 3 * kE;
+    p.q = {qkv.data(), sb, kD, st, 1};
+    p.k = {qkv.data() + kE, sb, kD, st, 1};
+    p.v = {qkv.data() + 2 * kE, sb, kD, st, 1};
+    p.out = {out.data(), kT * kE, kD, kE, 1};
+    p.lse = lse.data();
+    p.kept_keys = kept.data();
+    p.scale = 1.0f / std::sqrt(float(kD));
+    p.threads = bench_threads();
+    if (dropout) {
+      p.dropout = 0.1f, p.seed = 7, p.offset = 3;
+      if (attn::cpu::flash_attention_keeps_dropout(p)) {
+        keep.assign(attn::cpu::flash_dropout_keep_words(p), 0);
+        p.dropout_keep = keep.data();
+      }
+    }
+    g.dout = {dout.data(), kT * kE, kD, kE, 1};
+    g.dq = {dqkv.data(), sb, kD, st, 1};
+    g.dk = {dqkv.data() + kE, sb, kD, st, 1};
+    g.dv = {dqkv.data() + 2 * kE, sb, kD, st, 1};
+  }
+};
+
+void BM_FlashSmallHeads(benchmark::State& state) {
+  SmallHeadBuffers buf(state.range(0) != 0);
+  const int64_t what = state.range(1);
+  attn::cpu::flash_attention_forward(buf.p);
+  for (auto _ : state) {
+    if (what != 1) attn::cpu::flash_attention_forward(buf.p);
+    if (what != 0) attn::cpu::flash_attention_backward(buf.p, buf.g);
+    benchmark::DoNotOptimize(buf.dqkv.data());
+    benchmark::DoNotOptimize(buf.out.data());
+  }
+  const double fwd = forward_flops(buf.p.B, buf.p.T, buf.p.D, false);
+  set_counters(state, what == 0 ? fwd : what == 1 ? 2.5 * fwd : 3.5 * fwd);
+}
+BENCHMARK(BM_FlashSmallHeads)
+    ->ArgsProduct({{0, 1}, {0, 1, 2}})
+    ->ArgNames({"dropout", "what"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
 void IssueShapes(benchmark::internal::Benchmark* b) {
   for (int64_t t : {1024, 4096})
     for (int64_t d : {64, 128})

@@ -414,6 +414,54 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
   }
 }
 
+// Short rows with many batch rows, as d2l's PyTorch loop calls the kernel (T = S = 128, D = 32,
+// padded lengths, dropout 0.1 with the forward's keep bits): every item prefetches the rows of
+// the one its thread runs next (ShortRows), the backward's products stop at the last kept key of
+// a block, and D_t is summed 16 rows at once. Against the reference, with the bits of 1 and 2
+// threads (so of different next items) equal, on every target.
+TEST(FlashCpu, ShortRowsManyItemsMatchReference) {
+  for (const int64_t t : {100, 128}) {
+    for (const bool causal : {false, true}) {
+      const Case c{8, t, t, 32, 32, Lens::k1D, causal, false, 0.1f, int(t % 3)};
+      SCOPED_TRACE(c.name());
+      Problem ref_pr(c);
+      const Reference ref = reference(ref_pr, /*backward=*/true);
+      const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
+      for (int64_t target : flash_attention_targets()) {
+        SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
+        std::vector<Problem> runs;
+        runs.reserve(2);  // no reallocation: p and g point into each Problem's buffers
+        for (const int threads : {1, 2}) {
+          Problem& pr = runs.emplace_back(c);
+          pr.p.simd_targets = target;
+          pr.p.threads = threads;
+          pr.p.weights = nullptr;
+          std::vector<uint16_t> keep;
+          if (flash_attention_keeps_dropout(pr.p)) {
+            keep.assign(static_cast<size_t>(flash_dropout_keep_words(pr.p)), 0xdead);
+            pr.p.dropout_keep = keep.data();
+          }
+          flash_attention_forward(pr.p);
+          flash_attention_backward(pr.p, pr.g);
+          pr.p.dropout_keep = nullptr;
+        }
+        const Problem& pr = runs[0];
+        EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
+        EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, 0, 1e-5 * gscale));
+        EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, 0, 1e-5 * gscale));
+        EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, 0, 1e-5 * gscale));
+        for (size_t i = 1; i < runs.size(); ++i) {
+          EXPECT_EQ(pr.out.buf, runs[i].out.buf);
+          EXPECT_EQ(0, std::memcmp(pr.lse.data(), runs[i].lse.data(), pr.lse.size() * 4));
+          EXPECT_EQ(pr.dq.buf, runs[i].dq.buf);
+          EXPECT_EQ(pr.dk.buf, runs[i].dk.buf);
+          EXPECT_EQ(pr.dv.buf, runs[i].dv.buf);
+        }
+      }
+    }
+  }
+}
+
 // ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------
 
 namespace ops_check {

@@ -31,6 +31,12 @@
 // see ForwardBlock) and key tiles of 64; the backward on key blocks of 64 and query tiles of 96.
 // Only Q^T (forward) and the key block's K, K^T, V^T plus each query tile's Q and dO (backward)
 // are packed; their cost is O(1/64) of the FMAs.
+// Short sequences (d2l's PyTorch loop: B*H = 128 items of T = S = 128, D = 32, head strides) are
+// dominated by per-item fixed costs instead: each item runs for tens of microseconds and first
+// touches ~50 KB of head-strided rows. There both kernels prefetch all of the next item's rows
+// into L2 over the whole item (ShortRows, NextItemPrefetch), the backward sums D_t 16 rows at a
+// time (RowDots) and stores dK, dV, dQ rows as vectors, and the forward's dropout draws two Philox
+// blocks per lane at once; the arithmetic, hence every result bit, is that of the long-row path.
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/flash_attention.cpp"
@@ -50,6 +56,7 @@
 #include "attn/core/rng.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 // Target-independent helpers, compiled once.
@@ -152,6 +159,8 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const VU bound = KeepBound(p.dropout);
+  const VF vscale = hn::Set(d, keep_scale);
   HWY_ALIGN float buf[4 * kL];
   for (int64_t k0 = 0; k0 < n; k0 += 4 * kL) {
     const uint64_t blk = (i0 >> 2) + static_cast<uint64_t>(k0 / 4);
@@ -161,10 +170,9 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
     c[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
     c[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
     Philox4x32(DU(), c, p.seed);
-    hn::StoreInterleaved4(DropMultiplier(c[0], p.dropout, keep_scale),
-                          DropMultiplier(c[1], p.dropout, keep_scale),
-                          DropMultiplier(c[2], p.dropout, keep_scale),
-                          DropMultiplier(c[3], p.dropout, keep_scale), d, buf);
+    hn::StoreInterleaved4(DropMultiplier(c[0], bound, vscale), DropMultiplier(c[1], bound, vscale),
+                          DropMultiplier(c[2], bound, vscale), DropMultiplier(c[3], bound, vscale),
+                          d, buf);
     std::copy(buf, buf + std::min<int64_t>(4 * kL, n - k0), z + k0);
   }
 #endif
@@ -186,11 +194,14 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
   const DF d;
   const DU du;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
+  const VU bound = KeepBound(p.dropout);
+  const VF vscale = hn::Set(d, keep_scale);
   // The decisions for the backward (KeepsDropout): word of key s, 16 queries from t0 (t0 % 16 = 0).
   uint16_t* keep = kL == 16 && p.dropout_keep != nullptr
                        ? p.dropout_keep + (b * ((p.T + kL - 1) / kL) + t0 / kL) * p.S
                        : nullptr;
   HWY_ALIGN uint32_t lo_w[kL], hi_w[kL];
+  const int64_t groups = (nk + 3) / 4;
   for (int64_t c = c0; c < c_end; c += kL) {
     for (int64_t l = 0; l < kL; ++l) {
       const uint64_t blk = p.dropout_index(b, t0 + c + l, s0) >> 2;
@@ -198,20 +209,24 @@ bool DropoutTransposed(const FlashParams& p, int64_t b, int64_t t0, int64_t s0, 
       hi_w[l] = static_cast<uint32_t>(blk >> 32);
     }
     const VU lo = hn::Load(du, lo_w), hi = hn::Load(du, hi_w);
-    for (int64_t g = 0; 4 * g < nk; ++g) {
-      VU w[4];
-      CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g)), w[0], w[1]);
-      w[2] = hn::Set(du, static_cast<uint32_t>(p.offset));
-      w[3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
-      Philox4x32(DU(), w, p.seed);
-      for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
-        float* row = xt + (4 * g + j) * mqp + c;
-        const VF z = DropMultiplier(w[j], p.dropout, keep_scale);
-        hn::StoreU(hn::Mul(hn::LoadU(d, row), z), d, row);
-        if (keep != nullptr) {  // a multiplier is nonzero iff its weight is kept (0 when p = 1)
+    // Keys 4g + j, j < 4, from word j of block g: two blocks (g, g + 1) drawn at once.
+    for (int64_t g = 0; g < groups; g += 2) {
+      VU w[2][4];
+      for (int n = 0; n < 2; ++n) {
+        CounterAdd(lo, hi, hn::Set(du, static_cast<uint32_t>(g + n)), w[n][0], w[n][1]);
+        w[n][2] = hn::Set(du, static_cast<uint32_t>(p.offset));
+        w[n][3] = hn::Set(du, static_cast<uint32_t>(p.offset >> 32));
+      }
+      Philox4x32N<2>(du, w, p.seed);  // a block past the last group is drawn and not used
+      for (int64_t k = 4 * g; k < std::min(nk, 4 * g + 8); ++k) {
+        float* row = xt + k * mqp + c;
+        // Kept iff the multiplier is nonzero (none when p = 1: then keep_scale is 0 too).
+        const auto kept = hn::RebindMask(d, hn::Gt(w[(k - 4 * g) / 4][k % 4], bound));
+        hn::StoreU(hn::Mul(hn::LoadU(d, row), hn::IfThenElseZero(kept, vscale)), d, row);
+        if (keep != nullptr) {
           uint8_t bits[8] = {};
-          hn::StoreMaskBits(d, hn::Ne(z, hn::Zero(d)), bits);
-          keep[c / kL * p.S + s0 + 4 * g + j] = static_cast<uint16_t>(bits[0] | (bits[1] << 8));
+          hn::StoreMaskBits(d, kept, bits);
+          keep[c / kL * p.S + s0 + k] = static_cast<uint16_t>(bits[0] | (bits[1] << 8));
         }
       }
     }
@@ -385,22 +400,38 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: independent junk columns, never stored
   PackTransposed(p.q.data + QOff(p, b) + t0 * p.q.st, mq, D, p.q.st, p.q.sd, p.scale * kLog2e, qt,
                  mqp);
-  std::fill(ot, ot + Dv * mqp, 0.0f);
+  std::memset(ot, 0, sizeof(float) * Dv * mqp);  // memset: GCC -O2 left std::fill scalar
   std::fill(mv, mv + mqp, kNegInf);
   std::fill(lv, lv + mqp, 0.0f);
 
   // Keys past every row's limit are never touched (causal: the blocks above the diagonal).
+  // Short rows (ShortRows): all of the next item's q, k and v rows and this item's out rows,
+  // spread over every panel of the item; else the next q and this out over the last tiles.
   const bool prefetch = p.q.sd == 1 && p.out.sd == 1;
+  const bool whole = ShortRows(p);
+  const int64_t tiles = (max_lim + kBlockK - 1) / kBlockK;
+  const int64_t panels = (mqp + kPanel - 1) / kPanel, steps = whole ? tiles * panels : tiles;
+  const RowPrefetch::Mode read =
+      whole ? RowPrefetch::Mode::kWholeItem : RowPrefetch::Mode::kLastSteps;
   RowPrefetch next_q(
       prefetch && next_b >= 0 ? p.q.data + QOff(p, next_b) + next_t0 * p.q.st : nullptr,
-      std::min(kBlockQ, p.T - next_t0), D, p.q.st);
+      std::min(kBlockQ, p.T - next_t0), D, p.q.st, read);
   RowPrefetch this_out(prefetch ? p.out.data + OOff(p, b) + t0 * p.out.st : nullptr, mq, Dv,
-                       p.out.st);
-  const int64_t tiles = (max_lim + kBlockK - 1) / kBlockK;
+                       p.out.st, read);
+  const bool next_kv = whole && next_b >= 0 && next_b != b && p.k.sd == 1 && p.v.sd == 1;
+  RowPrefetch next_k(next_kv ? p.k.data + KOff(p, next_b) : nullptr, p.S, D, p.k.st, read);
+  RowPrefetch next_v(next_kv ? p.v.data + VOff(p, next_b) : nullptr, p.S, Dv, p.v.st, read);
+  int64_t step = 0;
+  const auto prefetch_step = [&] {
+    next_q.Step(step, steps);
+    this_out.Step(step, steps);
+    next_k.Step(step, steps);
+    next_v.Step(step, steps);
+    ++step;
+  };
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0);
-    next_q.Step(s0 / kBlockK, tiles);
-    this_out.Step(s0 / kBlockK, tiles);
+    if (!whole) prefetch_step();
     // Queries before the first one that keeps a key of this tile are skipped, a vector at a time
     // (causal: those above the diagonal).
     int64_t r_first = 0;
@@ -420,6 +451,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     // One panel of kPanel query columns at a time through all the steps, so that its scores,
     // weights and O^T columns stay in L1 between the two products.
     for (int64_t c1 = c0; c1 < mqp; c1 += kPanel) {
+      if (whole) prefetch_step();
       const int64_t c2 = std::min(mqp, c1 + kPanel), w = c2 - c1;
       // X^T = K (Q^T scaled): (nk, w), and mn = max(m, column maxima of X^T).
       std::copy(mv + c1, mv + c2, mn + c1);
@@ -459,6 +491,10 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
     }
   }
 
+  if (whole) {  // the steps of panels skipped (causal), then the rest at once
+    step = std::max<int64_t>(step, steps - 1);
+    prefetch_step();
+  }
   if (p.weights != nullptr) WriteWeights(p, b, t0, mq, mqp, lim, qt, mv, lv, xt, alpha);
 
   // out = O^T transposed back, each row divided by its l (alpha is free again: its last use was
@@ -498,9 +534,10 @@ size_t BackwardScratchFloats(const FlashParams& p) {
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch b, and their share of dQ (unscaled, summed
-// into dq_part (T, ldq), ldq >= the padded D).
+// into dq_part (T, ldq), ldq >= the padded D). next_b >= 0: the item this thread probably runs
+// next, all keys of next_b (NextItemPrefetch).
 void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t sa, int64_t sb,
-                  float* dq_part, int64_t ldq, float* scratch) {
+                  float* dq_part, int64_t ldq, float* scratch, int64_t next_b) {
   const DF d;
   const int64_t T = p.T, D = p.D, Dv = p.Dv, Dp = RoundUpLanes(D), Dvp = RoundUpLanes(Dv);
   float* kt = scratch;                        // (D, kBlockK)      K^T of the tile (scores)
@@ -541,24 +578,26 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     lse2[t] = p.lse[b * T + t] * kLog2e;
-    const float* o = p.out.data + OOff(p, b) + t * p.out.st;
-    const float* dout = g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
-    double acc = 0;  // D_t in double: it is subtracted from dP, a difference of similar values
-    for (int64_t k = 0; k < Dv; ++k)
-      acc += double(o[k * p.out.sd]) * dout[k * g.dout.sd];
-    drow[t] = static_cast<float>(acc);
   }
+  RowDots(p.out.data + OOff(p, b), p.out.st, p.out.sd,
+          g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh), g.dout.st, g.dout.sd, T, Dv, drow);
+  NextItemPrefetch next(p, g, next_b);
+  // Prefetch steps: one per key block and 16 query rows as if none were skipped; the rest at the
+  // end.
+  const int64_t steps = (sb - sa + kBlockK - 1) / kBlockK * ((T + 15) / 16);
+  int64_t step = 0;
 
   for (int64_t s0 = sa; s0 < sb; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, sb - s0), nkp = RoundUpLanes(nk);
     // Keys [s0, s0 + nkr) are kept by some query; the rest of the block only gets zeros (and the
     // masked-row term of dV below).
     const int64_t nkr = std::clamp<int64_t>(max_lim - s0, 0, nk);
+    const int64_t nkrp = RoundUpLanes(nkr);
     PackTransposed(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kt, nkp);
     PackRows(p.k.data + KOff(p, b) + s0 * p.k.st, nkr, D, p.k.st, p.k.sd, 1.0f, kp, Dp);
     PackTransposed(p.v.data + VOff(p, b) + s0 * p.v.st, nkr, Dv, p.v.st, p.v.sd, 1.0f, vt, nkp);
-    std::fill(dk_acc, dk_acc + nk * Dp, 0.0f);
-    std::fill(dv_acc, dv_acc + nk * Dvp, 0.0f);
+    std::memset(dk_acc, 0, sizeof(float) * nk * Dp);  // memset: GCC -O2 left std::fill scalar
+    std::memset(dv_acc, 0, sizeof(float) * nk * Dvp);
     const bool k_finite = AllFinite(kp, nkr, D, Dp, 1);
 
     // Query tiles start at the next row that keeps a key of this block, so rows that see none
@@ -577,31 +616,33 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
         PackRows(g.dout.data + HeadOffset(p, b, g.dout.sb, g.dout.sh) + t0 * g.dout.st, mq, Dv,
                  g.dout.st, g.dout.sd, 1.0f, do_tile, Dvp);
       }
-      Gemm(mq, nkp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
-      Gemm(mq, nkp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
+      // Columns [nkrp, nkp) (keys no query keeps) are neither computed nor read below.
+      Gemm(mq, nkrp, D, qp, Dp, 1, kt, nkp, pb, nkp, false);     // x = (scale log2 e) Q K^T
+      Gemm(mq, nkrp, Dv, dop, Dvp, 1, vt, nkp, ds, nkp, false);  // dO V^T
 
       for (int64_t r = 0; r < mq; ++r) {
+        if (r % 16 == 0) next.Step(step++, steps);
         const int64_t t = t0 + r;
         float* prow = pb + r * nkp;
         float* drw = ds + r * nkp;
         float* pzrow = pz + r * nkp;
         const int64_t n = std::clamp<int64_t>(static_cast<int64_t>(limf[t]) - s0, 0, nk);
         if (n == 0) {
-          std::fill(prow, prow + nkp, 0.0f);
-          std::fill(drw, drw + nkp, 0.0f);
-          if (dropout) std::fill(pzrow, pzrow + nkp, 0.0f);
+          std::fill(prow, prow + nkrp, 0.0f);
+          std::fill(drw, drw + nkrp, 0.0f);
+          if (dropout) std::fill(pzrow, pzrow + nkrp, 0.0f);
           continue;
         }
-        std::fill(prow + n, prow + nkp, kNegInf);
+        std::fill(prow + n, prow + nkrp, kNegInf);
         const VF vl = hn::Set(d, lse2[t]), vd = hn::Set(d, drow[t]);
         if (dropout) {
           if (p.dropout_keep != nullptr)
             DropoutRowKept(p, b, t, s0, n, z);
           else
             DropoutRow(p, p.dropout_index(b, t, s0), n, z);
-          std::fill(z + n, z + nkp, 0.0f);
+          std::fill(z + n, z + nkrp, 0.0f);
         }
-        for (int64_t k = 0; k < nkp; k += kL) {
+        for (int64_t k = 0; k < nkrp; k += kL) {
           const VF pv = Exp2(d, hn::Sub(hn::LoadU(d, prow + k), vl));  // P
           VF dp = hn::LoadU(d, drw + k);
           if (dropout) {
@@ -613,7 +654,7 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
           hn::StoreU(hn::Mul(pv, hn::Sub(dp, vd)), d, drw + k);  // dS = P (dP - D)
         }
         // Masked keys: dS = 0 exactly, even if their v made dP NaN (0 * NaN would not be 0).
-        std::fill(drw + n, drw + nkp, 0.0f);
+        std::fill(drw + n, drw + nkrp, 0.0f);
       }
       const float* pzb = dropout ? pz : pb;
       // dV += (P Z)^T dO, dK += dS^T (c Q), dQ += dS K (A read transposed by its strides).
@@ -662,11 +703,29 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
     for (int64_t s = 0; s < nk; ++s) {
       float* dk = g.dk.data + HeadOffset(p, b, g.dk.sb, g.dk.sh) + (s0 + s) * g.dk.st;
       float* dv = g.dv.data + HeadOffset(p, b, g.dv.sb, g.dv.sh) + (s0 + s) * g.dv.st;
-      for (int64_t k = 0; k < D; ++k)
-        dk[k * g.dk.sd] = kLn2 * dk_acc[s * Dp + k];
-      for (int64_t k = 0; k < Dv; ++k)
-        dv[k * g.dv.sd] = dv_acc[s * Dvp + k];
+      StoreRow(dk_acc + s * Dp, D, kLn2, dk, g.dk.sd);
+      StoreRow(dv_acc + s * Dvp, Dv, 1.0f, dv, g.dv.sd);
     }
+  }
+  next.Step(steps - 1, steps);
+}
+
+// dq rows [0, T) of batch b = scale * (0 + part): the one share of a single-split backward (the
+// 0 + of the general sum keeps its bits, -0 included).
+void WriteDq(const FlashParams& p, const FlashGrads& g, int64_t b, const float* part, int64_t ldq) {
+  const DF d;
+  const int64_t D = p.D;
+  const VF vs = hn::Set(d, p.scale);
+  for (int64_t t = 0; t < p.T; ++t) {
+    const float* row = part + t * ldq;
+    float* dq = g.dq.data + HeadOffset(p, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
+    int64_t k = 0;
+    if (g.dq.sd == 1) {
+      for (; k + kL <= D; k += kL)
+        hn::StoreU(hn::Mul(vs, hn::Add(hn::Zero(d), hn::LoadU(d, row + k))), d, dq + k);
+    }
+    for (; k < D; ++k)
+      dq[k * g.dq.sd] = p.scale * (0.0f + row[k]);
   }
 }
 
@@ -692,6 +751,7 @@ HWY_EXPORT(ForwardScratchFloats);
 HWY_EXPORT(ForwardBlock);
 HWY_EXPORT(BackwardScratchFloats);
 HWY_EXPORT(BackwardItem);
+HWY_EXPORT(WriteDq);
 HWY_EXPORT(KeepsDropout);
 
 bool flash_attention_keeps_dropout(const FlashParams& p) {
@@ -781,6 +841,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   const size_t part_floats = static_cast<size_t>(p.T * Dp);
   const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p);
   auto* item_fn = HWY_DYNAMIC_DISPATCH(BackwardItem);
+  auto* write_dq_fn = HWY_DYNAMIC_DISPATCH(WriteDq);
   // dQ row (b, t) from its shares: dq = scale * (0 + part_0 + part_1 + ...), in j order, so the
   // same sum whatever thread made each part (the leading 0 + keeps -0 shares as the sum did).
   auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
@@ -802,14 +863,14 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
     {
       float* scratch = scratches.get(omp_get_thread_num());
       float* part = parts.get(omp_get_thread_num());
+      // With a dynamic schedule of equal items, a thread's next item is most often b + threads.
+      const int64_t stride = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
-        std::fill(part, part + part_floats, 0.0f);
-        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch);
-        for (int64_t t = 0; t < p.T; ++t) {
-          const float* row = part + t * Dp;
-          write_dq(b, t, &row);
-        }
+        std::memset(part, 0, sizeof(float) * part_floats);  // std::fill stayed scalar
+        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch,
+                b + stride < p.B ? b + stride : -1);
+        write_dq_fn(p, g, b, part, Dp);
       }
     }
     return;
@@ -825,9 +886,9 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
       float* part = parts + static_cast<size_t>(i) * part_floats;
-      std::fill(part, part + part_floats, 0.0f);
+      std::memset(part, 0, sizeof(float) * part_floats);
       const int64_t b = i / splits, j = i % splits;
-      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch);
+      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch, -1);
     }
     const int64_t rows = p.B * p.T;
     std::vector<const float*> part_rows(static_cast<size_t>(splits));

@@ -17,6 +17,7 @@
 #include "kernels/cpu/transpose16.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -390,6 +391,68 @@ HWY_INLINE void AxpyRow(float s, const float* x, float* y, int64_t n) {
     hn::StoreU(hn::MulAdd(vs, hn::LoadU(d, x + c), hn::LoadU(d, y + c)), d, y + c);
 }
 
+// dst[k * sd] = mul * src[k] for k < n (the backward's dK and dV rows).
+HWY_INLINE void StoreRow(const float* src, int64_t n, float mul, float* dst, int64_t sd) {
+  const DF d;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  int64_t k = 0;
+  if (sd == 1) {
+    const VF vm = hn::Set(d, mul);
+    for (; k + L <= n; k += L)
+      hn::StoreU(hn::Mul(vm, hn::LoadU(d, src + k)), d, dst + k);
+  }
+  for (; k < n; ++k)
+    dst[k * sd] = mul * src[k];
+}
+
+// out[t] = sum_k double(a[t, k]) b[t, k] for t < rows (a[t, k] at a + t*a_st + k*a_sd, b alike),
+// k ascending, rounded to float once: D_t = dO_t . out_t, in double since the backward subtracts
+// it from dP, a difference of similar values. Each product of two floats is exact in double, so
+// every row's result is fixed by the order of its sums: 16 rows at once along the lanes (16 x 16
+// tiles transposed in registers, two vectors of 8 doubles), k in order, give the scalar loop's
+// bits without its chain of dependent scalar adds.
+inline void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, int64_t b_st,
+                    int64_t b_sd, int64_t rows, int64_t cols, float* out) {
+  int64_t t0 = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (a_sd == 1 && b_sd == 1) {
+    for (; t0 + 16 <= rows; t0 += 16) {
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      int64_t c0 = 0;
+      for (; c0 + 16 <= cols; c0 += 16) {
+        __m512 xa[16], xb[16];
+        for (int i = 0; i < 16; ++i) {
+          xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
+          xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
+        }
+        Transpose16(xa);
+        Transpose16(xb);
+        for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
+          lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
+                               _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
+          hi = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(xa[i], 1)),
+                               _mm512_cvtps_pd(_mm512_extractf32x8_ps(xb[i], 1)), hi);
+        }
+      }
+      alignas(64) double acc[16];
+      _mm512_store_pd(acc, lo);
+      _mm512_store_pd(acc + 8, hi);
+      for (int64_t i = 0; i < 16; ++i) {
+        for (int64_t c = c0; c < cols; ++c)
+          acc[i] += double(a[(t0 + i) * a_st + c]) * b[(t0 + i) * b_st + c];
+        out[t0 + i] = static_cast<float>(acc[i]);
+      }
+    }
+  }
+#endif
+  for (; t0 < rows; ++t0) {
+    double acc = 0;
+    for (int64_t k = 0; k < cols; ++k)
+      acc += double(a[t0 * a_st + k * a_sd]) * b[t0 * b_st + k * b_sd];
+    out[t0] = static_cast<float>(acc);
+  }
+}
+
 #if HWY_TARGET != HWY_SCALAR
 using DU = hn::RebindToUnsigned<DF>;
 using VU = hn::Vec<DU>;
@@ -405,13 +468,16 @@ HWY_INLINE void CounterAdd(VU lo, VU hi, VU g, VU& c0, VU& c1) {
   c1 = hn::Sub(hi, hn::BitCast(du, hn::VecFromMask(di, carry)));
 }
 
-// Dropout multiplier (0 or keep_scale) from a Philox output word: kept iff (r >> 8) 2^-24 >= p.
-HWY_INLINE VF DropMultiplier(VU r, float p, float keep_scale) {
-  const DF d;
-  const hn::RebindToSigned<DF> di;
-  const VF u = hn::Mul(hn::ConvertTo(d, hn::BitCast(di, hn::ShiftRight<8>(r))),
-                       hn::Set(d, 1.0f / 16777216.0f));
-  return hn::IfThenElseZero(hn::Ge(u, hn::Set(d, p)), hn::Set(d, keep_scale));
+// Dropout multiplier (0 or keep_scale) from a Philox output word: kept iff (r >> 8) 2^-24 >= p
+// (attn/core/rng.hpp). Both sides are exact, so for p in (0, 1] that is r >> 8 >= ceil(p 2^24),
+// or r > bound = 256 ceil(p 2^24) - 1 (KeepBound): one unsigned compare per word instead of a
+// shift, a conversion, a multiply and a float compare. p = 1 gives bound 2^32 - 1: nothing kept.
+HWY_INLINE VU KeepBound(float p) {
+  const double t = std::clamp(std::ceil(static_cast<double>(p) * 16777216.0), 1.0, 16777216.0);
+  return hn::Set(DU(), static_cast<uint32_t>(static_cast<uint64_t>(t) * 256 - 1));
+}
+HWY_INLINE VF DropMultiplier(VU r, VU bound, VF keep_scale) {
+  return hn::IfThenElseZero(hn::RebindMask(DF(), hn::Gt(r, bound)), keep_scale);
 }
 #endif  // HWY_TARGET != HWY_SCALAR
 

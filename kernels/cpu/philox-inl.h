@@ -41,6 +41,9 @@ template <class DU>
 HWY_INLINE void Philox4x32(DU du, hn::Vec<DU> c[4], uint64_t seed) {
   using VU = hn::Vec<DU>;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  // Unrolled: the rolled loop kept part of its state on the stack across rounds (a store and a
+  // reload on the chain of every round in the fp32 attention forward's dropout).
+#pragma GCC unroll 10
   for (int round = 0; round < 10; ++round) {
     VU hi0, lo0, hi1, lo1;
     PhiloxMulHiLo(du, c[0], 0xD2511F53u, hi0, lo0);
@@ -52,6 +55,32 @@ HWY_INLINE void Philox4x32(DU du, hn::Vec<DU> c[4], uint64_t seed) {
     c[2] = n2;
     c[3] = lo0;
     k0 += 0x9E3779B9u;  // Weyl key increments
+    k1 += 0xBB67AE85u;
+  }
+}
+
+// Philox4x32 on N independent sets of counters (c[n][w] as c[w] above), their rounds interleaved:
+// N dependency chains in flight instead of one (the fp32 attention forward draws 2 blocks of
+// every query lane at once).
+template <int N, class DU>
+HWY_INLINE void Philox4x32N(DU du, hn::Vec<DU> (*c)[4], uint64_t seed) {
+  using VU = hn::Vec<DU>;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma GCC unroll 10
+  for (int round = 0; round < 10; ++round) {
+#pragma GCC unroll 4
+    for (int n = 0; n < N; ++n) {
+      VU hi0, lo0, hi1, lo1;
+      PhiloxMulHiLo(du, c[n][0], 0xD2511F53u, hi0, lo0);
+      PhiloxMulHiLo(du, c[n][2], 0xCD9E8D57u, hi1, lo1);
+      const VU n0 = hn::Xor(hn::Xor(hi1, c[n][1]), hn::Set(du, k0));
+      const VU n2 = hn::Xor(hn::Xor(hi0, c[n][3]), hn::Set(du, k1));
+      c[n][0] = n0;
+      c[n][1] = lo1;
+      c[n][2] = n2;
+      c[n][3] = lo0;
+    }
+    k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
 }
