@@ -228,6 +228,56 @@ float round_bf16(float f) {
   return bf16_to_float(float_to_bf16(f));
 }
 
+// gemm_panels: the same product in panels of output rows on a dynamic schedule. Every layout
+// and flag, M around the panel cut (16-row multiples, ~16 panels), strided and misaligned;
+// the result is within the bound and the same bits for 1, 2 and 3 threads (the cut depends on M
+// alone).
+TEST(GemmCpu, PanelsMatchTheBoundAndAnyThreadCount) {
+  for (int64_t M : {1, 15, 16, 17, 255, 256, 257, 300, 1030}) {
+    for (int flags = 0; flags < 16; ++flags) {
+      Problem p{M, 33, 65, bool(flags & 1), bool(flags & 2), bool(flags & 4), bool(flags & 8), 3};
+      p.fill(500 + M + flags);
+      std::vector<float> one = p.c, two = p.c, three = p.c;
+      cpu::gemm_panels(p.args(one.data()), 1);
+      cpu::gemm_panels(p.args(two.data()), 2);
+      cpu::gemm_panels(p.args(three.data()), 3);
+      ASSERT_TRUE(p.verify(two));
+      ASSERT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0)
+          << p.name() << ": 1 and 2 threads differ";
+      ASSERT_EQ(std::memcmp(one.data(), three.data(), one.size() * sizeof(float)), 0)
+          << p.name() << ": 1 and 3 threads differ";
+    }
+  }
+  // bfloat16 inputs (2-byte rows: the panel offsets in elements of the input type), f32 and bf16
+  // outputs.
+  for (int flags = 0; flags < 4; ++flags) {
+    Problem p{300, 40, 70, bool(flags & 1), bool(flags & 2), true, false, 1};
+    p.fill(900 + flags);
+    std::vector<uint16_t> a16(p.a.size()), b16(p.b.size());
+    for (size_t j = 0; j < p.a.size(); ++j)
+      a16[j] = float_to_bf16(p.a[j]);
+    for (size_t j = 0; j < p.b.size(); ++j)
+      b16[j] = float_to_bf16(p.b[j]);
+    std::vector<float> out = p.c;
+    cpu::GemmArgs g = p.args(out.data());
+    g.type = cpu::GemmType::kBF16;
+    g.A = a16.data() + Problem::kOffset;
+    g.B = b16.data() + Problem::kOffset;
+    cpu::gemm_panels(g, 2);
+    ASSERT_TRUE(p.verify(out, round_bf16));
+    std::vector<uint16_t> out16(p.c.size(), 0);
+    g.C = nullptr;
+    g.C_bf16 = out16.data() + Problem::kOffset;
+    cpu::gemm_panels(g, 2);
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t n = 0; n < p.N; ++n) {
+        const size_t i = Problem::kOffset + m * p.ldc + n;
+        ASSERT_LE(std::abs(bf16_to_float(out16[i]) - out[i]), std::abs(out[i]) / 128.0f + 1e-6f)
+            << p.name() << ": bf16 output (" << m << ", " << n << ")";
+      }
+  }
+}
+
 TEST(GemmCpu, Bf16InputsF32Output) {
   std::mt19937_64 rng(5);
   auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };

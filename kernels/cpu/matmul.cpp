@@ -221,6 +221,27 @@ void gemm(const GemmArgs& g, int threads) {
   }
 }
 
+void gemm_panels(const GemmArgs& g, int threads) {
+  constexpr int64_t kTargetPanels = 16, kRowAlign = 16;
+  const int64_t rows = std::max<int64_t>(
+      kRowAlign, (g.M + kTargetPanels * kRowAlign - 1) / (kTargetPanels * kRowAlign) * kRowAlign);
+  const int64_t panels = (g.M + rows - 1) / rows;
+  if (panels <= 1 || g.N <= 0) return gemm(g, threads);
+  const size_t a_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
+  // Row m of op(A): row m of A, or column m of A^T's storage.
+  const int64_t a_row_step = g.trans_a ? 1 : g.lda;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, threads))
+  for (int64_t i = 0; i < panels; ++i) {
+    GemmArgs p = g;
+    const int64_t m0 = i * rows;
+    p.M = std::min(rows, g.M - m0);
+    p.A = static_cast<const std::byte*>(g.A) + static_cast<size_t>(m0 * a_row_step) * a_bytes;
+    if (g.C_bf16 != nullptr) p.C_bf16 = g.C_bf16 + m0 * g.ldc;
+    if (g.C != nullptr) p.C = g.C + m0 * g.ldc;
+    gemm(p, 1);
+  }
+}
+
 namespace {
 
 // The column sums are compiled per target like the bulk conversions in core/tensor.cpp (the

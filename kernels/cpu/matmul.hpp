@@ -75,6 +75,16 @@ struct GemmArgs {
 // C = op(A) op(B) (+ bias) (+ C), on `threads` OpenMP threads (>= 1).
 void gemm(const GemmArgs& args, int threads);
 
+// The same product as gemm(), cut into panels of about M/16 output rows (multiples of 16, the
+// cut fixed by M alone) that `threads` OpenMP threads take on a dynamic schedule, each panel one
+// single-thread oneDNN call. gemm()'s threads split the work evenly and wait for each other: when
+// another process or pool keeps part of a core busy (OpenBLAS's worker spins for ~0.1 s after every
+// call it serves, e.g. in a PyTorch loop whose other layers use OpenBLAS), the thread sharing that
+// core holds all the others up, and two threads ran no faster than one. Here the unhindered thread
+// takes more panels. Results depend on M's cut only, so they are the same for any thread count
+// (not always bitwise gemm()'s: oneDNN's blocking may differ between a panel and the whole).
+void gemm_panels(const GemmArgs& args, int threads);
+
 // db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
 // double in a fixed order (row by row), so it is the same for any thread count. Blocks of 32
 // columns run on up to `threads` OpenMP threads (large enough sums only).

@@ -20,7 +20,10 @@
 //     row stride (x may be a column slice or the rows of a (T, B, E) tensor read as (T*B, E)); the
 //     results go into tensors the caller allocated with torch (written, never accumulated: torch's
 //     autograd accumulates .grad itself). bf16 as attn::linear: f32 accumulation, each result
-//     rounded once to bf16 as it is stored, db summed in double and rounded once.
+//     rounded once to bf16 as it is stored, db summed in double and rounded once. Each product
+//     runs as cpu::gemm_panels (panels of output rows on a dynamic schedule): inside a PyTorch
+//     loop OpenBLAS's worker keeps spinning on one core after every GEMM torch ran, and oneDNN's
+//     even split then waited for the thread sharing that core (2 threads ran no faster than 1).
 //
 // Tensors come in as torch tensors and go through numpy_tensor.hpp's to_tensor (a view of the
 // tensor's memory, torch.bfloat16 included); results go out as torch tensors over attn's buffers
@@ -351,7 +354,7 @@ void bind_torch(py::module_& m) {
         g.B = w.data, g.ldb = w.ld, g.trans_b = true;
         set_output(g, y, dtype);
         g.bias = bias.empty() ? nullptr : bias.data();
-        without_gil([&] { cpu::gemm(g, threads); });
+        without_gil([&] { cpu::gemm_panels(g, threads); });
       },
       py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("y"), py::arg("threads"),
       "y (M, N) = x (M, K) W^T + b on attn's GEMM, written into y (a torch tensor the caller "
@@ -394,7 +397,7 @@ void bind_torch(py::module_& m) {
             g.A = dy.data, g.lda = dy.ld;
             g.B = w.data, g.ldb = w.ld;
             set_output(g, *dx, dtype);
-            cpu::gemm(g, threads);
+            cpu::gemm_panels(g, threads);
           }
           //          dW (N, K) = dy^T (N, M) * x (M, K): the sum over rows is the contraction
           if (dw) {
@@ -403,7 +406,7 @@ void bind_torch(py::module_& m) {
             g.A = dy.data, g.lda = dy.ld, g.trans_a = true;
             g.B = x.data, g.ldb = x.ld;
             set_output(g, *dw, dtype);
-            cpu::gemm(g, threads);
+            cpu::gemm_panels(g, threads);
           }
           //          db (N) = sum over rows of dy, in double (bf16: rounded once at the end)
           if (db.defined()) {
