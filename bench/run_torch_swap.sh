@@ -5,7 +5,8 @@
 # docs/performance.md.
 #
 #   bench/run_torch_swap.sh [build_dir] [rounds]        (default build/default, 12)
-#   ATTN_THREADS=2 (default) sets the thread count (torch.set_num_threads; attn.torch follows it).
+#   ATTN_THREADS=2 (default) sets the thread count (torch.set_num_threads; attn.torch's fused
+#   kernels follow it with one spare thread, python/attn/torch.py's _threads).
 #
 # Settings as bench/run_train.sh gives PyTorch: OpenBLAS (Debian's default libblas.so.3 is the
 # netlib reference BLAS) with OPENBLAS_CORETYPE=SkylakeX unless TORCH_OPENBLAS_CORETYPE says
@@ -52,7 +53,9 @@ for line in open("/proc/cpuinfo"):
         break
 print("## d2l's PyTorch training step: nn.MultiheadAttention vs attn.torch.MultiheadAttention\n")
 print("Written by `bench/run_torch_swap.sh`; do not edit by hand. "
-      f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {cpu}, {runs[0]['threads']} threads.\n")
+      f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {cpu}, {runs[0]['threads']} threads "
+      f"(torch.set_num_threads; attn.torch's fused kernels {runs[0].get('attn_threads', '?')}: "
+      "one spare, docs/python.md).\n")
 print("- Model: `bench/torch_train.py`'s (d2l's `TransformerEncoder`, E = 128, 4 heads, 2 blocks, "
       "FFN 256, dropout 0.1, masked-mean head), with each block's attention replaced by "
       "`torch.nn.MultiheadAttention` or `attn.torch.MultiheadAttention` (batch_first, no bias, "
@@ -65,7 +68,7 @@ print(f"- PyTorch {runs[0]['torch']}, BLAS {runs[0]['blas']} (`OPENBLAS_CORETYPE
       "OMP_WAIT_POLICY=PASSIVE`.")
 print(f"- Load average (1, 5, 15 min) before: {load_before}; after: {load_after}. Compare the "
       "ratio, not the absolute numbers. Speedup: wall time per step, torch's round over attn's "
-      "round of the same round, median over rounds (quartiles and range beside it); CPU time ratio: process CPU time per step (both threads), "
+      "round of the same round, median over rounds (quartiles and range beside it); CPU time ratio: process CPU time per step (all threads), "
       "torch's median over attn's. Bound: nn.MultiheadAttention's step over the same loop with no "
       "attention at all (each block's attention returns its queries), both medians: the speedup "
       "an attention module that took no time would give (Amdahl).\n")

@@ -30,7 +30,7 @@ A/B of two versions of the module (attn_base / attn per round pair).
 
 Run it through bench/run_torch_swap.sh for PyTorch's best settings (OpenBLAS, no mmap per
 temporary, passive OpenMP waits). Prints one JSON object: ms per step of each round, the loss
-check, the BLAS, the threads; also the process CPU time per step (both threads), whose ratio
+check, the BLAS, the threads; also the process CPU time per step (all threads), whose ratio
 moves less than wall time when other processes load the machine.
 """
 import argparse
@@ -209,7 +209,9 @@ def main():
         extra["baseline_module"] = args.baseline_module
     print(json.dumps({
         "shape": dict(B=B, T=T, E=E, H=H, blocks=args.blocks, ffn=args.ffn, dropout=args.dropout),
-        "threads": torch.get_num_threads(), "blas": loaded_blas(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "attn_threads": attn.torch._threads(models["attn"].encoder.blks[0].attention.mha.context),
+        "blas": loaded_blas(), "torch": torch.__version__,
         "rounds": args.rounds, "min_time": args.min_time,
         "ms_per_step": ms, "median_ms": med, "speedup_median": med["torch"] / med["attn"],
         "speedup_best": min(ms["torch"]) / min(ms["attn"]),

@@ -12,7 +12,8 @@ Vocabulary: B batch, T queries, S keys, H heads, D head width (of q and k), Dv o
 Tensors cross into C++ without copies: float32/float64 through NumPy (tensor.numpy() shares the
 memory), bfloat16 as its int16 bits (NumPy has no bfloat16); results come back as torch tensors
 over attn's buffers (torch.from_numpy), and the C++ runs with the GIL released. attn's kernels
-run with the Context's thread count when it is set (> 0), else torch.get_num_threads().
+run with the Context's thread count when it is set (> 0), else torch.get_num_threads(), plus
+one spare thread for the fused kernels when that is 2 or more (see _threads).
 
 Which kernel runs:
   - float32 and bfloat16 on the default backend: attn's fused (flash) kernels, forward and
@@ -48,10 +49,25 @@ from . import _attn
 __all__ = ["scaled_dot_product_attention", "reference_attention", "MultiheadAttention"]
 
 
-def _threads(actx):
-    """The Context's thread count when set (> 0), else torch's (torch.set_num_threads)."""
+def _threads(actx, dtype=torch.float32):
+    """The Context's thread count when set (> 0). Else torch's (torch.set_num_threads), plus one
+    spare thread when that is 2 or more and the fused kernels run (float32 or bfloat16 on the
+    default backend). Why the spare: in a PyTorch loop, OpenBLAS (Debian torch's BLAS) keeps a
+    worker spinning on one core for ~0.1 s after every GEMM torch runs, so attn's threads share
+    that core with it; the fused kernels and the projections (gemm_panels) hand out their work
+    on a dynamic schedule, and one more thread than cores takes the cycles the spinner leaves
+    (d2l's loop, 2 cores: 1.40-1.51x nn.MultiheadAttention's step with 2 threads, 1.67-1.76x
+    with 3), while on a quiet machine with no OpenBLAS call around it the module ran alike with
+    3 and 2 threads in float32 and 4-7% slower with 3 in bfloat16 (whose forward packs K and V on
+    a static schedule). Set Context.threads to choose. Results do not depend on the thread
+    count. The reference loops (float64, backend='reference') keep
+    torch's count."""
     t = actx.threads
-    return t if t > 0 else torch.get_num_threads()
+    if t > 0:
+        return t
+    n = torch.get_num_threads()
+    fused = dtype in (torch.float32, torch.bfloat16) and actx.backend != "reference"
+    return n + 1 if n > 1 and fused else n
 
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -94,7 +110,7 @@ class _Attention(torch.autograd.Function):
                 actx):
         out, lse, seed, offset = _attn._sdpa_forward(q, k, v, valid_lens, lens_repeat, causal, p,
                                                      training, scale, masked_rows,
-                                                     _threads(actx), actx)
+                                                     _threads(actx, q.dtype), actx)
         fctx.save_for_backward(q, k, v, out, lse)
         fctx.args = (valid_lens, lens_repeat, causal, p, training, scale, masked_rows, seed,
                      offset, actx)
@@ -108,7 +124,7 @@ class _Attention(torch.autograd.Function):
         lens, repeat, causal, p, training, scale, masked_rows, seed, offset, actx = fctx.args
         dq, dk, dv = _attn._sdpa_backward(_unit_feature_stride(dout), q, k, v, out, lse, lens,
                                           repeat, causal, p, training, scale, masked_rows, seed,
-                                          offset, _threads(actx), actx)
+                                          offset, _threads(actx, q.dtype), actx)
         return (dq, dk, dv) + (None,) * 8
 
 

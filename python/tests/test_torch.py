@@ -195,7 +195,18 @@ def test_threads_follow_torch_unless_the_context_sets_them(rng):
     two = at.scaled_dot_product_attention(q, q, q, ctx=attn.Context(threads=2))
     assert torch.equal(one, two)
     assert at._threads(attn.Context(threads=3)) == 3
-    assert at._threads(attn.Context()) == torch.get_num_threads()
+    # Unset: torch's count, plus one spare for the fused kernels when torch runs 2 or more.
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert at._threads(attn.Context()) == 1
+        torch.set_num_threads(2)
+        assert at._threads(attn.Context()) == 3
+        assert at._threads(attn.Context(), torch.bfloat16) == 3
+        assert at._threads(attn.Context(), torch.float64) == 2
+        assert at._threads(attn.Context(backend="reference")) == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------------------
