@@ -1,6 +1,7 @@
 // Software prefetch of a block of rows, spread over the steps of a loop (the fp32 kernels'; the
-// same prefetch in the bf16 forward measured nothing and was not kept), and the backward's
-// prefetch of its next work item at short sequences (NextItemPrefetch: fp32 and bf16).
+// bf16 forward uses only Mode::kWholeItem: the last-steps prefetch measured nothing there), and
+// the backward's prefetch of its next work item at short sequences (NextItemPrefetch: fp32 and
+// bf16).
 #pragma once
 
 #include <algorithm>
