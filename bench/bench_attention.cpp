@@ -317,6 +317,7 @@ void BM_FlashBf16DropoutStep(benchmark::State& state) {
   set_counters(state, 3.5 * forward_flops(buf.f.BH, buf.f.T, buf.f.D, false));
 }
 BENCHMARK(BM_FlashBf16DropoutStep)
+    ->Args({128, 128, 32})  // bench/run_train.sh's attention: B = 32, 4 heads, T = 128, D = 32
     ->Args({16, 1024, 64})
     ->Args({16, 1024, 128})
     ->ArgNames({"BH", "T", "D"})

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::cpu::HWY_NAMESPACE {
@@ -148,11 +149,24 @@ void DropoutKeepRange(uint8_t* keep, int64_t begin, int64_t end, uint32_t thresh
     VU c[4];
     PhiloxBlocks(du, (index_base + static_cast<uint64_t>(i0)) >> 2, off_lo, off_hi, seed, c);
     // Lane k's word w decides element i0 + 4k + w: kept iff not (w >> 8) < threshold.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    // Byte w of lane k's 32-bit word is element i0 + 4k + w: the four decisions of a lane shifted
+    // into one word, and the words stored at once (the scalar 4 x L transpose below stored byte
+    // by byte: ~2% of a bf16 training step at T = 128).
+    VU packed = hn::Zero(du);
+    for (int w = 0; w < 4; ++w) {
+      const VU bit = hn::IfThenZeroElse(hn::Lt(hn::ShiftRight<8>(c[w]), vthreshold), one);
+      packed = hn::Or(packed, hn::Shl(bit, hn::Set(du, static_cast<uint32_t>(8 * w))));
+    }
+    hn::StoreU(packed, du, words[0]);
+    std::memcpy(keep + i0, words[0], static_cast<size_t>(4 * L));
+#else
     for (int w = 0; w < 4; ++w)
       hn::Store(hn::IfThenZeroElse(hn::Lt(hn::ShiftRight<8>(c[w]), vthreshold), one), du, words[w]);
     for (int64_t k = 0; k < L; ++k)
       for (int64_t j = 0; j < 4; ++j)
         keep[i0 + 4 * k + j] = static_cast<uint8_t>(words[j][k]);
+#endif
   }
 #endif
   scalar(i0, end);

@@ -43,6 +43,7 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/row_prefetch.hpp"
 #include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/transpose16.hpp"
 

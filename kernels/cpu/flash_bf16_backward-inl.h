@@ -317,9 +317,11 @@ void PackQueryRows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b,
 }
 
 // One work item: dK, dV of keys [sa, sb) of batch row b, and their share of dQ (unscaled,
-// added into dq_part (T, w.Dp)).
+// added into dq_part (T, w.Dp)). next_b >= 0: the item this thread probably runs next, all keys
+// of next_b, whose rows are prefetched into L2 over this item (NextItemPrefetch, as the fp32
+// backward).
 void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t sa,
-                  int64_t sb, float* dq_part, BwdBuffers& w) {
+                  int64_t sb, float* dq_part, BwdBuffers& w, int64_t next_b = -1) {
   const int64_t T = p.T, D = p.D, Dv = p.Dv, D2 = (D + 1) / 2, Dv2 = (Dv + 1) / 2, Dp = w.Dp;
   const bool whole = w.rows == T;
   const bool dropout = p.dropout > 0.0f;
@@ -348,6 +350,11 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
     w.drow[t] = _mm512_reduce_add_ps(acc);
   }
   if (whole) PackQueryRows(p, g, b, 0, T, w);
+  NextItemPrefetch next(p, g, next_b);
+  // Prefetch steps: one per key block and 16 query rows as if none were skipped; the rest at the
+  // end.
+  const int64_t steps = (sb - sa + kBwdK - 1) / kBwdK * ((T + 15) / 16);
+  int64_t step = 0;
 
   for (int64_t s0 = sa; s0 < sb; s0 += kBwdK) {
     const int64_t nk = std::min(kBwdK, sb - s0);
@@ -402,6 +409,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
       // key gives 0). Out go only the bf16 roundings: pz2, ds2 (pairs along t) and dsr (pairs
       // along s).
       for (int64_t r = 0; r < mq; r += 2) {
+        if (r % 16 == 0) next.Step(step++, steps);
         int64_t n[2];
         __m512 l2[2], dd[2];
         for (int h = 0; h < 2; ++h) {
@@ -519,6 +527,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
                      g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + s0 * g.dv.st, g.dv.st,
                      g.dv.sd, w.out16);
   }
+  next.Step(steps - 1, steps);
 }
 
 void BackwardNative(const FlashBf16Params& p, const FlashBf16Grads& g) {
@@ -550,10 +559,12 @@ void BackwardNative(const FlashBf16Params& p, const FlashBf16Grads& g) {
 #pragma omp parallel num_threads(threads)
     {
       BwdBuffers w(p, /*with_part=*/true, buffers.get(omp_get_thread_num()));
+      // With a dynamic schedule of equal items, a thread's next item is most often b + threads.
+      const int64_t stride = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
       for (int64_t b = 0; b < p.B; ++b) {
-        std::fill(w.part, w.part + part_floats, 0.0f);
-        BackwardItem(p, g, b, bounds[0], bounds[1], w.part, w);
+        std::memset(w.part, 0, sizeof(float) * part_floats);
+        BackwardItem(p, g, b, bounds[0], bounds[1], w.part, w, b + stride < p.B ? b + stride : -1);
         for (int64_t t = 0; t < p.T; ++t) {
           const float* row = w.part + t * Dp;
           write_dq(b, t, &row, nullptr);

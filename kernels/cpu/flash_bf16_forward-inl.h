@@ -126,8 +126,14 @@ bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, in
                  int64_t c0, int64_t mqp, float* xt) {
   if (!p.dropout_rows_aligned(s0)) return false;
   const float keep_scale = p.dropout < 1.0f ? 1.0f / (1.0f - p.dropout) : 0.0f;
-  const __m512 vp = _mm512_set1_ps(p.dropout), vkeep = _mm512_set1_ps(keep_scale);
-  const __m512 two_m24 = _mm512_set1_ps(1.0f / 16777216.0f);
+  const __m512 vkeep = _mm512_set1_ps(keep_scale);
+  // kept iff (r >> 8) 2^-24 >= p, exactly as attn::dropout_keep computes it in float: for p in
+  // (0, 1] that is r > 256 ceil(p 2^24) - 1, one unsigned compare (KeepBound in
+  // flash_kernels-inl.h; p = 1 gives 2^32 - 1: nothing kept).
+  const double ceil_p =
+      std::clamp(std::ceil(static_cast<double>(p.dropout) * 16777216.0), 1.0, 16777216.0);
+  const __m512i bound = _mm512_set1_epi32(
+      static_cast<int>(static_cast<uint32_t>(static_cast<uint64_t>(ceil_p) * 256 - 1)));
   const __m512i off_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset)));
   const __m512i off_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(p.offset >> 32)));
   alignas(64) uint32_t lo_w[kL], hi_w[kL];
@@ -143,22 +149,25 @@ bool DropoutTile(const FlashBf16Params& p, int64_t b, int64_t t0, int64_t s0, in
         p.dropout_keep != nullptr
             ? p.dropout_keep + (b * ((p.T + kL - 1) / kL) + (t0 + q) / kL) * p.S + s0
             : nullptr;
-    for (int64_t g = 0; 4 * g < nk; ++g) {
-      __m512i c[4];
-      c[0] = _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int>(g)));
-      const __mmask16 carry = _mm512_cmplt_epu32_mask(c[0], lo);
-      c[1] = _mm512_mask_add_epi32(hi, carry, hi, _mm512_set1_epi32(1));
-      c[2] = off_lo;
-      c[3] = off_hi;
-      Philox16(c, p.seed);
-      for (int64_t j = 0; j < 4 && 4 * g + j < nk; ++j) {
-        // kept iff (r >> 8) 2^-24 >= p, exactly as attn::dropout_keep computes it in float
-        const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(c[j], 8)), two_m24);
-        const __mmask16 kept = _mm512_cmp_ps_mask(u, vp, _CMP_GE_OQ);
+    // Keys 4g + j, j < 4, from word j of block g: two blocks (g, g + 1) drawn at once (two
+    // dependency chains in flight; a block past the last group is drawn and not used).
+    for (int64_t g = 0; 4 * g < nk; g += 2) {
+      __m512i c[2][4];
+      for (int n = 0; n < 2; ++n) {
+        c[n][0] = _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int>(g + n)));
+        const __mmask16 carry = _mm512_cmplt_epu32_mask(c[n][0], lo);
+        c[n][1] = _mm512_mask_add_epi32(hi, carry, hi, _mm512_set1_epi32(1));
+        c[n][2] = off_lo;
+        c[n][3] = off_hi;
+      }
+      Philox16x2(c, p.seed);
+      for (int64_t j = 0; j < 8 && 4 * g + j < nk; ++j) {
+        const __mmask16 kept = _mm512_cmpgt_epu32_mask(c[j / 4][j % 4], bound);
         if (keep_words != nullptr) keep_words[4 * g + j] = static_cast<uint16_t>(kept);
-        const __m512 z = _mm512_maskz_mov_ps(kept, vkeep);
         float* row = xt + (4 * g + j) * mqp + q;
-        _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), z));
+        // A multiply by 0, not a zeroing: a NaN weight stays NaN, as in the scalar path.
+        _mm512_storeu_ps(row,
+                         _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_maskz_mov_ps(kept, vkeep)));
       }
     }
   }
@@ -220,8 +229,12 @@ void MaskedRow(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, float
 }
 
 // One work item: queries [t0, t0 + kBlockQ) of batch row b (the fp32 ForwardBlock's structure).
-void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t t0,
-                  float* scratch) {
+// (next_b, next_t0): the item this thread will probably run next (next_b < 0: none). At short
+// sequences (ShortRows) its q rows and packed K and V, and this item's out rows, are prefetched
+// into L2 over the item's steps, as in the fp32 forward: an item lasts microseconds there, and
+// the packed K and V of all batch rows (written before the items) are no longer in L2.
+void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t t0, float* scratch,
+                  int64_t next_b = -1, int64_t next_t0 = 0) {
   const int64_t D = p.D, Dv = p.Dv, D2 = pk.D2;
   const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = (mq + kL - 1) / kL * kL;
   uint32_t* qt2 = reinterpret_cast<uint32_t*>(scratch);             // (D2, mqp) Q^T pairs
@@ -257,6 +270,24 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
 
   const uint32_t* kt2 = pk.kt2 + b * D2 * pk.ldk;
   const uint32_t* vt2 = pk.vt2 + b * pk.S2 * Dv;
+  const bool short_rows = ShortRows(p) && next_b >= 0;
+  const bool next_kv = short_rows && next_b != b;
+  constexpr auto kWhole = RowPrefetch::Mode::kWholeItem;
+  RowPrefetch pf[4];
+  if (short_rows) {
+    const int64_t next_mq = std::min(kBlockQ, p.T - next_t0);
+    pf[0] = RowPrefetch(p.q.data + HeadOffset(p.heads, next_b, p.q.sb, p.q.sh) + next_t0 * p.q.st,
+                        next_mq, D, p.q.st, kWhole);
+    pf[1] = RowPrefetch(p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh) + t0 * p.out.st, mq,
+                        Dv, p.out.st, kWhole);
+  }
+  if (next_kv) {
+    pf[2] = RowPrefetch(pk.kt2 + next_b * D2 * pk.ldk, 1, D2 * pk.ldk, D2 * pk.ldk, kWhole);
+    pf[3] = RowPrefetch(pk.vt2 + next_b * pk.S2 * Dv, 1, pk.S2 * Dv, pk.S2 * Dv, kWhole);
+  }
+  // Prefetch steps: one per key tile and 16 queries.
+  const int64_t steps = (max_lim + kBlockK - 1) / kBlockK * (mqp / kL);
+  int64_t step = 0;
 
   for (int64_t s0 = 0; s0 < max_lim; s0 += kBlockK) {
     const int64_t nk = std::min(kBlockK, max_lim - s0), nk2 = (nk + 1) / 2;
@@ -286,6 +317,10 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
     // Online softmax, 16 queries per vector; without dropout the weights go straight to bf16
     // pairs, with it they stay fp32 in xt until the multipliers are applied.
     for (int64_t q = c0; q < mqp; q += kL) {
+      if (short_rows)
+        for (RowPrefetch& r : pf)
+          r.Step(step, steps);
+      ++step;
       const __m512 m_old = _mm512_loadu_ps(mv + q);
       __m512 m_new;
       if (!masked) {  // the score GEMM left the tile maximum in tmax
@@ -366,8 +401,31 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
   // out = O^T / l, transposed back 16 queries at a time (vcvtneps2bf16 rounds to nearest even).
   for (int64_t r = 0; r < mqp; ++r)
     alpha[r] = r < mq && lim[r] > 0 ? 1.0f / lv[r] : 0.0f;
+  uint16_t* const out_b = p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh);
+  if (p.out.sd == 1) {
+    // Unit feature stride: 16 x 16 blocks of O^T / l through transpose16x16_epi32, each query's
+    // 16 features rounded and stored at once (the element-wise stores below, 2 bytes per query
+    // row each, were ~12% of the item at T = 128, D = 32). The same products and roundings.
+    for (int64_t q = 0; q < mq; q += kL) {
+      const __m512 va = _mm512_loadu_ps(alpha + q);
+      for (int64_t e0 = 0; e0 < Dv; e0 += kL) {
+        const int64_t ne = std::min(kL, Dv - e0);
+        __m512i r[kL];
+        for (int64_t i = 0; i < kL; ++i)
+          r[i] =
+              i < ne
+                  ? _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(ot + (e0 + i) * mqp + q), va))
+                  : _mm512_setzero_si512();
+        transpose16x16_epi32(r);  // r[l]: features e0 .. e0 + 15 of query q + l
+        const __mmask16 m = ne >= kL ? __mmask16(0xffff) : __mmask16((1u << ne) - 1);
+        for (int64_t l = 0; l < std::min(kL, mq - q); ++l)
+          _mm256_mask_storeu_epi16(out_b + (t0 + q + l) * p.out.st + e0, m,
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[l])));
+      }
+    }
+  }
   alignas(32) uint16_t o16[kL];
-  for (int64_t e = 0; e < Dv; ++e)
+  for (int64_t e = 0; p.out.sd != 1 && e < Dv; ++e)
     for (int64_t q = 0; q < mq; q += kL) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(ot + e * mqp + q), _mm512_loadu_ps(alpha + q));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o16), (__m256i)_mm512_cvtneps_pbh(x));
@@ -420,11 +478,19 @@ void ForwardNative(const FlashBf16Params& p) {
     for (int64_t b = 0; b < p.B; ++b)
       PackBatch(p, pk, b);
     float* scratch = scratches.get(omp_get_thread_num());
+    // With a dynamic schedule of equal items, a thread's next item is most often it + threads.
+    const int64_t stride = omp_get_num_threads();
+    auto item = [&](int64_t it, int64_t& b, int64_t& t0) {
+      const int64_t i = p.causal ? items - 1 - it : it;
+      b = i / blocks;
+      t0 = (p.causal ? blocks - 1 - i % blocks : i % blocks) * kBlockQ;
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t i = p.causal ? items - 1 - it : it;
-      const int64_t b = i / blocks, blk = p.causal ? blocks - 1 - i % blocks : i % blocks;
-      ForwardBlock(p, pk, b, blk * kBlockQ, scratch);
+      int64_t b = 0, t0 = 0, next_b = -1, next_t0 = 0;
+      item(it, b, t0);
+      if (it + stride < items) item(it + stride, next_b, next_t0);
+      ForwardBlock(p, pk, b, t0, scratch, next_b, next_t0);
     }
   }
 }

@@ -40,6 +40,10 @@ inline __m512i PairBf16(__m512 lo, __m512 hi) {
 inline void Philox16(__m512i c[4], uint64_t seed) {
   N_AVX3::Philox4x32Avx512(c, seed);
 }
+// Two sets of 16 counters at once (c[n] as c above), rounds interleaved.
+inline void Philox16x2(__m512i c[2][4], uint64_t seed) {
+  N_AVX3::Philox4x32Avx512x2(c, seed);
+}
 
 // True when a 16-word vector of bf16 pairs holds no Inf or NaN (exponent field all ones).
 inline bool PairsFinite(__m512i w) {

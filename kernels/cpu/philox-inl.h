@@ -98,6 +98,20 @@ HWY_INLINE void Philox4x32Avx512(__m512i c[4], uint64_t seed) {
   for (int w = 0; w < 4; ++w)
     c[w] = v[w].raw;
 }
+
+// Philox4x32N<2> on raw registers: two independent sets of 16 counters, rounds interleaved (the
+// bf16 forward's dropout draws two blocks of every query lane at once, as the fp32 forward).
+HWY_INLINE void Philox4x32Avx512x2(__m512i c[2][4], uint64_t seed) {
+  using DU = hn::Full512<uint32_t>;
+  hn::Vec<DU> v[2][4];
+  for (int n = 0; n < 2; ++n)
+    for (int w = 0; w < 4; ++w)
+      v[n][w] = hn::Vec<DU>{c[n][w]};
+  Philox4x32N<2>(DU(), v, seed);
+  for (int n = 0; n < 2; ++n)
+    for (int w = 0; w < 4; ++w)
+      c[n][w] = v[n][w].raw;
+}
 #endif  // HWY_TARGET == HWY_AVX3
 
 }  // namespace attn::cpu::HWY_NAMESPACE

@@ -1,6 +1,7 @@
 // Software prefetch of a block of rows, spread over the steps of a loop (the fp32 kernels'; the
-// same prefetch in the bf16 forward measured nothing and was not kept), and the fp32 backward's
-// prefetch of its next work item at short sequences (NextItemPrefetch).
+// bf16 forward uses only Mode::kWholeItem: the last-steps prefetch measured nothing there), and
+// the backward's prefetch of its next work item at short sequences (NextItemPrefetch: fp32 and
+// bf16).
 #pragma once
 
 #include <algorithm>
@@ -76,7 +77,8 @@ bool ShortRows(const Problem& p) {
 }
 
 // The rows one backward item reads (q, k, v, out, dO of its b) and writes (dq, dk, dv) (Args,
-// Grads: kernels::AttentionArgs<float> and AttentionGradArgs<float>),
+// Grads: kernels::AttentionArgs and AttentionGradArgs, float or bf16; ShortRows counts 4 bytes
+// an element either way),
 // prefetched during the item before it while they are a small part of L2 (ShortRows). Short items
 // run for microseconds, with head strides each row a line or two of its own, and their first
 // touches of these rows were the largest cost outside the products (T = S = 128, D = 32: ~25% of
