@@ -85,6 +85,25 @@ struct Problem {
     g.accumulate = accumulate;
     return g;
   }
+  // The same A and B as bfloat16 bits (same layout and offsets), and args that read them.
+  struct Bf16 {
+    std::vector<uint16_t> a, b;
+  };
+  Bf16 as_bf16() const {
+    Bf16 m{std::vector<uint16_t>(a.size()), std::vector<uint16_t>(b.size())};
+    for (size_t j = 0; j < a.size(); ++j)
+      m.a[j] = float_to_bf16(a[j]);
+    for (size_t j = 0; j < b.size(); ++j)
+      m.b[j] = float_to_bf16(b[j]);
+    return m;
+  }
+  cpu::GemmArgs bf16_args(const Bf16& m, float* out) const {
+    cpu::GemmArgs g = args(out);
+    g.type = cpu::GemmType::kBF16;
+    g.A = m.a.data() + kOffset;
+    g.B = m.b.data() + kOffset;
+    return g;
+  }
   std::string name() const {
     return fmt::format("M={} N={} K={} trans_a={} trans_b={} bias={} accumulate={} pad={}", M, N, K,
                        trans_a, trans_b, bias, accumulate, pad);
@@ -253,16 +272,9 @@ TEST(GemmCpu, PanelsMatchTheBoundAndAnyThreadCount) {
   for (int flags = 0; flags < 4; ++flags) {
     Problem p{300, 40, 70, bool(flags & 1), bool(flags & 2), true, false, 1};
     p.fill(900 + flags);
-    std::vector<uint16_t> a16(p.a.size()), b16(p.b.size());
-    for (size_t j = 0; j < p.a.size(); ++j)
-      a16[j] = float_to_bf16(p.a[j]);
-    for (size_t j = 0; j < p.b.size(); ++j)
-      b16[j] = float_to_bf16(p.b[j]);
+    const Problem::Bf16 m16 = p.as_bf16();
     std::vector<float> out = p.c;
-    cpu::GemmArgs g = p.args(out.data());
-    g.type = cpu::GemmType::kBF16;
-    g.A = a16.data() + Problem::kOffset;
-    g.B = b16.data() + Problem::kOffset;
+    cpu::GemmArgs g = p.bf16_args(m16, out.data());
     cpu::gemm_panels(g, 2);
     ASSERT_TRUE(p.verify(out, round_bf16));
     std::vector<uint16_t> out16(p.c.size(), 0);
@@ -286,17 +298,9 @@ TEST(GemmCpu, Bf16InputsF32Output) {
         pick(),          pick(),          pick(),          bool(rng() & 1),
         bool(rng() & 1), bool(rng() & 1), bool(rng() & 1), static_cast<int64_t>(rng() % 2) * 3};
     p.fill(100 + i);
-    // The same matrices as bf16 bits, same layout and offsets.
-    std::vector<uint16_t> a16(p.a.size()), b16(p.b.size());
-    for (size_t j = 0; j < p.a.size(); ++j)
-      a16[j] = float_to_bf16(p.a[j]);
-    for (size_t j = 0; j < p.b.size(); ++j)
-      b16[j] = float_to_bf16(p.b[j]);
+    const Problem::Bf16 m16 = p.as_bf16();
     std::vector<float> out = p.c;
-    cpu::GemmArgs g = p.args(out.data());
-    g.type = cpu::GemmType::kBF16;
-    g.A = a16.data() + Problem::kOffset;
-    g.B = b16.data() + Problem::kOffset;
+    cpu::GemmArgs g = p.bf16_args(m16, out.data());
     cpu::gemm(g, 2);
     // Exact f32 arithmetic on the rounded inputs: the f32 bound.
     ASSERT_TRUE(p.verify(out, round_bf16));

@@ -28,6 +28,19 @@ TOLERANCE = {
 }
 
 
+def autograd_node_names(out):
+    """Names of the autograd nodes behind `out` (the caller keeps `out` alive: a Python
+    Function's graph node lives only as long as the tensors it made)."""
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        todo.extend(g for g, _ in f.next_functions)
+    return [type(f).__name__ for f in seen]
+
+
 def assert_close(actual, expected, dtype, what=""):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), err_msg=what,
                                **TOLERANCE[np.dtype(dtype).type])

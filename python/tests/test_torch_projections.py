@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 import attn  # noqa: E402
 import attn.torch as at  # noqa: E402
 from attn import _attn  # noqa: E402
+from conftest import autograd_node_names  # noqa: E402
 
 nn = torch.nn
 F = torch.nn.functional
@@ -19,18 +20,6 @@ F = torch.nn.functional
 
 def tensor(rng, *shape, dtype=torch.float32):
     return torch.tensor(rng.standard_normal(shape), dtype=torch.float32).to(dtype)
-
-
-def linear_nodes(out):
-    """Names of the autograd nodes behind `out` (kept alive by the caller)."""
-    seen, todo = set(), [out.grad_fn]
-    while todo:
-        f = todo.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        todo.extend(g for g, _ in f.next_functions)
-    return [type(f).__name__ for f in seen]
 
 
 def views(rng, layout, dtype):
@@ -193,7 +182,7 @@ def test_module_gradients_match_torch_and_accumulate(rng, batch_first, bias, kin
         for a, e in zip(gx2, gx1):
             np.testing.assert_allclose(a, e, rtol=2e-5, atol=5e-6, err_msg="input grad")
     out, _ = ours(q, k, v, key_padding_mask=pad, need_weights=False)
-    assert linear_nodes(out).count("_LinearBackward") == (2 if kind == "self" else 4)
+    assert autograd_node_names(out).count("_LinearBackward") == (2 if kind == "self" else 4)
     for (n, p), (_, r) in zip(ours.named_parameters(), ref.named_parameters()):
         np.testing.assert_allclose(p.grad, r.grad, rtol=2e-5, atol=5e-6, err_msg=n)
 
@@ -217,7 +206,7 @@ def test_module_bfloat16_gradients_within_tolerance(rng):
         assert rel(p.grad, r.grad) < 3e-2, n
     xb = x.bfloat16()
     out, _ = ours(xb, xb, xb, need_weights=False)
-    assert linear_nodes(out).count("_LinearBackward") == 2
+    assert autograd_node_names(out).count("_LinearBackward") == 2
 
 
 def test_module_frozen_projection_no_grad_and_inference(rng):
@@ -246,10 +235,10 @@ def test_module_float64_and_reference_backend_keep_torch_linear(rng):
     x = tensor(rng, 2, 5, 8)
     m64 = at.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
     out, _ = m64(x.double(), x.double(), x.double(), need_weights=False)
-    assert "_LinearBackward" not in linear_nodes(out)
+    assert "_LinearBackward" not in autograd_node_names(out)
     ref = at.MultiheadAttention(8, 2, batch_first=True, ctx=attn.Context(backend="reference"))
     out, _ = ref(x, x, x, need_weights=False)
-    assert "_LinearBackward" not in linear_nodes(out)
+    assert "_LinearBackward" not in autograd_node_names(out)
     fused = at.MultiheadAttention(8, 2, batch_first=True)
     fused.load_state_dict(ref.state_dict())
     np.testing.assert_allclose(fused(x, x, x, need_weights=False)[0].detach(), out.detach(),
@@ -282,6 +271,6 @@ def test_module_under_cpu_autocast_follows_torch(rng):
         expected, _ = ref(x, x, x, need_weights=False)
         out, _ = ours(x, x, x, need_weights=False)
     assert out.dtype == expected.dtype == torch.bfloat16
-    assert "_LinearBackward" not in linear_nodes(out)
+    assert "_LinearBackward" not in autograd_node_names(out)
     np.testing.assert_allclose(out.float().detach(), expected.float().detach(), rtol=5e-2,
                                atol=5e-2)
