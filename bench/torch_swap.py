@@ -122,6 +122,9 @@ def main():
     ap.add_argument("--classes", type=int, default=2)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--min-time", type=float, default=0.5, help="seconds per round and side")
+    ap.add_argument("--attn-threads", type=int, default=0,
+                    help="thread count of attn's modules (Context.threads); 0: attn.torch's "
+                         "default (torch's count, plus one spare for the fused kernels)")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--baseline-module", metavar="FILE",
                     help="another python/attn/torch.py, timed as the side attn_base")
@@ -138,6 +141,8 @@ def main():
             blk.attention = (NoAttention() if cls is None else
                              TorchMHA(cls(E, H, dropout=args.dropout, bias=False,
                                           batch_first=True)))
+            if cls is not None and hasattr(blk.attention.mha, "context"):
+                blk.attention.mha.context.threads = args.attn_threads
         return model
 
     classes = {"torch": nn.MultiheadAttention, "attn": attn.torch.MultiheadAttention}

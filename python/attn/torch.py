@@ -56,11 +56,11 @@ def _threads(actx, dtype=torch.float32):
     worker spinning on one core for ~0.1 s after every GEMM torch runs, so attn's threads share
     that core with it; the fused kernels and the projections (gemm_panels) hand out their work
     on a dynamic schedule, and one more thread than cores takes the cycles the spinner leaves
-    (d2l's loop, 2 cores: 1.40-1.51x nn.MultiheadAttention's step with 2 threads, 1.67-1.76x
-    with 3), while on a quiet machine with no OpenBLAS call around it the module ran alike with
-    3 and 2 threads in float32 and 4-7% slower with 3 in bfloat16 (whose forward packs K and V on
-    a static schedule). Set Context.threads to choose. Results do not depend on the thread
-    count. The reference loops (float64, backend='reference') keep
+    (d2l's loop, 2 cores, bench/torch_swap.py --attn-threads: 1.47-1.56x nn.MultiheadAttention's
+    step with 2 threads, 1.61-1.64x with 3). With nothing else running
+    (bench/torch_module_threads.py) the float32 module is no slower with 3, bfloat16 ~8% slower
+    (its forward packs K and V on a static schedule). Set Context.threads to choose. Results do
+    not depend on the thread count. The reference loops (float64, backend='reference') keep
     torch's count."""
     t = actx.threads
     if t > 0:
