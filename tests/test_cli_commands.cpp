@@ -386,5 +386,48 @@ TEST_F(Cli, HelpExitsZero) {
   EXPECT_NE(run("self-attention --help").out.find("--num-heads"), std::string::npos);
 }
 
+// An unknown subcommand is named (with the ones that exist), at every level, also when --help
+// follows it: `attn foo --help` must not print the top-level help and exit 0 as if foo existed.
+TEST_F(Cli, UnknownSubcommandIsNamed) {
+  const struct {
+    const char* args;
+    const char* names;  // the command the word was looked up in
+    const char* lists;  // one subcommand the message offers
+  } cases[] = {
+      {"foo", "`attn`", "self-attention"},
+      {"foo --help", "`attn`", "bench"},
+      {"foo --version", "`attn`", "tour"},
+      {"bench foo", "`attn bench`", "attention"},
+      {"bench foo --help", "`attn bench`", "ring"},
+      {"pe foo", "`attn pe`", "relative"},
+  };
+  for (const auto& c : cases) {
+    const Result r = run(c.args);
+    EXPECT_EQ(r.status, 2) << "attn " << c.args;
+    EXPECT_EQ(r.out, "") << "attn " << c.args;
+    const auto err = lines(r.err);
+    ASSERT_EQ(err.size(), 1u) << "attn " << c.args << "\nstderr:\n" << r.err;
+    EXPECT_EQ(err[0].rfind("attn: unknown subcommand 'foo' for " + std::string(c.names), 0), 0u)
+        << err[0];
+    EXPECT_NE(err[0].find(c.lists), std::string::npos) << err[0];
+  }
+  // Words after a flag are values or positionals, not subcommands: CLI11 judges them.
+  const Result value = run("pe --format foo");
+  EXPECT_EQ(value.status, 2);
+  EXPECT_EQ(value.err.find("unknown subcommand"), std::string::npos) << value.err;
+}
+
+// `attn --version` prints the project version of the top-level CMakeLists.txt.
+TEST_F(Cli, VersionPrintsTheProjectVersion) {
+  const std::string cmake = read_file(fs::path(ATTN_FIXTURE_DIR) / ".." / ".." / "CMakeLists.txt");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(cmake, m, std::regex(R"(project\(attn VERSION ([0-9.]+))")));
+  const Result r = run("--version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "attn " + m[1].str() + "\n");
+  EXPECT_EQ(r.err, "");
+  EXPECT_NE(run("--help").out.find("--version"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace attn

@@ -1,8 +1,8 @@
 // attn::cli::run: the whole command line as a function (main() calls it; the argument fuzzer
 // in fuzz/ calls it in-process, once per input, so it keeps no state between calls).
 //
-// Exit status: 0 on success (and for --help), 2 for a bad flag or value (one line on stderr,
-// "attn: <what is wrong>"), 1 for an unexpected internal failure.
+// Exit status: 0 on success (and for --help, --version), 2 for a bad flag or value or an unknown
+// subcommand (one line on stderr, "attn: <what is wrong>"), 1 for an unexpected internal failure.
 #include "attn/core/comm.hpp"
 #include "attn/core/error.hpp"
 #include "tools/attn/commands.hpp"
@@ -10,6 +10,10 @@
 #include <cstdio>
 #include <exception>
 #include <string>
+
+#ifndef ATTN_VERSION
+#define ATTN_VERSION "unknown"
+#endif
 
 namespace attn::cli {
 
@@ -34,6 +38,36 @@ int fail(int status, const std::string& message) {
   return status;
 }
 
+// The subcommand words at the front of argv, checked before CLI11 parses: CLI11 reports an unknown
+// word as "A subcommand is required" or as an unexpected argument, and `attn foo --help` prints
+// the top-level help and exits 0, as if foo existed. Walks down while the next word names a
+// subcommand; a word that does not, where a command with subcommands takes no positional
+// arguments, is an unknown subcommand. The first word starting with '-' ends the walk.
+// Returns the message, or "" when every leading word names a subcommand.
+std::string unknown_subcommand(CLI::App& app, int argc, char** argv) {
+  CLI::App* at = &app;
+  std::string path = "attn";
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-') break;
+    const auto subs = at->get_subcommands([](const CLI::App*) { return true; });
+    if (subs.empty()) break;
+    CLI::App* next = nullptr;
+    std::string names;
+    for (CLI::App* sub : subs) {
+      if (sub->check_name(argv[i])) next = sub;
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (next == nullptr) {
+      if (!at->get_options([](const CLI::Option* o) { return o->get_positional(); }).empty()) break;
+      return "unknown subcommand '" + std::string(argv[i]) + "' for `" + path + "`; expected one of: " +
+             names + " (`" + path + " --help` lists them)";
+    }
+    at = next;
+    path += " " + next->get_name();
+  }
+  return "";
+}
+
 }  // namespace
 
 int run(int argc, char** argv) {
@@ -42,6 +76,7 @@ int run(int argc, char** argv) {
       "Every subcommand has --help; `attn tour --out DIR` runs them all into DIR/index.html.",
       "attn"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("attn ") + ATTN_VERSION, "Print the version and exit");
   std::vector<Command> commands;
   try {
     // To add a subcommand: write add_<name>_command (see commands.hpp) and list it here.
@@ -52,9 +87,11 @@ int run(int argc, char** argv) {
       for (auto& c : add(app))
         commands.push_back(std::move(c));
     }
+    if (const std::string unknown = unknown_subcommand(app, argc, argv); !unknown.empty())
+      return fail(2, unknown);
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help and friends: CLI11 prints the (sub)command's help on stdout and we exit 0.
+    // --help, --version: CLI11 prints the (sub)command's help or the version on stdout, exit 0.
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
     return fail(2, e.what());
   } catch (const Error& e) {
