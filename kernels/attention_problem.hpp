@@ -1,6 +1,7 @@
-// The kernel interface of attention: what every fused attention kernel
-// (kernels/cpu/flash_attention, kernels/cpu/flash_bf16; next a decode kernel, a ring step, CUDA)
-// takes. Internal to the library. Plain numbers and pointers only: no Tensor, no public op header.
+// The kernel interface of attention: what every fused attention kernel takes
+// (kernels/cpu/flash_attention, kernels/cpu/flash_bf16, and kernels/cpu/decode_attention through
+// DecodeArgs; the ring step of ops/ring_attention.cpp calls the flash kernels per key block).
+// Internal to the library. Plain numbers and pointers only: no Tensor, no public op header.
 // The ops layer validates the user's tensors, lowers the mask to kept-key counts (ops/mask.hpp) and
 // fills these structs in one place (ops/attention_kernel.hpp).
 //

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs, builds and runs every test:
-#   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors), then
-#      installs the Python module for Debian's /usr/bin/python3,
+#   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors) after the
+#      docs check (scripts/check-docs.py), then installs the Python module for Debian's
+#      /usr/bin/python3,
 #   2. the fixture generator: what it writes now must equal the committed fixtures,
 #   3. the installed package, consumed through CMake and pkg-config, shared and static,
 #   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
@@ -20,6 +21,8 @@ cmake --preset default -DATTN_BUILD_CLI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_BE
   -DATTN_BUILD_PYTHON=ON -DATTN_WITH_MPI=ON -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF \
   >/dev/null  # all on (debug info, no PCH), whatever tour.sh configured
 cmake --build --preset default
+# The docs name only paths, tests and `attn` flags that exist (a second, not a build).
+/usr/bin/python3 scripts/check-docs.py --attn build/default/attn
 ctest --preset default
 # The README's set-up makes `/usr/bin/python3 -c "import attn"` work.
 bash scripts/install-python.sh build/default
