@@ -1,16 +1,14 @@
-// The benchmarks' name for the measured FMA peak; it lives in the library (kernels/cpu/fma_peak)
-// so that `attn bench` measures it the same way.
+// The machine's FP32 FMA peak, measured: a register-only loop of independent fused multiply-adds
+// on the widest SIMD target Highway picks, run on `threads` threads at once. Benchmarks (bench/,
+// `attn bench attention`) divide their GFLOP/s by this figure, measured in the same run. An
+// instrument, not part of the library: the CLI and the bench binaries link it as attn_fma_peak.
 #pragma once
-
-#include "kernels/cpu/fma_peak.hpp"
 
 namespace attn::bench {
 
-inline double measure_fma_peak_gflops(int threads) {
-  return cpu::measure_fma_peak_gflops(threads);
-}
-inline const char* fma_peak_target() {
-  return cpu::fma_peak_target();
-}
+// GFLOP/s of all `threads` together (2 FLOP per lane per FMA); best of a few short runs.
+double measure_fma_peak_gflops(int threads);
+// Name of the SIMD target the loop ran on (e.g. "AVX3").
+const char* fma_peak_target();
 
 }  // namespace attn::bench

@@ -19,7 +19,7 @@
 #include "attn/core/error.hpp"
 #include "attn/model/data.hpp"
 #include "attn/model/seq2seq_data.hpp"
-#include "model/unicode_lower.hpp"
+#include "model/data/unicode_lower.hpp"
 
 #include <cstddef>
 #include <cstdint>

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes model/unicode_lower_table.inc: Python's str.lower() as runs of code points.
+"""Writes model/data/unicode_lower_table.inc: Python's str.lower() as runs of code points.
 
 d2l's `_preprocess` lower-cases with Python's str.lower() (full Unicode); attn's TSV reader does
 the same on UTF-8 through this table. Every code point whose lower() is ONE other code point is
@@ -7,8 +7,8 @@ listed; consecutive ones with the same offset and a stride of 1 or 2 (Latin Exte
 capitals and small letters alternately) share a run {first, last, stride, delta}. Runs do not
 overlap, so a binary search on `first` finds the only candidate. Two cases are not in the table
 and handled in code: U+0130 (lower() gives two code points, "i" + U+0307) and the final sigma
-(see model/unicode_lower.hpp). Deterministic; rerun after a Python upgrade changes Unicode:
-    python3 scripts/gen_unicode_lower.py > model/unicode_lower_table.inc
+(see model/data/unicode_lower.hpp). Deterministic; rerun after a Python upgrade changes Unicode:
+    python3 scripts/gen_unicode_lower.py > model/data/unicode_lower_table.inc
 """
 import sys
 import unicodedata

@@ -11,7 +11,7 @@
 #include "attn/core/rng.hpp"
 #include "attn/ops/attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
-#include "kernels/cpu/fma_peak.hpp"
+#include "bench/fma_peak.hpp"
 #include "tools/attn/commands.hpp"
 
 #include <fmt/format.h>
@@ -115,8 +115,8 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   ctx.threads = a.threads;
   ctx.backend = parse_backend(a.backend);
   r.threads = ctx.resolved_threads();
-  r.peak_gflops = cpu::measure_fma_peak_gflops(static_cast<int>(r.threads));
-  r.peak_target = cpu::fma_peak_target();
+  r.peak_gflops = bench::measure_fma_peak_gflops(static_cast<int>(r.threads));
+  r.peak_target = bench::fma_peak_target();
   r.kernel_target = cpu::flash_attention_target();
 
   Rng gen(42);
@@ -184,7 +184,7 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   // The peak is measured again after the timed runs and the higher value kept: a peak taken
   // while a shared core was briefly slowed read 170-300 GFLOP/s instead of 445 on this VM kind.
   r.peak_gflops =
-      std::max(r.peak_gflops, cpu::measure_fma_peak_gflops(static_cast<int>(r.threads)));
+      std::max(r.peak_gflops, bench::measure_fma_peak_gflops(static_cast<int>(r.threads)));
   return r;
 }
 

@@ -3,7 +3,7 @@
 // per cycle, so 8+ chains suffice; 12 leaves margin and fits 16 and 32 registers alike). Nothing
 // touches memory inside the loop.
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "kernels/cpu/fma_peak.cpp"
+#define HWY_TARGET_INCLUDE "bench/fma_peak.cpp"
 #ifndef HWY_DISABLED_TARGETS
 #define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
 #endif
@@ -11,12 +11,12 @@
 
 #include "hwy/highway.h"
 
-#include "kernels/cpu/fma_peak.hpp"
+#include "bench/fma_peak.hpp"
 
 #include <cstdint>
 
 HWY_BEFORE_NAMESPACE();
-namespace attn::cpu::HWY_NAMESPACE {
+namespace attn::bench::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Runs `iters` x 12 FMAs of full vectors; returns the FLOPs done and a value that depends on the
@@ -52,7 +52,7 @@ const char* Target() {
   return hwy::TargetName(HWY_TARGET);
 }
 
-}  // namespace attn::cpu::HWY_NAMESPACE
+}  // namespace attn::bench::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
@@ -61,7 +61,7 @@ HWY_AFTER_NAMESPACE();
 #include <algorithm>
 #include <chrono>
 
-namespace attn::cpu {
+namespace attn::bench {
 
 HWY_EXPORT(FmaLoop);
 HWY_EXPORT(Target);
@@ -88,5 +88,5 @@ double measure_fma_peak_gflops(int threads) {
   return best;
 }
 
-}  // namespace attn::cpu
+}  // namespace attn::bench
 #endif  // HWY_ONCE

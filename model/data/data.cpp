@@ -2,8 +2,8 @@
 #include "attn/model/data.hpp"
 
 #include "attn/core/error.hpp"
-#include "model/shuffle.hpp"
-#include "model/text_file.hpp"
+#include "model/data/shuffle.hpp"
+#include "model/data/text_file.hpp"
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>

@@ -1,5 +1,5 @@
-// The options handling both trainers share (see model/train_options.hpp).
-#include "model/train_options.hpp"
+// The options handling both trainers share (see model/training/train_options.hpp).
+#include "model/training/train_options.hpp"
 
 #include "attn/core/error.hpp"
 

@@ -1,5 +1,5 @@
-// Checkpoint plumbing shared by the trainers (see model/checkpoint_io.hpp).
-#include "model/checkpoint_io.hpp"
+// Checkpoint plumbing shared by the trainers (see model/training/checkpoint_io.hpp).
+#include "model/training/checkpoint_io.hpp"
 
 #include "attn/core/error.hpp"
 

@@ -1,5 +1,5 @@
-// Reading a text data file (see model/text_file.hpp).
-#include "model/text_file.hpp"
+// Reading a text data file (see model/data/text_file.hpp).
+#include "model/data/text_file.hpp"
 
 #include <fstream>
 #include <sstream>

@@ -3,9 +3,9 @@
 #include "attn/model/seq2seq_data.hpp"
 
 #include "attn/core/error.hpp"
-#include "model/shuffle.hpp"
-#include "model/text_file.hpp"
-#include "model/unicode_lower.hpp"
+#include "model/data/shuffle.hpp"
+#include "model/data/text_file.hpp"
+#include "model/data/unicode_lower.hpp"
 
 #include <algorithm>
 #include <cmath>

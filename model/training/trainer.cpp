@@ -5,9 +5,9 @@
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
-#include "model/checkpoint_io.hpp"
-#include "model/eval_scope.hpp"
-#include "model/train_options.hpp"
+#include "model/training/checkpoint_io.hpp"
+#include "model/training/eval_scope.hpp"
+#include "model/training/train_options.hpp"
 
 #include <nlohmann/json.hpp>
 

@@ -1,5 +1,5 @@
-// UTF-8 decoding and Python's str.lower() (see model/unicode_lower.hpp).
-#include "model/unicode_lower.hpp"
+// UTF-8 decoding and Python's str.lower() (see model/data/unicode_lower.hpp).
+#include "model/data/unicode_lower.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -17,7 +17,7 @@ struct LowerRun {
 };
 
 constexpr LowerRun kLowerRuns[] = {
-#include "model/unicode_lower_table.inc"
+#include "model/data/unicode_lower_table.inc"
 };
 
 bool continuation(unsigned char c) {

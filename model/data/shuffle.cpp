@@ -1,5 +1,5 @@
-// The seeded example orders of the datasets (see model/shuffle.hpp).
-#include "model/shuffle.hpp"
+// The seeded example orders of the datasets (see model/data/shuffle.hpp).
+#include "model/data/shuffle.hpp"
 
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"

@@ -3,7 +3,7 @@
 
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"
-#include "model/words_hash.hpp"
+#include "model/data/words_hash.hpp"
 
 #include <algorithm>
 #include <array>
