@@ -1,92 +1,36 @@
-// What `attn train` records and how it loops, for the encoder tasks (cmd_train.cpp) and the
-// encoder-decoder tasks (cmd_train_seq2seq.cpp) alike: the evaluation history (one row per
-// evaluation, kept in the checkpoint's "train.history" so a resumed run continues it, written as
-// --metrics CSV or JSON and drawn as the --curve SVG), and the step loop with live progress,
-// evaluation every --eval-every steps and at the end, and checkpoints every --checkpoint-every.
-//
-// The two kinds of run differ only in their evaluation scores: eval_accuracy for the encoder
-// tasks; bleu and exact_match for the n -> m tasks.
+// What `attn train` adds to the library's training loop (model/training/train_loop.hpp) for the
+// encoder tasks (cmd_train.cpp) and the encoder-decoder tasks (cmd_train_seq2seq.cpp) alike: the
+// live progress bar on stderr, the --curve SVG and the files a finished run writes. The loop's
+// names are the CLI's too.
 #pragma once
 
+#include "model/training/train_loop.hpp"
 #include "tools/attn/train_progress.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <string>
-#include <vector>
 
 namespace attn::cli {
 
-// One evaluation score: its key in the metrics files, its name in the progress lines and the
-// final summary, and its series name on the learning curve.
-struct ScoreColumn {
-  std::string key, text, curve;
-};
+using model::LoopEval;
+using model::LoopResult;
+using model::LoopSchedule;
+using model::LoopStep;
+using model::resume_history;
+using model::run_summary;
+using model::ScoreColumn;
+using model::TrainHistory;
 
-class TrainHistory {
- public:
-  struct Row {
-    int64_t step = 0;
-    double train_loss = 0, eval_loss = 0;  // train loss: the mean since the previous row
-    std::vector<double> scores;            // one per ScoreColumn
-    double tokens_per_second = 0, seconds = 0;
-  };
-
-  TrainHistory(std::vector<ScoreColumn> columns, std::string curve_ylabel)
-      : columns_(std::move(columns)), curve_ylabel_(std::move(curve_ylabel)) {}
-
-  const std::vector<Row>& rows() const { return rows_; }
-  bool empty() const { return rows_.empty(); }
-  const Row& back() const { return rows_.back(); }
-  void push_back(Row r) { rows_.push_back(std::move(r)); }
-  // The score `key` of the last row.
-  double last(const std::string& key) const;
-
-  nlohmann::json to_json() const;
-  // Replaces the rows with a checkpoint's "train.history"; an attn::Error naming `where` if the
-  // text is not one this class wrote.
-  void load(const std::string& text, const std::string& where);
-  std::string csv() const;
-  std::string curve_svg(const std::string& title) const;
-  // "eval accuracy 0.9531" or "BLEU 0.9950  exact match 0.9840" (separator between scores).
-  std::string scores_text(const Row& r, const char* separator) const;
-
- private:
-  std::vector<ScoreColumn> columns_;
-  std::string curve_ylabel_;
-  std::vector<Row> rows_;
-};
-
-// The step loop shared by both trainers. `step` runs one training step and returns it; `eval`
-// evaluates the model as it is now (loss and one value per score column); `save` writes the
-// periodic checkpoint. Appends a history row at every evaluation and prints it above the bar.
-struct LoopStep {
-  int64_t step = 0, tokens = 0;
-  double loss = 0;
-};
-struct LoopEval {
-  double loss = 0;
-  std::vector<double> scores;
-};
-struct LoopSchedule {
-  int64_t steps = 0, eval_every = 0, checkpoint_every = 0;
-};
-struct LoopResult {
-  double last_loss;  // loss of the last step run here (NaN when none ran: a finished run resumed)
-  double seconds;    // wall time of this invocation's loop
-};
-
+// The library's loop, reporting on `progress` (the bar after each step, a line per evaluation).
 LoopResult run_train_loop(TrainHistory& history, Progress& progress, const LoopSchedule& schedule,
                           int64_t current_step, const std::function<LoopStep()>& step,
                           const std::function<LoopEval()>& eval, const std::function<void()>& save);
 
-// A resumed run: the checkpoint's "train.history" (in `extra`, what the trainer's load_checkpoint
-// returned) into `history`; Error("train") when the checkpoint `path` is at `step`, beyond --steps.
-void resume_history(TrainHistory& history, const std::map<std::string, std::string>& extra,
-                    const std::string& path, int64_t step, int64_t steps);
+// The learning curve: train and eval loss and every score over the steps.
+std::string curve_svg(const TrainHistory& history, const std::string& title);
 
 // What a finished run writes after its final checkpoint, each file atomically: --metrics as CSV,
 // or as JSON {"args", "options", "history"}; --curve as an SVG titled curve_title.
@@ -97,10 +41,5 @@ struct RunOutputs {
   std::string curve_title;
 };
 void write_run_outputs(const TrainHistory& history, const RunOutputs& outputs);
-
-// The run's last line on stdout: "step N: train loss L, eval loss L, <scores> (S s[, checkpoint
-// PATH])\n"; the train loss is the last step's, or the history's when no step ran here.
-std::string run_summary(const TrainHistory& history, const LoopResult& run,
-                        const std::string& checkpoint);
 
 }  // namespace attn::cli

@@ -2,6 +2,8 @@
 // in place on a terminal, whole lines only on a pipe or file.
 #pragma once
 
+#include "model/training/train_loop.hpp"
+
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -38,7 +40,7 @@ class Progress {
                  static_cast<long long>(step), static_cast<long long>(total_),
                  std::string(static_cast<size_t>(filled), '#').c_str(),
                  std::string(static_cast<size_t>(kWidth - filled), '.').c_str(), loss,
-                 rate(tokens_per_second).c_str(), clock(eta).c_str());
+                 model::format_rate(tokens_per_second).c_str(), clock(eta).c_str());
     std::fflush(stderr);
   }
   // A whole line (evaluation results), above the bar on a terminal.
@@ -46,11 +48,6 @@ class Progress {
     if (!enabled_) return;
     std::fprintf(stderr, "%s%s\n", tty_ ? "\r\033[K" : "", text.c_str());
     std::fflush(stderr);
-  }
-  static std::string rate(double r) {
-    return r >= 1e6   ? fmt::format("{:.1f}M", r / 1e6)
-           : r >= 1e3 ? fmt::format("{:.1f}k", r / 1e3)
-                      : fmt::format("{:.0f}", r);
   }
 
  private:
