@@ -348,9 +348,8 @@ namespace {
 // The bulk float32 <-> bfloat16 conversions (mixed precision converts activations and gradients
 // this way at every linear layer). GCC compiles each loop once per listed target and picks one
 // at load time (ifunc): the baseline x86-64 build vectorises them with SSE2 only, and AVX-512
-// converts 16 values per instruction (a float32 -> bf16 -> float32 round trip of a 512 KiB
-// activation measured 2.3x faster than the SSE2 loop, Zen 4). Same integer arithmetic in every
-// clone, so the same bits. Left out under AddressSanitizer (ifunc resolvers run before its
+// converts 16 values per instruction. Same integer arithmetic in every clone, so the same
+// bits. Left out under AddressSanitizer (ifunc resolvers run before its
 // runtime starts) and for clang (the fuzz build): the plain loop there.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__)

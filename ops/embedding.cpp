@@ -17,8 +17,8 @@ template <typename Id>
 void check_ids_in_range(const char* op, const Id* ids, int64_t N, int64_t V, const Shape& shape) {
   for (int64_t n = 0; n < N; ++n) {
     const int64_t id = static_cast<int64_t>(ids[n]);
-    // Tested before check() so that the message's shape string is built only on failure (it
-    // was built for every token of every batch).
+    // Tested before check() so that the message's shape string is built only on failure, not for
+    // every token of every batch.
     if (id >= 0 && id < V) continue;
     check(false, op,
           "ids {} holds {} at flat position {}, expected ids in [0, {}) (the vocabulary size)",

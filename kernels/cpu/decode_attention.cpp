@@ -315,9 +315,9 @@ HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, i
 }
 #endif  // AVX-512
 
-// The loops over the NQ queries are unrolled by hand (HWY_UNROLL): GCC 12 -O2 kept the NQ
-// accumulator vectors in a stack array, each FMA a load and a store on the previous key's store,
-// ~10 cycles per key and feature block (perf annotate: 33% of the samples on one such loop).
+// The loops over the NQ queries are unrolled by hand (HWY_UNROLL): GCC 12 -O2 keeps the NQ
+// accumulator vectors of a plain loop in a stack array, each FMA then a load and a store that
+// waits on the previous key's store.
 //
 // Partials of the nh heads of one batch row (rows b0 .. b0 + nh - 1, sharing the cache's
 // positions) over keys [s0, s1), NQ queries each; row r = h * NQ + t below. qs: nh*NQ rows of D,
@@ -325,9 +325,8 @@ HWY_INLINE void WeightedSumVBf16(const uint16_t* vb, int64_t vst, int64_t vsh, i
 // row r; x: scratch of nh*NQ rows of kDecodeChunkKeys + L floats; ends: nh*NQ; part: nh*NQ partials
 // of Dv + 2 floats. All heads of a key are read together: a (capacity, H*D) cache then streams
 // through contiguous memory that the hardware prefetchers follow. Reading one head at a time (its
-// rows H*D apart) stalled on the first load of every row (~85% of the kernel's samples in a perf
-// profile, 2-4 GB/s at S = 4k); software prefetch of the strided rows only got it to ~33% of the
-// probe.
+// rows H*D apart) stalls on the first load of every row, and software prefetch of the strided
+// rows does not make up for it (docs/decoder.md, "The decode kernel").
 template <int NQ, class KV>
 void ChunkPartial(const DecodeArgs<KV>& a, const decode_detail::Plan& plan, const float* qs,
                   const int64_t* lim, int64_t b0, int64_t nh, int64_t s0, int64_t s1, float* x,

@@ -151,8 +151,8 @@ void DropoutKeepRange(uint8_t* keep, int64_t begin, int64_t end, uint32_t thresh
     // Lane k's word w decides element i0 + 4k + w: kept iff not (w >> 8) < threshold.
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     // Byte w of lane k's 32-bit word is element i0 + 4k + w: the four decisions of a lane shifted
-    // into one word, and the words stored at once (the scalar 4 x L transpose below stored byte
-    // by byte: ~2% of a bf16 training step at T = 128).
+    // into one word, and the words stored at once (a scalar 4 x L transpose stores byte by byte,
+    // which shows in a bf16 training step at short sequences).
     VU packed = hn::Zero(du);
     for (int w = 0; w < 4; ++w) {
       const VU bit = hn::IfThenZeroElse(hn::Lt(hn::ShiftRight<8>(c[w]), vthreshold), one);

@@ -193,7 +193,8 @@ void gemm(const GemmArgs& g, int threads) {
   }
   try {
     if (!plan) {
-      // Created outside the lock (creation takes ~0.1 ms); a concurrent duplicate is harmless.
+      // Created outside the lock (creating a primitive is slow next to a lookup); a concurrent
+      // duplicate is harmless.
       plan = make_plan(key);
       std::lock_guard<std::mutex> lock(cache_mutex);
       cache.emplace(key, plan);

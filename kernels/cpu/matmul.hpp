@@ -35,8 +35,7 @@
 // trans_a product (weight grad dy^T x) is split along K by oneDNN when the output is small next to
 // the contraction and then differs in the last bits, e.g. (M, N, K) = (512, 64, 4096) or (16, 16,
 // 20000). MultiHeadAttention's (512, 512, 2048 | 8192) agree. Making those bitwise would cost an
-// explicit transpose of dy (measured 2-3x the GEMM's own time with a plain loop), so we accept it
-// and say so here.
+// explicit transpose of dy, dearer than the GEMM itself, so we accept it and say so here.
 //
 // Cache: one primitive per (shape, strides, flags, dtype, threads), in a mutex-protected map;
 // one engine for the process, one stream per calling thread. Kernels never throw on user input:

@@ -14,8 +14,8 @@ namespace attn::cpu {
 // to i.
 // The forward reads its block of q from memory once, at the start, and writes its block of out
 // once, at the end; fetching the next item's q and this item's out lines while the last products
-// run hides those misses (a perf profile at T = S = 512 put ~4% of the kernel's time on the
-// first q loads). Earlier prefetches would be evicted again by the K and V rows streaming
+// run hides those misses (the first q loads of an item show in a profile otherwise). Earlier
+// prefetches would be evicted again by the K and V rows streaming
 // through L2 at long S. Prefetches never fault: lines past the end of a tensor are harmless.
 // At short sequences (the next item's rows are a small part of L2) the kernels prefetch all of
 // the next item's rows instead, spread evenly over all of an item's steps and into L2 only
@@ -81,8 +81,7 @@ bool ShortRows(const Problem& p) {
 // an element either way),
 // prefetched during the item before it while they are a small part of L2 (ShortRows). Short items
 // run for microseconds, with head strides each row a line or two of its own, and their first
-// touches of these rows were the largest cost outside the products (T = S = 128, D = 32: ~25% of
-// the backward). Longer rows keep the hardware's prefetch: an item's own tiles would evict them
+// touches of these rows are the largest cost outside the products. Longer rows keep the hardware's prefetch: an item's own tiles would evict them
 // before use.
 class NextItemPrefetch {
  public:

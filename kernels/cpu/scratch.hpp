@@ -1,10 +1,9 @@
 // Scratch memory of a kernel call, from attn's block cache (attn/core/memory.hpp).
 //
-// Fresh pages cost a fault each (about 6 us per 4 KiB on the VM kind this project measures on),
-// and glibc hands large freed blocks back to the system, so scratch allocated per call with
-// malloc is faulted in again on every call: at T = S = 4096, D = 128, B*H = 16 that was ~10% of
-// the bf16 forward (its packed K and V, 33 MiB); the fp32 backward's per-thread row packs and dQ
-// shares are 1-3 MiB per thread per call. Blocks of 128 KiB or more come back from the cache that
+// Fresh pages cost a fault each, and glibc hands large freed blocks back to the system, so
+// scratch allocated per call with malloc is faulted in again on every call: a visible share of the
+// bf16 forward at long sequences (its packed K and V are tens of MiB); the fp32 backward's
+// per-thread row packs and dQ shares are megabytes per thread per call. Blocks of 128 KiB or more come back from the cache that
 // attn::Tensor uses, already faulted in; they count against its limit (ATTN_MEMORY_CACHE_MIB),
 // show in memory_cache_stats() and are freed by release_cached_memory().
 //

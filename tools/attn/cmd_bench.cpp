@@ -147,8 +147,7 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   if (a.backward) fwd = scaled_dot_product_attention(ctx, q, k, v, opts);
   // Untimed runs first: at least --warmup of them and at least --warmup-seconds in all (at most
   // 1000 runs). Each call allocates its results; until the allocator's heap stops growing, a call
-  // writes to fresh pages whose first-touch faults (about 6 us per 4 KiB page on this VM kind)
-  // added 50% to the forward at T=1024 D=64 (19 ms vs 12.3 ms) in the first ten calls.
+  // writes to fresh pages whose first-touch faults inflate the first calls' times.
   double warmed_ms = 0.0;
   int warmup_runs = 0;
   while (static_cast<int>(ms.size()) < a.repeats) {
@@ -182,7 +181,7 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   r.gflops = r.flops / (r.median_ms * 1e6);
   r.peak_rss_mib = rss_peak_mib();
   // The peak is measured again after the timed runs and the higher value kept: a peak taken
-  // while a shared core was briefly slowed read 170-300 GFLOP/s instead of 445 on this VM kind.
+  // while a shared core is briefly slowed reads far below the machine's.
   r.peak_gflops =
       std::max(r.peak_gflops, bench::measure_fma_peak_gflops(static_cast<int>(r.threads)));
   return r;

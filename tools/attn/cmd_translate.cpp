@@ -11,7 +11,7 @@
 //     (words for tsv/conllu, symbol numbers 0.. for the generated tasks); the output is its class
 //     (classification) or one tag per token (tagging).
 //
-// Bad input (issue 14): unknown tokens become <unk>; an empty line gives an empty line; a line
+// Bad input: unknown tokens become <unk>; an empty line gives an empty line; a line
 // longer than the model's limit is cut, with one warning on stderr naming the line; a checkpoint
 // of the other kind or a corrupt one, --beam 0: one line on stderr, exit 2, nothing on stdout
 // (the output is printed only once every line is done).

@@ -67,8 +67,8 @@ model::Seq2SeqTrainOptions dates_options(const model::Vocabulary& src, const mod
   o.adamw.lr = 3e-3;
   o.seed = 0;
   // One thread: the batches are small (64 x 11 tokens, E = 64), a second thread saves little,
-  // and on a busy machine every parallel region waits for whichever thread was preempted (on the
-  // builders' loaded 2 cores 2 threads took 6x the CPU time of 1). Results do not depend on it.
+  // and on a busy machine every parallel region waits for whichever thread was preempted, which
+  // multiplies the CPU time. Results do not depend on it.
   o.threads = 1;
   return o;
 }

@@ -1,10 +1,8 @@
 // Memory behind attn::Tensor: large blocks are kept for reuse after their tensors are freed.
 //
 // A block that glibc hands back to the system comes back as fresh pages, and every fresh page
-// costs a fault on first touch (about 6 us per 4 KiB on the VM kind this project measures on):
-// without reuse, MultiHeadAttention at T = 2048 ran 2.2x slower (320 ms against 148 ms per
-// inference, B = 4, E = 512, 2 threads), because each step's 16-48 MiB temporaries were faulted
-// in again. PyTorch users set GLIBC_TUNABLES for the same reason; attn keeps freed blocks of
+// costs a fault on first touch: without reuse, MultiHeadAttention at long sequences spends much
+// of its time faulting each step's temporaries (tens of MiB) in again. PyTorch users set GLIBC_TUNABLES for the same reason; attn keeps freed blocks of
 // at least 128 KiB itself, up to a limit, and hands them to later tensors of about the same size
 // (at most 1/8 larger). Small blocks go straight to malloc/free. The CPU attention kernels take
 // their scratch (per-thread tiles, packed K and V, dQ shares) from the same cache, so the limit,
