@@ -1,9 +1,9 @@
 // libFuzzer target for the attn command line's argument handling: the input is split into argv
 // words (one per line; '\n' or NUL ends a word) and handed to attn::cli::run(), the function
 // main() calls. The contract under test (tools/attn/main.cpp): every argument list ends with
-// exit status 0 (success, --help) or 2 (a bad flag or value, one line on stderr); status 1
-// ("internal error": an exception other than attn::Error), another status, an escaping
-// exception, a crash or a sanitizer report is a bug.
+// exit status 0 (success, --help, --version) or 2 (a bad flag or value, an unknown subcommand: one
+// line on stderr); status 1 ("internal error": an exception other than attn::Error), another
+// status, an escaping exception, a crash or a sanitizer report is a bug.
 //
 // Keeping it harmless and fast:
 //   - the command runs in a private temporary directory and every '/' in a word becomes '_',
