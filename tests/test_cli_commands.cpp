@@ -389,6 +389,7 @@ TEST_F(Cli, HelpExitsZero) {
 // An unknown subcommand is named (with the ones that exist), at every level, also when --help
 // follows it: `attn foo --help` must not print the top-level help and exit 0 as if foo existed.
 TEST_F(Cli, UnknownSubcommandIsNamed) {
+  // clang-format off
   const struct {
     const char* args;
     const char* names;  // the command the word was looked up in
@@ -401,6 +402,7 @@ TEST_F(Cli, UnknownSubcommandIsNamed) {
       {"bench foo --help", "`attn bench`", "ring"},
       {"pe foo", "`attn pe`", "relative"},
   };
+  // clang-format on
   for (const auto& c : cases) {
     const Result r = run(c.args);
     EXPECT_EQ(r.status, 2) << "attn " << c.args;

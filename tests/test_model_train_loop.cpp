@@ -23,9 +23,8 @@ struct FakeRun {
 
   LoopResult run(TrainHistory& h, LoopSchedule schedule, int64_t start) {
     at = start;
-    const LoopProgress progress{
-        [&](int64_t s, double, double, double) { reported.push_back(s); },
-        [&](const std::string& line) { lines.push_back(line); }};
+    const LoopProgress progress{[&](int64_t s, double, double, double) { reported.push_back(s); },
+                                [&](const std::string& line) { lines.push_back(line); }};
     return run_train_loop(
         h, progress, schedule, start,
         [&] {

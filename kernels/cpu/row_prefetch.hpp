@@ -81,8 +81,8 @@ bool ShortRows(const Problem& p) {
 // an element either way),
 // prefetched during the item before it while they are a small part of L2 (ShortRows). Short items
 // run for microseconds, with head strides each row a line or two of its own, and their first
-// touches of these rows are the largest cost outside the products. Longer rows keep the hardware's prefetch: an item's own tiles would evict them
-// before use.
+// touches of these rows are the largest cost outside the products. Longer rows keep the hardware's
+// prefetch: an item's own tiles would evict them before use.
 class NextItemPrefetch {
  public:
   template <class Args, class Grads>

@@ -3,9 +3,9 @@
 // Fresh pages cost a fault each, and glibc hands large freed blocks back to the system, so
 // scratch allocated per call with malloc is faulted in again on every call: a visible share of the
 // bf16 forward at long sequences (its packed K and V are tens of MiB); the fp32 backward's
-// per-thread row packs and dQ shares are megabytes per thread per call. Blocks of 128 KiB or more come back from the cache that
-// attn::Tensor uses, already faulted in; they count against its limit (ATTN_MEMORY_CACHE_MIB),
-// show in memory_cache_stats() and are freed by release_cached_memory().
+// per-thread row packs and dQ shares are megabytes per thread per call. Blocks of 128 KiB or more
+// come back from the cache that attn::Tensor uses, already faulted in; they count against its limit
+// (ATTN_MEMORY_CACHE_MIB), show in memory_cache_stats() and are freed by release_cached_memory().
 //
 // Per-thread scratch of a parallel region is one block with a part per thread, acquired before
 // the region: an allocation failure is then an attn::Error on the calling thread, not an

@@ -135,10 +135,12 @@ void resume_history(TrainHistory& history, const std::map<std::string, std::stri
   check(step <= steps, "train", "{} is at step {}, beyond --steps {}", path, step, steps);
 }
 
-std::string metrics_text(const TrainHistory& history, const std::string& path,
-                         const json& args, const std::string& options_json) {
+std::string metrics_text(const TrainHistory& history, const std::string& path, const json& args,
+                         const std::string& options_json) {
   if (path.ends_with(".csv")) return history.csv();
-  return json({{"args", args}, {"options", json::parse(options_json)}, {"history", history.to_json()}})
+  return json({{"args", args},
+               {"options", json::parse(options_json)},
+               {"history", history.to_json()}})
              .dump(1) +
          "\n";
 }

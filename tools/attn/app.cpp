@@ -59,8 +59,8 @@ std::string unknown_subcommand(CLI::App& app, int argc, char** argv) {
     }
     if (next == nullptr) {
       if (!at->get_options([](const CLI::Option* o) { return o->get_positional(); }).empty()) break;
-      return "unknown subcommand '" + std::string(argv[i]) + "' for `" + path + "`; expected one of: " +
-             names + " (`" + path + " --help` lists them)";
+      return "unknown subcommand '" + std::string(argv[i]) + "' for `" + path +
+             "`; expected one of: " + names + " (`" + path + " --help` lists them)";
     }
     at = next;
     path += " " + next->get_name();
@@ -76,7 +76,8 @@ int run(int argc, char** argv) {
       "Every subcommand has --help; `attn tour --out DIR` runs them all into DIR/index.html.",
       "attn"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("attn ") + ATTN_VERSION, "Print the version and exit");
+  app.set_version_flag("--version", std::string("attn ") + ATTN_VERSION,
+                       "Print the version and exit");
   std::vector<Command> commands;
   try {
     // To add a subcommand: write add_<name>_command (see commands.hpp) and list it here.

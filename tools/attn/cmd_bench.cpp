@@ -10,8 +10,8 @@
 #include "attn/core/error.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/ops/attention.hpp"
-#include "kernels/cpu/flash_attention.hpp"
 #include "bench/fma_peak.hpp"
+#include "kernels/cpu/flash_attention.hpp"
 #include "tools/attn/commands.hpp"
 
 #include <fmt/format.h>

@@ -41,8 +41,9 @@ std::string curve_svg(const TrainHistory& history, const std::string& title) {
 
 void write_run_outputs(const TrainHistory& history, const RunOutputs& outputs) {
   if (!outputs.metrics.empty())
-    viz::write_file_atomic(outputs.metrics, model::metrics_text(history, outputs.metrics,
-                                                                outputs.args, outputs.options_json));
+    viz::write_file_atomic(
+        outputs.metrics,
+        model::metrics_text(history, outputs.metrics, outputs.args, outputs.options_json));
   if (!outputs.curve.empty())
     viz::write_file_atomic(outputs.curve, curve_svg(history, outputs.curve_title));
 }

@@ -2,11 +2,12 @@
 //
 // A block that glibc hands back to the system comes back as fresh pages, and every fresh page
 // costs a fault on first touch: without reuse, MultiHeadAttention at long sequences spends much
-// of its time faulting each step's temporaries (tens of MiB) in again. PyTorch users set GLIBC_TUNABLES for the same reason; attn keeps freed blocks of
-// at least 128 KiB itself, up to a limit, and hands them to later tensors of about the same size
-// (at most 1/8 larger). Small blocks go straight to malloc/free. The CPU attention kernels take
-// their scratch (per-thread tiles, packed K and V, dQ shares) from the same cache, so the limit,
-// the statistics and release_cached_memory() cover all of attn's large temporary memory.
+// of its time faulting each step's temporaries (tens of MiB) in again. PyTorch users set
+// GLIBC_TUNABLES for the same reason; attn keeps freed blocks of at least 128 KiB itself, up to a
+// limit, and hands them to later tensors of about the same size (at most 1/8 larger). Small blocks
+// go straight to malloc/free. The CPU attention kernels take their scratch (per-thread tiles,
+// packed K and V, dQ shares) from the same cache, so the limit, the statistics and
+// release_cached_memory() cover all of attn's large temporary memory.
 //
 // The limit is the memory the cache may hold beyond live tensors: ATTN_MEMORY_CACHE_MIB at the
 // first allocation (default 1024; 0 turns the cache off), or set_memory_cache_limit. Builds with
