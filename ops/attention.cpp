@@ -25,13 +25,6 @@ constexpr const char* kSdpaBackward = "scaled_dot_product_attention_backward";
 constexpr const char* kAdditive = "additive_attention";
 constexpr const char* kAdditiveBackward = "additive_attention_backward";
 
-void check_options(const char* op, const AttentionOptions& opts) {
-  check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
-        opts.dropout);
-  check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
-        opts.scale.value_or(0.0));
-}
-
 // F32, F64 or BF16 (scaled dot-product attention also takes bfloat16 inputs).
 void check_sdpa_tensor(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
@@ -60,7 +53,7 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
   check(v.dim(1) == d.S, op, "k {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
         shape_str(k.shape()), shape_str(v.shape()), d.S);
   check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_str(q.shape()));
-  check_options(op, opts);
+  detail::check_attention_options(op, opts.dropout, opts.scale);
   if (opts.alibi_slopes.defined()) {
     const Tensor& m = opts.alibi_slopes;
     check(is_floating(m.dtype()) && m.ndim() == 1 && m.dim(0) >= 1 && d.B % m.dim(0) == 0, op,
@@ -108,19 +101,10 @@ std::vector<double> alibi_of(const AttentionOptions& opts) {
   return opts.alibi_slopes.defined() ? opts.alibi_slopes.to_vector() : std::vector<double>{};
 }
 
-double attention_scale(const AttentionOptions& opts, int64_t D) {
-  return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
-}
-
-// The fused CPU kernels (kernels/cpu/flash_attention, and flash_bf16 for bfloat16 inputs) run on
-// Backend::kCpu, and on kAuto unless the caller asks for the weights: then a (B, T, S) tensor
-// exists anyway, so the fused kernel's memory saving is moot, and the reference gives the weights
-// (and the gradients) with double accumulation, as d2l's checks expect. kReference and float64 keep
-// the reference loops. The backward follows the same rule as its forward (same options).
+// The fused kernels run where the one dispatch rule says so (detail::fused_attention_serves,
+// ops/attention_kernel.hpp); float64 never reaches them.
 bool use_flash(const Context& ctx, DType dt, const AttentionOptions& opts) {
-  if (dt != DType::F32) return false;
-  if (opts.alibi_slopes.defined()) return false;  // the fused kernels have no score bias
-  return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
+  return dt != DType::F64 && detail::fused_attention_serves(ctx, dt, opts);
 }
 
 // The fused kernels on q, k, v views (any strides), element type E (float or bf16 as uint16_t):
@@ -173,7 +157,7 @@ void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Ten
   result.output = Tensor::empty({d.B, d.T, d.Dv}, DType::BF16);
   result.logsumexp = Tensor::empty({d.B, d.T}, DType::F32);
   if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, DType::F32);
-  if (use_flash(ctx, DType::F32, opts)) {
+  if (use_flash(ctx, DType::BF16, opts)) {
     sdpa_fused_forward<uint16_t>(ctx, q, k, v, d, opts, result);
     return;
   }
@@ -186,8 +170,8 @@ void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Ten
   ref::sdpa_forward<double>(
       qc.data<double>(), kc.data<double>(), vc.data<double>(), out.data<double>(),
       opts.need_weights ? weights.data<double>() : nullptr, lse.data<double>(), kept.data(),
-      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
-      alibi.empty() ? nullptr : alibi.data(),
+      detail::lower_policy(opts.mask.masked_rows), detail::attention_scale(opts.scale, d.D), d,
+      drop, alibi.empty() ? nullptr : alibi.data(),
       std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   result.output.copy_from(out);
   result.logsumexp.copy_from(lse);
@@ -200,7 +184,7 @@ AttentionGrads sdpa_backward_bf16(Context& ctx, const Tensor& dout, const Tensor
                                   const ref::DropoutSpec& drop) {
   AttentionGrads grads{Tensor::empty(q.shape(), DType::BF16), Tensor::empty(k.shape(), DType::BF16),
                        Tensor::empty(v.shape(), DType::BF16)};
-  if (use_flash(ctx, DType::F32, opts) && fused_backward_fits(forward, d, DType::BF16)) {
+  if (use_flash(ctx, DType::BF16, opts) && fused_backward_fits(forward, d, DType::BF16)) {
     sdpa_fused_backward<uint16_t>(ctx, dout, q, k, v, forward, d, opts, grads);
     return grads;
   }
@@ -213,8 +197,8 @@ AttentionGrads sdpa_backward_bf16(Context& ctx, const Tensor& dout, const Tensor
   ref::sdpa_backward<double>(
       gc.data<double>(), qc.data<double>(), kc.data<double>(), vc.data<double>(), dq.data<double>(),
       dk.data<double>(), dv.data<double>(), kept.data(),
-      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
-      alibi.empty() ? nullptr : alibi.data(),
+      detail::lower_policy(opts.mask.masked_rows), detail::attention_scale(opts.scale, d.D), d,
+      drop, alibi.empty() ? nullptr : alibi.data(),
       std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   grads.dq.copy_from(dq);
   grads.dk.copy_from(dk);
@@ -251,11 +235,11 @@ AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, cons
   detail::dispatch_float(dt, [&](auto zero) {
     using F = decltype(zero);
     F* weights = opts.need_weights ? result.weights.data<F>() : nullptr;
-    ref::sdpa_forward<F>(qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
-                         result.logsumexp.data<F>(), kept.data(),
-                         detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d,
-                         drop, alibi.empty() ? nullptr : alibi.data(),
-                         std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
+    ref::sdpa_forward<F>(
+        qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
+        result.logsumexp.data<F>(), kept.data(), detail::lower_policy(opts.mask.masked_rows),
+        detail::attention_scale(opts.scale, d.D), d, drop, alibi.empty() ? nullptr : alibi.data(),
+        std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return result;
 }
@@ -287,8 +271,9 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
     using F = decltype(zero);
     ref::sdpa_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), vc.data<F>(),
                           grads.dq.data<F>(), grads.dk.data<F>(), grads.dv.data<F>(), kept.data(),
-                          detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D),
-                          d, drop, alibi.empty() ? nullptr : alibi.data(),
+                          detail::lower_policy(opts.mask.masked_rows),
+                          detail::attention_scale(opts.scale, d.D), d, drop,
+                          alibi.empty() ? nullptr : alibi.data(),
                           std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
   });
   return grads;
@@ -322,7 +307,7 @@ ref::AttentionDims check_additive(const char* op, const Tensor& qp, const Tensor
                      (w_v.ndim() == 2 && w_v.dim(0) == 1 && w_v.dim(1) == d.D);
   check(wv_ok, op, "w_v has shape {}, expected (h) = ({}) or (1, h) = (1, {})",
         shape_str(w_v.shape()), d.D, d.D);
-  check_options(op, opts);
+  detail::check_attention_options(op, opts.dropout, opts.scale);
   check(!opts.alibi_slopes.defined(), op,
         "alibi_slopes is set, but ALiBi biases dot-product scores only (additive attention has "
         "no q . k term to bias)");
