@@ -150,10 +150,15 @@ struct Data {
                 v32[static_cast<size_t>((b * cap + s) * H * c.Dv + h * c.Dv + i)];
         }
       }
-    ref::AttentionDims dims{BH, c.T, c.S, c.D, c.Dv};
-    ref::sdpa_forward<double>(rq.data(), rk.data(), rv.data(), ro.data(), nullptr, rl.data(),
-                              rkept.data(), c.policy, 1.0 / std::sqrt(double(c.D)), dims,
-                              ref::DropoutSpec{});
+    // The oracle on the kernel's own problem (kept keys with causal folded in, contiguous rows).
+    ref::AttentionCall<double> rc;
+    rc.problem.B = BH, rc.problem.T = c.T, rc.problem.S = c.S, rc.problem.D = c.D;
+    rc.problem.Dv = c.Dv;
+    rc.problem.kept_keys = rkept.data();
+    rc.problem.masked_rows = c.policy;
+    rc.scale = 1.0 / std::sqrt(double(c.D));
+    rc.q = rq.data(), rc.k = rk.data(), rc.v = rv.data(), rc.out = ro.data(), rc.lse = rl.data();
+    ref::sdpa_forward(rc);
     // Back to the kernel's (batch, T, H*Dv) output layout, then lse (B*H, T).
     std::vector<double> all(static_cast<size_t>(c.batch * c.T * H * c.Dv));
     for (int64_t b = 0; b < c.batch; ++b)
