@@ -237,6 +237,11 @@ void IssueShapes(benchmark::internal::Benchmark* b) {
     for (int64_t d : {64, 128})
       for (int64_t causal : {0, 1})
         b->Args({16, t, d, causal});
+  // d2l's training shape (bench/run_train.sh: B = 32, 4 heads, T = 128, D = 32), and few heads
+  // of a long sequence, where the items are too few to fill the threads unless split.
+  b->Args({128, 128, 32, 0});
+  for (int64_t bh : {2, 3, 4})
+    b->Args({bh, 1024, 64, 0});
   b->ArgNames({"BH", "T", "D", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 }
 BENCHMARK(BM_FlashForward)->Apply(IssueShapes);

@@ -25,13 +25,6 @@ constexpr const char* kSdpaBackward = "scaled_dot_product_attention_backward";
 constexpr const char* kAdditive = "additive_attention";
 constexpr const char* kAdditiveBackward = "additive_attention_backward";
 
-void check_options(const char* op, const AttentionOptions& opts) {
-  check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
-        opts.dropout);
-  check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
-        opts.scale.value_or(0.0));
-}
-
 // F32, F64 or BF16 (scaled dot-product attention also takes bfloat16 inputs).
 void check_sdpa_tensor(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
@@ -60,7 +53,7 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
   check(v.dim(1) == d.S, op, "k {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
         shape_str(k.shape()), shape_str(v.shape()), d.S);
   check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_str(q.shape()));
-  check_options(op, opts);
+  detail::check_attention_options(op, opts.dropout, opts.scale);
   if (opts.alibi_slopes.defined()) {
     const Tensor& m = opts.alibi_slopes;
     check(is_floating(m.dtype()) && m.ndim() == 1 && m.dim(0) >= 1 && d.B % m.dim(0) == 0, op,
@@ -108,19 +101,10 @@ std::vector<double> alibi_of(const AttentionOptions& opts) {
   return opts.alibi_slopes.defined() ? opts.alibi_slopes.to_vector() : std::vector<double>{};
 }
 
-double attention_scale(const AttentionOptions& opts, int64_t D) {
-  return opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(D));
-}
-
-// The fused CPU kernels (kernels/cpu/flash_attention, and flash_bf16 for bfloat16 inputs) run on
-// Backend::kCpu, and on kAuto unless the caller asks for the weights: then a (B, T, S) tensor
-// exists anyway, so the fused kernel's memory saving is moot, and the reference gives the weights
-// (and the gradients) with double accumulation, as d2l's checks expect. kReference and float64 keep
-// the reference loops. The backward follows the same rule as its forward (same options).
+// The fused kernels run where the one dispatch rule says so (detail::fused_attention_serves,
+// ops/attention_kernel.hpp); float64 never reaches them.
 bool use_flash(const Context& ctx, DType dt, const AttentionOptions& opts) {
-  if (dt != DType::F32) return false;
-  if (opts.alibi_slopes.defined()) return false;  // the fused kernels have no score bias
-  return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
+  return dt != DType::F64 && detail::fused_attention_serves(ctx, dt, opts);
 }
 
 // The fused kernels on q, k, v views (any strides), element type E (float or bf16 as uint16_t):
@@ -163,100 +147,107 @@ void sdpa_fused_backward(Context& ctx, const Tensor& dout, const Tensor& q, cons
   detail::fused_backward(p, detail::attention_grad_args<E>(dout, grads.dq, grads.dk, grads.dv, 1));
 }
 
-// bfloat16 q, k, v (kernels/cpu/flash_bf16): output BF16, logsumexp and weights F32, gradients
-// BF16. The fused bf16 kernels run where use_flash would run the fp32 ones; otherwise (kReference,
-// kAuto with need_weights, ALiBi) the inputs are widened to float64 exactly, the reference runs,
-// and the results are rounded.
-void sdpa_forward_bf16(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const ref::AttentionDims& d, const AttentionOptions& opts,
-                       const ref::DropoutSpec& drop, AttentionResult& result) {
-  result.output = Tensor::empty({d.B, d.T, d.Dv}, DType::BF16);
-  result.logsumexp = Tensor::empty({d.B, d.T}, DType::F32);
-  if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, DType::F32);
-  if (use_flash(ctx, DType::F32, opts)) {
-    sdpa_fused_forward<uint16_t>(ctx, q, k, v, d, opts, result);
-    return;
-  }
-  const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
-  Tensor out = Tensor::empty({d.B, d.T, d.Dv}, DType::F64);
-  Tensor lse = Tensor::empty({d.B, d.T}, DType::F64);
-  Tensor weights = opts.need_weights ? Tensor::empty({d.B, d.T, d.S}, DType::F64) : Tensor();
-  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
-  const std::vector<double> alibi = alibi_of(opts);
-  ref::sdpa_forward<double>(
-      qc.data<double>(), kc.data<double>(), vc.data<double>(), out.data<double>(),
-      opts.need_weights ? weights.data<double>() : nullptr, lse.data<double>(), kept.data(),
-      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
-      alibi.empty() ? nullptr : alibi.data(),
-      std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
-  result.output.copy_from(out);
-  result.logsumexp.copy_from(lse);
-  if (opts.need_weights) result.weights.copy_from(weights);
+// The oracle's call (kernels/ref/attention.hpp) on contiguous tensors of F: the fused kernels'
+// own problem from the one builder, plus the scale and p in double and ALiBi.
+template <class F>
+ref::AttentionCall<F> reference_call(const Context& ctx, const ref::AttentionDims& d,
+                                     const std::vector<int32_t>& kept, const AttentionOptions& opts,
+                                     uint64_t dropout_offset, const std::vector<double>& alibi) {
+  ref::AttentionCall<F> c;
+  c.problem =
+      detail::attention_problem(ctx, {d.B, 1, d.T, d.S, d.D, d.Dv}, kept, opts, dropout_offset);
+  c.scale = detail::attention_scale(opts.scale, d.D);
+  c.dropout = opts.dropout;
+  c.alibi = alibi.empty() ? nullptr : alibi.data();
+  c.alibi_heads = std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1);
+  return c;
 }
 
-AttentionGrads sdpa_backward_bf16(Context& ctx, const Tensor& dout, const Tensor& q,
-                                  const Tensor& k, const Tensor& v, const AttentionResult& forward,
-                                  const ref::AttentionDims& d, const AttentionOptions& opts,
-                                  const ref::DropoutSpec& drop) {
-  AttentionGrads grads{Tensor::empty(q.shape(), DType::BF16), Tensor::empty(k.shape(), DType::BF16),
-                       Tensor::empty(v.shape(), DType::BF16)};
-  if (use_flash(ctx, DType::F32, opts) && fused_backward_fits(forward, d, DType::BF16)) {
-    sdpa_fused_backward<uint16_t>(ctx, dout, q, k, v, forward, d, opts, grads);
-    return grads;
+// The reference loops (kReference, float64, need_weights on kAuto, ALiBi) in the input's type;
+// bfloat16 inputs are widened to float64 exactly and the results rounded. `x` holds q, k, v
+// (and dout for the backward) in that type, contiguous.
+struct ReferenceInputs {
+  DType type;
+  Tensor q, k, v, dout;
+  ReferenceInputs(const Tensor& q0, const Tensor& k0, const Tensor& v0, const Tensor* dout0)
+      : type(q0.dtype() == DType::BF16 ? DType::F64 : q0.dtype()) {
+    auto in = [&](const Tensor& t) { return t.dtype() == type ? t.contiguous() : t.to(type); };
+    q = in(q0), k = in(k0), v = in(v0);
+    if (dout0 != nullptr) dout = in(*dout0);
   }
-  const Tensor qc = q.to(DType::F64), kc = k.to(DType::F64), vc = v.to(DType::F64);
-  const Tensor gc = dout.to(DType::F64);
-  Tensor dq = Tensor::empty(q.shape(), DType::F64), dk = Tensor::empty(k.shape(), DType::F64),
-         dv = Tensor::empty(v.shape(), DType::F64);
-  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
+  // out itself when it has the reference's type, else a fresh tensor of it (copied back below).
+  Tensor output(const Tensor& out) const {
+    return out.dtype() == type ? out : Tensor::empty(out.shape(), type);
+  }
+};
+
+void sdpa_reference_forward(const Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const ref::AttentionDims& d, const AttentionOptions& opts,
+                            AttentionResult& result) {
+  const ReferenceInputs x(q, k, v, nullptr);
+  Tensor out = x.output(result.output), lse = x.output(result.logsumexp);
+  Tensor weights = opts.need_weights ? x.output(result.weights) : Tensor();
+  const std::vector<int32_t> kept = detail::length_key_counts(opts.mask, d.B, d.T, d.S);
   const std::vector<double> alibi = alibi_of(opts);
-  ref::sdpa_backward<double>(
-      gc.data<double>(), qc.data<double>(), kc.data<double>(), vc.data<double>(), dq.data<double>(),
-      dk.data<double>(), dv.data<double>(), kept.data(),
-      detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d, drop,
-      alibi.empty() ? nullptr : alibi.data(),
-      std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
-  grads.dq.copy_from(dq);
-  grads.dk.copy_from(dk);
-  grads.dv.copy_from(dv);
-  return grads;
+  detail::dispatch_float(x.type, [&](auto zero) {
+    using F = decltype(zero);
+    ref::AttentionCall<F> c = reference_call<F>(ctx, d, kept, opts, result.dropout_offset, alibi);
+    c.q = x.q.data<F>(), c.k = x.k.data<F>(), c.v = x.v.data<F>();
+    c.out = out.data<F>(), c.lse = lse.data<F>();
+    c.weights = opts.need_weights ? weights.data<F>() : nullptr;
+    ref::sdpa_forward<F>(c);
+  });
+  if (out.dtype() != result.output.dtype()) result.output.copy_from(out);
+  if (lse.dtype() != result.logsumexp.dtype()) result.logsumexp.copy_from(lse);
+  if (opts.need_weights && weights.dtype() != result.weights.dtype())
+    result.weights.copy_from(weights);
+}
+
+// The reference recomputes the weights, so it needs neither output nor logsumexp.
+void sdpa_reference_backward(const Context& ctx, const Tensor& dout, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const AttentionResult& forward,
+                             const ref::AttentionDims& d, const AttentionOptions& opts,
+                             AttentionGrads& grads) {
+  const ReferenceInputs x(q, k, v, &dout);
+  Tensor dq = x.output(grads.dq), dk = x.output(grads.dk), dv = x.output(grads.dv);
+  const std::vector<int32_t> kept = detail::length_key_counts(opts.mask, d.B, d.T, d.S);
+  const std::vector<double> alibi = alibi_of(opts);
+  detail::dispatch_float(x.type, [&](auto zero) {
+    using F = decltype(zero);
+    ref::AttentionCall<F> c = reference_call<F>(ctx, d, kept, opts, forward.dropout_offset, alibi);
+    c.q = x.q.data<F>(), c.k = x.k.data<F>(), c.v = x.v.data<F>(), c.dout = x.dout.data<F>();
+    c.dq = dq.data<F>(), c.dk = dk.data<F>(), c.dv = dv.data<F>();
+    ref::sdpa_backward<F>(c);
+  });
+  if (dq.dtype() != grads.dq.dtype()) {
+    grads.dq.copy_from(dq);
+    grads.dk.copy_from(dk);
+    grads.dv.copy_from(dv);
+  }
 }
 
 }  // namespace
 
+// Outputs in the input's dtype; bfloat16 inputs give float32 logsumexp and weights. One stream
+// offset when dropping, then the fused kernel where the one rule says so, else the reference.
 AttentionResult scaled_dot_product_attention(Context& ctx, const Tensor& q, const Tensor& k,
                                              const Tensor& v, const AttentionOptions& opts) {
   const ref::AttentionDims d = check_qkv(kSdpa, q, k, v, opts);
   const DType dt = q.dtype();
+  const DType stats = dt == DType::BF16 ? DType::F32 : dt;
   AttentionResult result;
-  if (dt == DType::BF16) {
-    const ref::DropoutSpec drop = forward_dropout(ctx, opts, d);
-    result.dropout_offset = drop.offset;
-    sdpa_forward_bf16(ctx, q, k, v, d, opts, drop, result);
-    return result;
-  }
   result.output = Tensor::empty({d.B, d.T, d.Dv}, dt);
-  result.logsumexp = Tensor::empty({d.B, d.T}, dt);
-  if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, dt);
-  const ref::DropoutSpec drop = forward_dropout(ctx, opts, d);
-  result.dropout_offset = drop.offset;
+  result.logsumexp = Tensor::empty({d.B, d.T}, stats);
+  if (opts.need_weights) result.weights = Tensor::empty({d.B, d.T, d.S}, stats);
+  result.dropout_offset = opts.training && opts.dropout > 0.0 ? ctx.next_dropout_offset() : 0;
   if (use_flash(ctx, dt, opts)) {
-    sdpa_fused_forward<float>(ctx, q, k, v, d, opts, result);
+    if (dt == DType::BF16)
+      sdpa_fused_forward<uint16_t>(ctx, q, k, v, d, opts, result);
+    else
+      sdpa_fused_forward<float>(ctx, q, k, v, d, opts, result);
     return result;
   }
-  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
-  const std::vector<double> alibi = alibi_of(opts);
-  // The reference: kReference, float64, need_weights on kAuto, ALiBi.
-  detail::dispatch_float(dt, [&](auto zero) {
-    using F = decltype(zero);
-    F* weights = opts.need_weights ? result.weights.data<F>() : nullptr;
-    ref::sdpa_forward<F>(qc.data<F>(), kc.data<F>(), vc.data<F>(), result.output.data<F>(), weights,
-                         result.logsumexp.data<F>(), kept.data(),
-                         detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D), d,
-                         drop, alibi.empty() ? nullptr : alibi.data(),
-                         std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
-  });
+  sdpa_reference_forward(ctx, q, k, v, d, opts, result);
   return result;
 }
 
@@ -268,29 +259,16 @@ AttentionGrads scaled_dot_product_attention_backward(Context& ctx, const Tensor&
   const ref::AttentionDims d = check_qkv(kSdpaBackward, q, k, v, opts);
   check_dout(kSdpaBackward, dout, q, d);
   const DType dt = q.dtype();
-  if (dt == DType::BF16)
-    return sdpa_backward_bf16(ctx, dout, q, k, v, forward, d, opts,
-                              backward_dropout(ctx, opts, d, forward.dropout_offset));
   AttentionGrads grads{Tensor::empty(q.shape(), dt), Tensor::empty(k.shape(), dt),
                        Tensor::empty(v.shape(), dt)};
-  const ref::DropoutSpec drop = backward_dropout(ctx, opts, d, forward.dropout_offset);
   if (use_flash(ctx, dt, opts) && fused_backward_fits(forward, d, dt)) {
-    sdpa_fused_backward<float>(ctx, dout, q, k, v, forward, d, opts, grads);
+    if (dt == DType::BF16)
+      sdpa_fused_backward<uint16_t>(ctx, dout, q, k, v, forward, d, opts, grads);
+    else
+      sdpa_fused_backward<float>(ctx, dout, q, k, v, forward, d, opts, grads);
     return grads;
   }
-  const Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  const Tensor gc = dout.contiguous();
-  const std::vector<int32_t> kept = detail::kept_key_counts(opts.mask, d.B, d.T, d.S);
-  const std::vector<double> alibi = alibi_of(opts);
-  // The reference recomputes the weights, so it needs neither output nor logsumexp.
-  detail::dispatch_float(dt, [&](auto zero) {
-    using F = decltype(zero);
-    ref::sdpa_backward<F>(gc.data<F>(), qc.data<F>(), kc.data<F>(), vc.data<F>(),
-                          grads.dq.data<F>(), grads.dk.data<F>(), grads.dv.data<F>(), kept.data(),
-                          detail::lower_policy(opts.mask.masked_rows), attention_scale(opts, d.D),
-                          d, drop, alibi.empty() ? nullptr : alibi.data(),
-                          std::max<int64_t>(static_cast<int64_t>(alibi.size()), 1));
-  });
+  sdpa_reference_backward(ctx, dout, q, k, v, forward, d, opts, grads);
   return grads;
 }
 
@@ -322,7 +300,7 @@ ref::AttentionDims check_additive(const char* op, const Tensor& qp, const Tensor
                      (w_v.ndim() == 2 && w_v.dim(0) == 1 && w_v.dim(1) == d.D);
   check(wv_ok, op, "w_v has shape {}, expected (h) = ({}) or (1, h) = (1, {})",
         shape_str(w_v.shape()), d.D, d.D);
-  check_options(op, opts);
+  detail::check_attention_options(op, opts.dropout, opts.scale);
   check(!opts.alibi_slopes.defined(), op,
         "alibi_slopes is set, but ALiBi biases dot-product scores only (additive attention has "
         "no q . k term to bias)");

@@ -1,13 +1,13 @@
-// Multi-head decode attention: validation, mask lowering, then kernels/cpu/decode_attention on
-// the tensors as they are (head strides into the (B, S, H*D) cache). Contract in
-// ops/attention_decode.hpp.
+// Multi-head decode attention: validation, mask lowering, the problem from the one builder
+// (ops/attention_kernel.hpp), then kernels/cpu/decode_attention on the tensors as they are (head
+// strides into the (B, S, H*D) cache). Contract in ops/attention_decode.hpp.
 #include "ops/attention_decode.hpp"
 
 #include "attn/ops/masked_softmax.hpp"
 #include "kernels/cpu/decode_attention.hpp"
+#include "ops/attention_kernel.hpp"
 #include "ops/mask.hpp"
 
-#include <cmath>
 #include <vector>
 
 namespace attn::detail {
@@ -38,10 +38,11 @@ void fill_views(cpu::DecodeArgs<KV>& a, const Tensor& q, const Tensor& k, const 
 
 bool multi_head_decode_supported(const Context& ctx, DType dtype, int64_t T,
                                  const AttentionOptions& opts) {
-  return dtype == DType::F32 && T >= 1 && T <= cpu::kDecodeMaxQueries &&
-         !(opts.training && opts.dropout > 0.0) && !opts.need_weights &&
-         !opts.alibi_slopes.defined() &&
-         (ctx.backend == Backend::kAuto || ctx.backend == Backend::kCpu);
+  // The one rule (ops/attention_kernel.hpp); this kernel takes float32 queries, a few of them,
+  // returns no weights and has no dropout.
+  return fused_attention_serves(ctx, dtype, opts) && dtype == DType::F32 && T >= 1 &&
+         T <= cpu::kDecodeMaxQueries && !(opts.training && opts.dropout > 0.0) &&
+         !opts.need_weights;
 }
 
 AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const Tensor& k,
@@ -65,8 +66,7 @@ AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const
         "need_weights and alibi_slopes are not served here (use scaled_dot_product_attention)");
   check(opts.mask.lens_repeat == 1, kOp, "mask.lens_repeat is {}, expected 1",
         opts.mask.lens_repeat);
-  check(!opts.scale || std::isfinite(*opts.scale), kOp, "scale is {}, expected a finite number",
-        opts.scale.value_or(0.0));
+  check_attention_options(kOp, opts.dropout, opts.scale);
   check_cache_tensor("q", q, B, T, heads * D, DType::F32);
   check(k.dtype() == DType::F32 || k.dtype() == DType::BF16, kOp,
         "k has dtype {}, expected float32 or bfloat16", dtype_name(k.dtype()));
@@ -82,26 +82,22 @@ AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const
   AttentionResult result;
   result.output = Tensor::empty({B, T, heads * Dv}, DType::F32);
   result.logsumexp = Tensor::empty({B * heads, T}, DType::F32);
-  auto fill = [&](auto& a) {
-    a.B = B * heads, a.T = T, a.S = S, a.D = D, a.Dv = Dv, a.heads = heads;
-    a.kept_keys = counts_or_null(limits);
-    a.causal = opts.mask.causal;
-    a.masked_rows = lower_policy(opts.mask.masked_rows);
-    a.scale = static_cast<float>(opts.scale ? *opts.scale : 1.0 / std::sqrt(double(D)));
-    a.threads = ctx.resolved_threads();
+  // The problem from the one builder (no dropout: checked above), then the views.
+  const kernels::AttentionProblem problem =
+      attention_problem(ctx, {B, heads, T, S, D, Dv}, limits, opts, /*dropout_offset=*/0);
+  auto run = [&](auto& a) {
+    static_cast<kernels::AttentionProblem&>(a) = problem;
+    fill_views(a, q, k, v, D, Dv);
     a.out = {result.output.data<float>(), T * heads * Dv, Dv, heads * Dv, 1};
     a.lse = result.logsumexp.data<float>();
+    cpu::decode_attention(a);
   };
   if (k.dtype() == DType::BF16) {
     cpu::DecodeArgs<uint16_t> a;
-    fill(a);
-    fill_views(a, q, k, v, D, Dv);
-    cpu::decode_attention(a);
+    run(a);
   } else {
     cpu::DecodeArgs<float> a;
-    fill(a);
-    fill_views(a, q, k, v, D, Dv);
-    cpu::decode_attention(a);
+    run(a);
   }
   return result;
 }

@@ -11,7 +11,6 @@
 #include "ops/attention_kernel.hpp"
 #include "ops/mask.hpp"
 
-#include <cmath>
 #include <vector>
 
 namespace attn::detail {
@@ -53,10 +52,7 @@ HeadDims check_heads(const char* op, const Tensor& q, const Tensor& k, const Ten
   check(opts.mask.lens_repeat == 1, op,
         "mask.lens_repeat is {}, expected 1: valid_lens are per batch row here",
         opts.mask.lens_repeat);
-  check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
-        opts.dropout);
-  check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
-        opts.scale.value_or(0.0));
+  check_attention_options(op, opts.dropout, opts.scale);
   check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, 1);
   return d;
 }
@@ -129,8 +125,8 @@ void backward_fused(Context& ctx, const Tensor& dout, const Tensor& q, const Ten
 }  // namespace
 
 bool multi_head_fused_supported(const Context& ctx, DType dtype, const AttentionOptions& opts) {
-  return (dtype == DType::F32 || dtype == DType::BF16) && !opts.alibi_slopes.defined() &&
-         !opts.need_weights && (ctx.backend == Backend::kAuto || ctx.backend == Backend::kCpu);
+  // The one rule (ops/attention_kernel.hpp); this path returns no weights.
+  return fused_attention_serves(ctx, dtype, opts) && !opts.need_weights;
 }
 
 AttentionResult multi_head_attention_forward(Context& ctx, const Tensor& q, const Tensor& k,

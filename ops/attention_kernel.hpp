@@ -1,7 +1,19 @@
-// The one place where tensors and options become the fused kernels' arguments
-// (kernels/attention_problem.hpp), for scaled_dot_product_attention (ops/attention.cpp, (B, T, D)
-// tensors, one head per row) and multi-head attention on projections (ops/attention_heads.cpp,
-// (B, T, H*D) tensors read through head strides), float32 and bfloat16 alike. Internal to ops/.
+// The one place that decides which attention kernel runs, and with which arguments, for every
+// attention entry: scaled_dot_product_attention (ops/attention.cpp, (B, T, D) tensors, one head
+// per row), multi-head attention on projections (ops/attention_heads.cpp, (B, T, H*D) tensors
+// read through head strides), decode (ops/attention_decode.cpp) and the ring step
+// (ops/ring_attention.cpp), float32 and bfloat16 alike. Internal to ops/.
+//
+//   check_attention_options   the option checks every entry shares (dropout, scale)
+//   attention_scale           the one scale formula (1/sqrt(D) unless given)
+//   fused_attention_serves    the one dispatch rule: fused kernel or reference loops
+//   attention_problem         the one builder of kernels::AttentionProblem (shapes, mask, scale,
+//                             dropout stream, threads, SIMD targets) from a Context and options
+//   attention_args            the problem plus the q, k, v views (kernels/attention_problem.hpp)
+//   fused_forward/backward    the fused kernels by element type (kernels/cpu/flash_attention.hpp,
+//                             kernels/cpu/flash_bf16.hpp)
+// Next file on a call's way down: kernels/attention_problem.hpp (the arguments' contract), then
+// the kernel's header.
 #pragma once
 
 #include "attn/core/context.hpp"
@@ -10,10 +22,12 @@
 #include "kernels/attention_problem.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/cpu/flash_bf16.hpp"
+#include "ops/common.hpp"
 #include "ops/mask.hpp"
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace attn::detail {
@@ -38,33 +52,79 @@ inline uint64_t attention_dropout_index_base(const Context& ctx, const Attention
   return ctx.dropout_index_base(static_cast<uint64_t>(heads * opts.mask.lens_repeat * T * S));
 }
 
-// Everything but the output views: shapes from q (B, T, heads*D), k (B, S, heads*D),
-// v (B, S, heads*Dv); the mask as kept-key counts (`kept`, from length_key_counts over the
-// B*heads rows; it must outlive the call); scale, the dropout stream (active only in training
-// with p > 0, at `dropout_offset`, from attention_dropout_index_base), threads and the test
-// switches from ctx.
+// The option checks every attention entry shares: dropout in [0, 1] and a finite scale.
+inline void check_attention_options(const char* op, double dropout,
+                                    const std::optional<double>& scale) {
+  check(dropout >= 0.0 && dropout <= 1.0, op, "dropout is {}, expected in [0, 1]", dropout);
+  check(!scale || std::isfinite(*scale), op, "scale is {}, expected a finite number",
+        scale.value_or(0.0));
+}
+
+// The scale of the scores: the caller's, else 1/sqrt(D) (d2l, PyTorch SDPA). In double for the
+// reference loops; the kernels take it rounded to float.
+inline double attention_scale(const std::optional<double>& scale, int64_t D) {
+  return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(D));
+}
+
+// Fused or not? The fused CPU kernels (float32: kernels/cpu/flash_attention; bfloat16:
+// kernels/cpu/flash_bf16; decode: kernels/cpu/decode_attention) serve float32 and bfloat16 on
+// Backend::kCpu, and on kAuto unless the caller asks for the weights: then a (B, T, S) tensor
+// exists anyway, so the fused kernel's memory saving is moot, and the reference gives the weights
+// (and the gradients) with double accumulation, as d2l's checks expect. kReference, float64 and
+// ALiBi (the kernels have no score bias) run the reference loops. A backward follows the rule of
+// its forward (same options). The entries add only what their own kernel cannot do: the heads and
+// decode paths return no weights, decode has no dropout and takes 1..kDecodeMaxQueries queries.
+inline bool fused_attention_serves(const Context& ctx, DType dtype, const AttentionOptions& opts) {
+  if (dtype != DType::F32 && dtype != DType::BF16) return false;
+  if (opts.alibi_slopes.defined()) return false;
+  return ctx.backend == Backend::kCpu || (ctx.backend == Backend::kAuto && !opts.need_weights);
+}
+
+// Shapes of one kernel call: B rows of (batch, head) pairs = batch * heads.
+struct AttentionShape {
+  int64_t batch = 0, heads = 1, T = 0, S = 0, D = 0, Dv = 0;
+};
+
+// Everything but the tensors: shapes; the mask as kept-key counts (`kept`, from
+// length_key_counts over the batch*heads rows, empty for none; it must outlive the call), causal
+// and the masked-row policy from opts.mask; the scale; the dropout stream (active only in training
+// with p > 0, at `dropout_offset`, index base from attention_dropout_index_base); threads and the
+// test switches (Context::kernel_targets, force_bf16_fallback) from ctx. Every entry builds its
+// kernel's problem here, so a Context field reaches every kernel.
+inline kernels::AttentionProblem attention_problem(const Context& ctx, const AttentionShape& d,
+                                                   const std::vector<int32_t>& kept,
+                                                   const AttentionOptions& opts,
+                                                   uint64_t dropout_offset) {
+  kernels::AttentionProblem p;
+  p.B = d.batch * d.heads, p.T = d.T, p.S = d.S, p.D = d.D, p.Dv = d.Dv;
+  p.heads = d.heads;
+  p.kept_keys = counts_or_null(kept);
+  p.causal = opts.mask.causal;
+  p.masked_rows = lower_policy(opts.mask.masked_rows);
+  p.scale = static_cast<float>(attention_scale(opts.scale, d.D));
+  const bool drop = opts.training && opts.dropout > 0.0;
+  p.dropout = drop ? static_cast<float>(opts.dropout) : 0.0f;
+  p.seed = ctx.seed;
+  p.offset = drop ? dropout_offset : 0;
+  p.dropout_index_base = drop ? attention_dropout_index_base(ctx, opts, d.heads, d.T, d.S) : 0;
+  p.threads = ctx.resolved_threads();
+  p.simd_targets = ctx.kernel_targets;
+  p.force_bf16_fallback = ctx.force_bf16_fallback;
+  return p;
+}
+
+// The problem of q (B, T, heads*D), k (B, S, heads*D), v (B, S, heads*Dv) and their views; the
+// caller adds the outputs.
 template <class E>
 kernels::AttentionArgs<E> attention_args(const Context& ctx, const Tensor& q, const Tensor& k,
                                          const Tensor& v, int64_t heads,
                                          const std::vector<int32_t>& kept,
                                          const AttentionOptions& opts, uint64_t dropout_offset) {
-  kernels::AttentionArgs<E> p;
   const Shape &qs = q.shape(), &ks = k.shape(), &vs = v.shape();
-  p.B = qs[0] * heads, p.T = qs[1], p.S = ks[1], p.D = qs[2] / heads, p.Dv = vs[2] / heads;
-  p.heads = heads;
-  p.kept_keys = counts_or_null(kept);
-  p.causal = opts.mask.causal;
-  p.masked_rows = lower_policy(opts.mask.masked_rows);
-  p.scale =
-      static_cast<float>(opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(p.D)));
-  const bool drop = opts.training && opts.dropout > 0.0;
-  p.dropout = drop ? static_cast<float>(opts.dropout) : 0.0f;
-  p.seed = ctx.seed;
-  p.offset = drop ? dropout_offset : 0;
-  p.dropout_index_base = drop ? attention_dropout_index_base(ctx, opts, heads, p.T, p.S) : 0;
-  p.threads = ctx.resolved_threads();
-  p.simd_targets = ctx.kernel_targets;
-  p.force_bf16_fallback = ctx.force_bf16_fallback;
+  const AttentionShape d{qs[0], heads, qs[1], ks[1], qs[2] / heads, vs[2] / heads};
+  kernels::AttentionArgs<E> p;
+  static_cast<kernels::AttentionProblem&>(p) =
+      attention_problem(ctx, d, kept, opts, dropout_offset);
   p.q = head_view<const E>(q, heads);
   p.k = head_view<const E>(k, heads);
   p.v = head_view<const E>(v, heads);

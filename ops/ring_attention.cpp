@@ -94,10 +94,7 @@ RingDims check_local(const char* op, const Tensor& q, const Tensor& k, const Ten
   check(v.dim(1) == d.S, op,
         "k {} and v {} differ in length, expected v (B, S_local, Dv) with S_local = {}",
         shape_str(k.shape()), shape_str(v.shape()), d.S);
-  check(opts.dropout >= 0.0 && opts.dropout <= 1.0, op, "dropout is {}, expected in [0, 1]",
-        opts.dropout);
-  check(!opts.scale || std::isfinite(*opts.scale), op, "scale is {}, expected a finite number",
-        opts.scale.value_or(0.0));
+  detail::check_attention_options(op, opts.dropout, opts.scale);
   check(opts.lens_repeat >= 1, op, "lens_repeat is {}, expected >= 1", opts.lens_repeat);
   d.layout = opts.resolved_layout();
   if (d.layout == RingLayout::kZigzag)
@@ -261,19 +258,20 @@ int64_t piece_rows(int64_t len) {
   return std::min(len, std::max<int64_t>(256, (len + 7) / 8));
 }
 
-// The kernel arguments shared by every call of one ring op.
+// The kernel arguments shared by every call of one ring op, from the one builder
+// (ops/attention_kernel.hpp): causal is lowered into each call's kept-key counts, a row without a
+// kept key in a block adds nothing (kZero; d2l's kUniform rows are fixed up after the merge), and
+// the dropout stream is RingDropout's (the gathered problem's), so the builder gets none. Each
+// call then sets its block's T, S, kept keys, dropout window and views.
 template <class E>
 kernels::AttentionArgs<E> base_args(const Context& ctx, const RingDims& d,
                                     const RingOptions& opts) {
+  AttentionOptions block;
+  block.scale = opts.scale;
+  block.mask.masked_rows = MaskedRowPolicy::kZero;
   kernels::AttentionArgs<E> p;
-  p.B = d.B, p.D = d.D, p.Dv = d.Dv, p.heads = 1;
-  p.causal = false;  // lowered into the kept-key counts
-  p.masked_rows = kernels::MaskedRows::kZero;
-  p.scale =
-      static_cast<float>(opts.scale ? *opts.scale : 1.0 / std::sqrt(static_cast<double>(d.D)));
-  p.threads = ctx.resolved_threads();
-  p.simd_targets = ctx.kernel_targets;
-  p.force_bf16_fallback = ctx.force_bf16_fallback;
+  static_cast<kernels::AttentionProblem&>(p) = detail::attention_problem(
+      ctx, {d.B, 1, d.T, d.S, d.D, d.Dv}, /*kept=*/{}, block, /*dropout_offset=*/0);
   return p;
 }
 

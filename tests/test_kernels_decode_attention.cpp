@@ -4,11 +4,15 @@
 // into a (B, capacity, H*D) cache, per-row lengths (ragged, zero), both masked-row policies, a
 // bfloat16 cache, every SIMD target; and bitwise equality for 1, 2 and 3 threads. Cache positions
 // past S hold NaN: the kernel must never read them.
+#include "attn/core/context.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/error.hpp"
+#include "attn/core/tensor.hpp"
 #include "kernels/cpu/decode_attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/ref/attention.hpp"
+#include "ops/attention_decode.hpp"
+#include "ops/attention_kernel.hpp"
 
 #include <gtest/gtest.h>
 
@@ -146,10 +150,15 @@ struct Data {
                 v32[static_cast<size_t>((b * cap + s) * H * c.Dv + h * c.Dv + i)];
         }
       }
-    ref::AttentionDims dims{BH, c.T, c.S, c.D, c.Dv};
-    ref::sdpa_forward<double>(rq.data(), rk.data(), rv.data(), ro.data(), nullptr, rl.data(),
-                              rkept.data(), c.policy, 1.0 / std::sqrt(double(c.D)), dims,
-                              ref::DropoutSpec{});
+    // The oracle on the kernel's own problem (kept keys with causal folded in, contiguous rows).
+    ref::AttentionCall<double> rc;
+    rc.problem.B = BH, rc.problem.T = c.T, rc.problem.S = c.S, rc.problem.D = c.D;
+    rc.problem.Dv = c.Dv;
+    rc.problem.kept_keys = rkept.data();
+    rc.problem.masked_rows = c.policy;
+    rc.scale = 1.0 / std::sqrt(double(c.D));
+    rc.q = rq.data(), rc.k = rk.data(), rc.v = rv.data(), rc.out = ro.data(), rc.lse = rl.data();
+    ref::sdpa_forward(rc);
     // Back to the kernel's (batch, T, H*Dv) output layout, then lse (B*H, T).
     std::vector<double> all(static_cast<size_t>(c.batch * c.T * H * c.Dv));
     for (int64_t b = 0; b < c.batch; ++b)
@@ -233,6 +242,51 @@ TEST(DecodeAttention, EverySimdTarget) {
       check_case(c);
     }
   }
+}
+
+// Context::kernel_targets reaches the decode kernel through the op (the one builder of the
+// kernel arguments, ops/attention_kernel.hpp; the decode path once built its own and dropped the
+// field): the op's output at each target is bitwise the kernel's at that target.
+TEST(DecodeAttention, OpHonorsContextKernelTargets) {
+  Case c;
+  c.batch = 2, c.heads = 3, c.T = 2, c.S = 150, c.D = 33, c.Dv = 24;
+  Data data(c);
+  const int64_t H = c.heads;
+  const Tensor q =
+      Tensor::wrap(data.q.data(), {c.batch, c.T, H * c.D}, DType::F32, {c.T * data.qw, data.qw, 1});
+  const Tensor k = Tensor::wrap(data.k32.data(), {c.batch, c.S, H * c.D}, DType::F32,
+                                {data.cap * H * c.D, H * c.D, 1});
+  const Tensor v = Tensor::wrap(data.v32.data(), {c.batch, c.S, H * c.Dv}, DType::F32,
+                                {data.cap * H * c.Dv, H * c.Dv, 1});
+  std::vector<std::vector<float>> by_target;
+  for (int64_t target : cpu::flash_attention_targets()) {
+    SCOPED_TRACE(cpu::flash_attention_target_name(target));
+    Context ctx;
+    ctx.kernel_targets = target;
+    const AttentionResult r = detail::multi_head_decode_attention(ctx, q, k, v, H, {});
+    Case ck = c;
+    ck.simd_targets = target;
+    Data direct(ck);
+    const std::vector<float> want = direct.run(ctx.resolved_threads());
+    // The kernel's out then lse, as Data::run returns them.
+    std::vector<float> got(r.output.data<float>(), r.output.data<float>() + r.output.numel());
+    got.insert(got.end(), r.logsumexp.data<float>(),
+               r.logsumexp.data<float>() + r.logsumexp.numel());
+    ASSERT_EQ(got.size(), want.size());
+    ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+    by_target.push_back(got);
+    // Every entry's problem comes from the one builder, which copies the Context's switches.
+    const kernels::AttentionProblem p =
+        detail::attention_problem(ctx, {1, 1, 1, 1, 1, 1}, {}, AttentionOptions{}, 0);
+    EXPECT_EQ(p.simd_targets, target);
+  }
+  // The check above can only fail if the targets differ in some bit, which they do here (their
+  // reductions have different widths); say so if a change ever makes them agree.
+  bool differ = false;
+  for (size_t i = 1; i < by_target.size(); ++i)
+    differ |= std::memcmp(by_target[i].data(), by_target[0].data(),
+                          by_target[0].size() * sizeof(float)) != 0;
+  if (!differ) GTEST_SKIP() << "every target gives the same bits: the test cannot tell them apart";
 }
 
 // A bfloat16 cache of the benchmark's head width (D = 64: whole vectors on every target) on every

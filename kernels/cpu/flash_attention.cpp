@@ -50,6 +50,7 @@
 #include "hwy/highway.h"
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_driver.hpp"
 #include "kernels/cpu/flash_kernels-inl.h"
 #include "kernels/cpu/row_prefetch.hpp"
 
@@ -271,27 +272,6 @@ size_t ForwardScratchFloats(const FlashParams& p) {
   return static_cast<size_t>((p.D + kBlockK + p.Dv + 5) * kBlockQ + kBlockK + RoundUpLanes(p.Dv));
 }
 
-// out row of a query with no kept key: mean of v over all S keys (d2l), dropout applied to the
-// 1/S weights, or zeros (PyTorch SDPA). acc holds Dvp floats.
-void MaskedRow(const FlashParams& p, int64_t b, int64_t t, float* acc, float* z) {
-  std::fill(acc, acc + RoundUpLanes(p.Dv), 0.0f);
-  if (p.zero_masked_rows()) return;
-  for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
-    const int64_t nk = std::min(kBlockK, p.S - s0);
-    if (p.dropout > 0.0f) {
-      DropoutRow(p, p.dropout_index(b, t, s0), nk, z);
-    } else {
-      std::fill(z, z + nk, 1.0f);
-    }
-    for (int64_t s = 0; s < nk; ++s) {
-      const float w = z[s] / static_cast<float>(p.S);
-      const float* vs = p.v.data + VOff(p, b) + (s0 + s) * p.v.st;
-      for (int64_t c = 0; c < p.Dv; ++c)
-        acc[c] += w * vs[c * p.v.sd];
-    }
-  }
-}
-
 // weights[b, t0 + r, s] = 2^(x - m) / l for kept keys, 0 for masked ones, and the masked-row
 // policy (1/S or 0) for queries without keys: X^T recomputed tile by tile once m and l are final.
 // (2^(x - m) / l rather than 2^(x - lse): equal scores then give exactly fl(1/n).)
@@ -508,7 +488,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
   UnpackTransposed(ot, mqp, mq, Dv, inv, out, p.out.st, p.out.sd);
   for (int64_t r = 0; r < mq; ++r) {
     if (lim[r] != 0) continue;
-    MaskedRow(p, b, t0 + r, tmp, z);
+    masked_row_output(p, b, t0 + r, tmp, z, kBlockK);
     for (int64_t e = 0; e < Dv; ++e)
       out[r * p.out.st + e * p.out.sd] = tmp[e];
   }
@@ -710,14 +690,15 @@ void BackwardItem(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t 
   next.Step(steps - 1, steps);
 }
 
-// dq rows [0, T) of batch b = scale * (0 + part): the one share of a single-split backward (the
-// 0 + of the general sum keeps its bits, -0 included).
-void WriteDq(const FlashParams& p, const FlashGrads& g, int64_t b, const float* part, int64_t ldq) {
+// dq rows [t0, t1) of batch b = scale * (0 + rows[t - t0]): the sums of the dQ shares
+// (flash_backward_driver; the 0 + turns a -0 share into +0, as a sum of several shares does).
+void WriteDq(const FlashParams& p, const FlashGrads& g, int64_t b, int64_t t0, int64_t t1,
+             const float* rows, int64_t ld) {
   const DF d;
   const int64_t D = p.D;
   const VF vs = hn::Set(d, p.scale);
-  for (int64_t t = 0; t < p.T; ++t) {
-    const float* row = part + t * ldq;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* row = rows + (t - t0) * ld;
     float* dq = g.dq.data + HeadOffset(p, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
     int64_t k = 0;
     if (g.dq.sd == 1) {
@@ -736,10 +717,7 @@ HWY_AFTER_NAMESPACE();
 // Dispatch and threads (compiled once)
 
 #if HWY_ONCE
-#include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/target_scope.hpp"
-
-#include <omp.h>
 
 #include <vector>
 
@@ -778,128 +756,30 @@ std::vector<int64_t> flash_attention_targets() {
 void flash_attention_forward(const FlashParams& p) {
   if (p.B == 0 || p.T == 0) return;
   const TargetScope targets(p.simd_targets);
-  const int64_t bq = HWY_DYNAMIC_DISPATCH(QueryBlockRows)();
-  const int64_t blocks = (p.T + bq - 1) / bq, items = p.B * blocks;
-  const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p);
   auto* block_fn = HWY_DYNAMIC_DISPATCH(ForwardBlock);
-  // Items are independent and each one's arithmetic is fixed, so a dynamic schedule (better
-  // balance for causal masks) still gives the same bits for any thread count. Causal blocks grow
-  // with t, so each head's blocks are handed out last (heaviest) first and the schedule ends on
-  // the lightest ones. Heads stay in order: consecutive items share one head's K and V in cache
-  // (an order across heads, all last blocks first, read them from memory for every item and
-  // was 6% slower at T = 4096, D = 64/128).
-  const int threads = std::max(1, p.threads);
-  const Scratch<float> scratch("flash_attention_forward", scratch_floats, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    float* own = scratch.get(omp_get_thread_num());
-    // With a dynamic schedule of equal items, a thread's next item is most often it + threads.
-    const int64_t stride = omp_get_num_threads();
-    auto row0 = [&](int64_t i) { return (p.causal ? blocks - 1 - i % blocks : i % blocks) * bq; };
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t next = it + stride < items ? it + stride : -1;
-      block_fn(p, it / blocks, row0(it), own, next < 0 ? -1 : next / blocks,
-               next < 0 ? 0 : row0(next));
-    }
-  }
-}
-
-std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal) {
-  constexpr int64_t kGrain = 64;
-  const int64_t grains = (S + kGrain - 1) / kGrain;
-  int64_t splits = B >= 4 ? 1 : (4 + B - 1) / B;
-  splits = std::max<int64_t>(1, std::min(splits, grains / 4));
-  std::vector<double> work(grains);
-  double total = 0;
-  for (int64_t gi = 0; gi < grains; ++gi) {
-    const double s_mid = (gi + 0.5) * kGrain;
-    work[gi] = causal ? std::max(1.0, double(T) - s_mid) : 1.0;
-    total += work[gi];
-  }
-  std::vector<int64_t> bounds{0};
-  double acc = 0;
-  for (int64_t gi = 0; gi < grains; ++gi) {
-    acc += work[gi];
-    const int64_t j = static_cast<int64_t>(bounds.size());
-    if (j < splits && acc >= total * double(j) / double(splits))
-      bounds.push_back(std::min(S, (gi + 1) * kGrain));
-  }
-  while (static_cast<int64_t>(bounds.size()) <= splits)
-    bounds.push_back(S);
-  bounds.back() = S;
-  return bounds;
+  flash_forward_driver(p, "flash_attention_forward", HWY_DYNAMIC_DISPATCH(QueryBlockRows)(),
+                       HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p), NoPrepare{},
+                       [&](float* scratch, int64_t b, int64_t t0, int64_t next_b, int64_t next_t0) {
+                         block_fn(p, b, t0, scratch, next_b, next_t0);
+                       });
 }
 
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {
   if (p.B == 0) return;
   const TargetScope targets(p.simd_targets);
-  const int64_t Dp = (p.D + 15) / 16 * 16;  // >= every target's padded D; dq_part row stride
-  const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
-  const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
-  const int threads = std::max(1, p.threads);
-  const size_t part_floats = static_cast<size_t>(p.T * Dp);
-  const size_t scratch_floats = HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p);
+  const int64_t Dp = (p.D + 15) / 16 * 16;  // >= every target's padded D; dQ share row stride
   auto* item_fn = HWY_DYNAMIC_DISPATCH(BackwardItem);
   auto* write_dq_fn = HWY_DYNAMIC_DISPATCH(WriteDq);
-  // dQ row (b, t) from its shares: dq = scale * (0 + part_0 + part_1 + ...), in j order, so the
-  // same sum whatever thread made each part (the leading 0 + keeps -0 shares as the sum did).
-  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows) {
-    float* dq = g.dq.data + HeadOffset(p, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
-    for (int64_t k = 0; k < p.D; ++k) {
-      float acc = 0.0f;
-      for (int64_t j = 0; j < splits; ++j)
-        acc += part_rows[j][k];
-      dq[k * g.dq.sd] = p.scale * acc;
-    }
-  };
-  if (splits == 1) {
-    // One item per b (B >= 4, e.g. MultiHeadAttention's B*H rows): its dQ share is the whole
-    // dQ of b, written by the item's own thread straight from a per-thread buffer while it is
-    // still in L2, instead of B buffers of T x Dp summed in a second pass.
-    const Scratch<float> scratches("flash_attention_backward", scratch_floats, threads);
-    const Scratch<float> parts("flash_attention_backward", part_floats, threads);
-#pragma omp parallel num_threads(threads)
-    {
-      float* scratch = scratches.get(omp_get_thread_num());
-      float* part = parts.get(omp_get_thread_num());
-      // With a dynamic schedule of equal items, a thread's next item is most often b + threads.
-      const int64_t stride = omp_get_num_threads();
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t b = 0; b < p.B; ++b) {
-        std::memset(part, 0, sizeof(float) * part_floats);  // std::fill stayed scalar
-        item_fn(p, g, b, bounds[0], bounds[1], part, Dp, scratch,
-                b + stride < p.B ? b + stride : -1);
-        write_dq_fn(p, g, b, part, Dp);
-      }
-    }
-    return;
-  }
-  // dQ shares, one (T, Dp) fp32 buffer per item, summed in item order below.
-  const Scratch<float> all_parts("flash_attention_backward",
-                                 part_floats * static_cast<size_t>(items));
-  float* const parts = all_parts.get();
-  const Scratch<float> scratches("flash_attention_backward", scratch_floats, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    float* scratch = scratches.get(omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < items; ++i) {
-      float* part = parts + static_cast<size_t>(i) * part_floats;
-      std::memset(part, 0, sizeof(float) * part_floats);
-      const int64_t b = i / splits, j = i % splits;
-      item_fn(p, g, b, bounds[j], bounds[j + 1], part, Dp, scratch, -1);
-    }
-    const int64_t rows = p.B * p.T;
-    std::vector<const float*> part_rows(static_cast<size_t>(splits));
-#pragma omp for schedule(static)
-    for (int64_t bt = 0; bt < rows; ++bt) {
-      const int64_t b = bt / p.T, t = bt % p.T;
-      for (int64_t j = 0; j < splits; ++j)
-        part_rows[j] = parts + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
-      write_dq(b, t, part_rows.data());
-    }
-  }
+  flash_backward_driver(
+      p, "flash_attention_backward", Dp,
+      HWY_DYNAMIC_DISPATCH(BackwardScratchFloats)(p) * sizeof(float), /*zero_scratch=*/false,
+      [](std::byte* scratch) { return reinterpret_cast<float*>(scratch); },
+      [&](float* scratch, int64_t b, int64_t sa, int64_t sb, float* part, int64_t next_b) {
+        item_fn(p, g, b, sa, sb, part, Dp, scratch, next_b);
+      },
+      [&](int64_t b, int64_t t0, int64_t t1, const float* rows, int64_t ld) {
+        write_dq_fn(p, g, b, t0, t1, rows, ld);
+      });
 }
 
 }  // namespace attn::cpu

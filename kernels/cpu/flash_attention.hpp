@@ -12,7 +12,8 @@
 //
 // Threads: a fixed list of work items (forward: (b, query block); backward: (b, key range))
 // whose arithmetic does not depend on which thread runs it, so any thread count gives bitwise
-// identical results.
+// identical results. The items, their schedule and the dQ merge are the flash driver's
+// (flash_driver.hpp), shared with the bf16 kernels; flash_attention.cpp holds the block arithmetic.
 #pragma once
 
 #include "kernels/attention_problem.hpp"
@@ -38,11 +39,7 @@ void flash_attention_backward(const FlashParams& p, const FlashGrads& g);
 bool flash_attention_keeps_dropout(const FlashParams& p);
 int64_t flash_dropout_keep_words(const FlashParams& p);
 
-// Key ranges [bounds[j], bounds[j+1]) of the backward's work items for one batch row, shared by
-// the fp32 and bf16 backwards: enough items to feed a few threads when B is small (a function of
-// the shape only, never of the thread count), each a multiple of 64 keys; with a causal mask the
-// ranges hold equal work (key s is seen by T - s queries), not equal keys.
-std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal);
+// The work schedule (items, key splits, dQ merge): flash_driver.hpp, shared with flash_bf16.
 
 // Name of the SIMD target the dispatcher picks on this CPU (e.g. "AVX3", "AVX2", "EMU128"), or
 // of one target bit of flash_attention_targets().

@@ -28,21 +28,19 @@
 // rounded to bf16 once for the products that consume them, dQ, dK, dV accumulated in fp32 and
 // rounded once.
 //
-// Performance notes (2 cores, AMD EPYC with avx512_bf16, 2 threads): forward 1.8x the fp32
-// forward at T = S = 1024 (D = 64 and 128), 1.6-1.9x at T = S = 4096 (load ~8). Of the time,
-// ~70-80% is the micro-kernel, ~15-20% the softmax, ~4% the packs. Backward 1.6-1.9x the fp32
-// backward at the same shapes (load 2-3); ~70% micro-kernels, ~20% the softmax backward, ~4%
-// the packs.
+// Measured speed against the fp32 kernel and where the time goes: docs/kernels-cpu.md.
 // Code: this file holds the fallback through the fp32 kernel and the entry points; the native
 // kernels are in three parts it includes inside its AVX-512 target region (one translation unit,
 // so the compiler sees what it saw when they were one file): flash_bf16_shared-inl.h (exp2,
 // pair rounding, Philox, packing), flash_bf16_forward-inl.h (ForwardBlock, ForwardNative) and
 // flash_bf16_backward-inl.h (BackwardItem, BackwardNative). Steps are named as in the fp32
-// kernel (flash_attention.cpp: ForwardBlock, MaskedRow, BackwardItem, ...).
+// kernel (flash_attention.cpp: ForwardBlock, BackwardItem, ...). The work items, their schedule,
+// the dQ merge and the masked rows are the flash driver's (flash_driver.hpp), shared with fp32.
 #include "kernels/cpu/flash_bf16.hpp"
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/flash_driver.hpp"
 #include "kernels/cpu/row_prefetch.hpp"
 #include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/transpose16.hpp"

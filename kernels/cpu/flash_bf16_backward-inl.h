@@ -237,25 +237,23 @@ struct BwdBuffers {
   uint32_t *kt2, *vt2, *kp2;          // packed k, v of a key block
   uint32_t *pz2, *ds2, *dsr;          // bf16 pairs of P Z and dS
   float *x, *dp;                      // fp32 tiles of the scores and of dP
-  float *dk_acc, *dv_acc, *z, *part;  // fp32 dK^T, dV^T, dropout, dQ share (T, Dp)
+  float *dk_acc, *dv_acc, *z;         // fp32 dK^T, dV^T, dropout
   float *lse2, *drow;                 // (T) lse log2 e, D_t
   int64_t* lim;                       // (T) row limits
   uint16_t* out16;                    // dK or dV of a key block rounded to bf16
   uint8_t* bad;                       // (rows) q or dO row not finite
 
-  // The buffers carved from `base`, Bytes(p, with_part) bytes, 64-byte aligned.
-  BwdBuffers(const FlashBf16Params& p, bool with_part, std::byte* base) {
-    Layout(p, with_part, base);
-  }
-  static size_t Bytes(const FlashBf16Params& p, bool with_part) {
+  // The buffers carved from `base`, Bytes(p) bytes, 64-byte aligned.
+  BwdBuffers(const FlashBf16Params& p, std::byte* base) { Layout(p, base); }
+  static size_t Bytes(const FlashBf16Params& p) {
     BwdBuffers sizes;
-    return sizes.Layout(p, with_part, nullptr);
+    return sizes.Layout(p, nullptr);
   }
 
  private:
   BwdBuffers() = default;
   // Points every buffer into base (nullptr: only counts) and returns the bytes used.
-  size_t Layout(const FlashBf16Params& p, bool with_part, std::byte* base) {
+  size_t Layout(const FlashBf16Params& p, std::byte* base) {
     const int64_t D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
     rows = BackwardWholeRows(p) ? p.T : std::min(p.T, kBwdQ);
     ldq = (rows + kL - 1) / kL * kL + kL;
@@ -283,7 +281,6 @@ struct BwdBuffers {
     carve(out16, std::max(p.D, p.Dv) * kBwdK);
     carve(dv_acc, p.Dv * kBwdK);
     carve(z, 2 * kBwdK);
-    carve(part, with_part ? p.T * Dp : 0);
     carve(lse2, p.T);
     carve(drow, p.T);
     carve(lim, p.T);
@@ -292,19 +289,12 @@ struct BwdBuffers {
   }
 };
 
-// Per-thread BwdBuffers memory for a parallel region, zero-filled (see BwdBuffers).
-Scratch<std::byte> BackwardScratch(const FlashBf16Params& p, bool with_part, int threads) {
-  return Scratch<std::byte>("flash_attention_backward_bf16", BwdBuffers::Bytes(p, with_part),
-                            static_cast<size_t>(threads), /*zero=*/true);
-}
-
 // Rows [ta, tb) of q and dO of batch row b into w's four layouts (row ta at index 0).
 void PackQueryRows(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, int64_t ta,
                    int64_t tb, BwdBuffers& w) {
   const int64_t n = tb - ta, D2 = (p.D + 1) / 2, Dv2 = (p.Dv + 1) / 2;
-  const uint16_t* q = p.q.data + HeadOffset(p.heads, b, p.q.sb, p.q.sh) + ta * p.q.st;
-  const uint16_t* dout =
-      g.dout.data + HeadOffset(p.heads, b, g.dout.sb, g.dout.sh) + ta * g.dout.st;
+  const uint16_t* q = p.q.data + p.row_offset(b, p.q.sb, p.q.sh) + ta * p.q.st;
+  const uint16_t* dout = g.dout.data + p.row_offset(b, g.dout.sb, g.dout.sh) + ta * g.dout.st;
   PackPairsTransposed(q, n, p.D, p.q.st, p.q.sd, w.qt2, w.ldq);
   PackPairsTransposed(dout, n, p.Dv, g.dout.st, g.dout.sd, w.dot2, w.ldq);
   for (int64_t j = 0; j < D2; ++j)
@@ -338,9 +328,8 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
     any_masked |= lim == 0;
     max_lim = std::max(max_lim, lim);
     w.lse2[t] = p.lse[b * T + t] * kLog2e;
-    const uint16_t* o = p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh) + t * p.out.st;
-    const uint16_t* dout =
-        g.dout.data + HeadOffset(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
+    const uint16_t* o = p.out.data + p.row_offset(b, p.out.sb, p.out.sh) + t * p.out.st;
+    const uint16_t* dout = g.dout.data + p.row_offset(b, g.dout.sb, g.dout.sh) + t * g.dout.st;
     // D_t = dO_t . out_t in fp32, 16 lanes then a fixed reduction: error <= ~(Dv/16 + 4) 2^-24
     // sum |dO| |out|, far below the error of out itself (its bf16 rounding, 2^-8 |out|).
     __m512 acc = _mm512_setzero_ps();
@@ -366,12 +355,12 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
     std::fill(dv_acc, dv_acc + Dv * kBwdK, 0.0f);
     bool k_finite = true;
     if (nkr > 0) {
-      const uint16_t* kb = p.k.data + HeadOffset(p.heads, b, p.k.sb, p.k.sh) + s0 * p.k.st;
+      const uint16_t* kb = p.k.data + p.row_offset(b, p.k.sb, p.k.sh) + s0 * p.k.st;
       std::fill(w.kt2, w.kt2 + D2 * kBwdK, 0u);
       std::fill(w.vt2, w.vt2 + Dv2 * kBwdK, 0u);
       PackPairsTransposed(kb, nkr, D, p.k.st, p.k.sd, w.kt2, kBwdK);
-      PackPairsTransposed(p.v.data + HeadOffset(p.heads, b, p.v.sb, p.v.sh) + s0 * p.v.st, nkr, Dv,
-                          p.v.st, p.v.sd, w.vt2, kBwdK);
+      PackPairsTransposed(p.v.data + p.row_offset(b, p.v.sb, p.v.sh) + s0 * p.v.st, nkr, Dv, p.v.st,
+                          p.v.sd, w.vt2, kBwdK);
       uint8_t kbad[kBwdK] = {};
       PackPairsRows(kb, nkr, D, p.k.st, p.k.sd, w.kp2, Dp, kbad);
       for (int64_t s = 0; s < nkr; ++s)
@@ -473,9 +462,8 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
       } else {
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
-          const uint16_t* qr = p.q.data + HeadOffset(p.heads, b, p.q.sb, p.q.sh) + t * p.q.st;
-          const uint16_t* dor =
-              g.dout.data + HeadOffset(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
+          const uint16_t* qr = p.q.data + p.row_offset(b, p.q.sb, p.q.sh) + t * p.q.st;
+          const uint16_t* dor = g.dout.data + p.row_offset(b, g.dout.sb, g.dout.sh) + t * g.dout.st;
           for (int64_t s = 0; s < n; ++s) {
             for (int64_t e = 0; e < Dv; ++e)
               dv_acc[e * kBwdK + s] += half(pz2, r, s) * bf16_to_float(dor[e * g.dout.sd]);
@@ -490,8 +478,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
         for (int64_t r = 0; r < mq; ++r) {
           const int64_t t = t0 + r, n = std::clamp<int64_t>(w.lim[t] - s0, 0, nkr);
           for (int64_t s = 0; s < n; ++s) {
-            const uint16_t* kr =
-                p.k.data + HeadOffset(p.heads, b, p.k.sb, p.k.sh) + (s0 + s) * p.k.st;
+            const uint16_t* kr = p.k.data + p.row_offset(b, p.k.sb, p.k.sh) + (s0 + s) * p.k.st;
             for (int64_t d = 0; d < D; ++d)
               dq_part[t * Dp + d] += half(ds2, r, s) * bf16_to_float(kr[d * p.k.sd]);
           }
@@ -509,8 +496,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
         } else {
           std::fill(z, z + nk, 1.0f);
         }
-        const uint16_t* dor =
-            g.dout.data + HeadOffset(p.heads, b, g.dout.sb, g.dout.sh) + t * g.dout.st;
+        const uint16_t* dor = g.dout.data + p.row_offset(b, g.dout.sb, g.dout.sh) + t * g.dout.st;
         for (int64_t e = 0; e < Dv; ++e) {
           const float go = bf16_to_float(dor[e * g.dout.sd]);
           for (int64_t s = 0; s < nk; ++s)
@@ -521,11 +507,11 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
 
     // dK = scale sum dS Q, dV = sum P Z dO: rounded once (vcvtneps2bf16), transposed back.
     StoreKeyRowsBf16(dk_acc, D, nk, p.scale,
-                     g.dk.data + HeadOffset(p.heads, b, g.dk.sb, g.dk.sh) + s0 * g.dk.st, g.dk.st,
-                     g.dk.sd, w.out16);
+                     g.dk.data + p.row_offset(b, g.dk.sb, g.dk.sh) + s0 * g.dk.st, g.dk.st, g.dk.sd,
+                     w.out16);
     StoreKeyRowsBf16(dv_acc, Dv, nk, 1.0f,
-                     g.dv.data + HeadOffset(p.heads, b, g.dv.sb, g.dv.sh) + s0 * g.dv.st, g.dv.st,
-                     g.dv.sd, w.out16);
+                     g.dv.data + p.row_offset(b, g.dv.sb, g.dv.sh) + s0 * g.dv.st, g.dv.st, g.dv.sd,
+                     w.out16);
   }
   next.Step(steps - 1, steps);
 }
@@ -533,71 +519,16 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
 void BackwardNative(const FlashBf16Params& p, const FlashBf16Grads& g) {
   const int64_t Dp = (p.D + kL - 1) / kL * kL;
   static_assert(kBwdK == 64, "backward_key_splits cuts at multiples of 64 keys");
-  const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
-  const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
-  const int threads = std::max(1, p.threads);
-  const size_t part_floats = static_cast<size_t>(p.T * Dp);
-  // dQ row (b, t) from its shares: scale * (0 + part_0 + part_1 + ...), in item order, so the
-  // same sum whatever thread made each part; rounded to bf16 once.
-  auto write_dq = [&](int64_t b, int64_t t, const float* const* part_rows, float* sum) {
-    uint16_t* dq = g.dq.data + HeadOffset(p.heads, b, g.dq.sb, g.dq.sh) + t * g.dq.st;
-    if (splits == 1) {
-      StoreBf16Row(part_rows[0], p.D, p.scale, dq, g.dq.sd);
-      return;
-    }
-    for (int64_t d = 0; d < p.D; d += kL) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < splits; ++j)
-        acc = _mm512_add_ps(acc, _mm512_loadu_ps(part_rows[j] + d));
-      _mm512_storeu_ps(sum + d, acc);
-    }
-    StoreBf16Row(sum, p.D, p.scale, dq, g.dq.sd);
-  };
-  if (splits == 1) {
-    // One item per b: its dQ share is the whole dQ of b, written by the item's own thread.
-    const Scratch<std::byte> buffers = BackwardScratch(p, /*with_part=*/true, threads);
-#pragma omp parallel num_threads(threads)
-    {
-      BwdBuffers w(p, /*with_part=*/true, buffers.get(omp_get_thread_num()));
-      // With a dynamic schedule of equal items, a thread's next item is most often b + threads.
-      const int64_t stride = omp_get_num_threads();
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t b = 0; b < p.B; ++b) {
-        std::memset(w.part, 0, sizeof(float) * part_floats);
-        BackwardItem(p, g, b, bounds[0], bounds[1], w.part, w, b + stride < p.B ? b + stride : -1);
-        for (int64_t t = 0; t < p.T; ++t) {
-          const float* row = w.part + t * Dp;
-          write_dq(b, t, &row, nullptr);
-        }
-      }
-    }
-    return;
-  }
-  // The shares of all items, summed below.
-  const Scratch<float> all_parts("flash_attention_backward_bf16",
-                                 part_floats * static_cast<size_t>(items));
-  float* const parts = all_parts.get();
-  const Scratch<std::byte> buffers = BackwardScratch(p, /*with_part=*/false, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    {
-      BwdBuffers w(p, /*with_part=*/false, buffers.get(omp_get_thread_num()));
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < items; ++i) {
-        float* part = parts + static_cast<size_t>(i) * part_floats;
-        std::fill(part, part + part_floats, 0.0f);
-        const int64_t b = i / splits, j = i % splits;
-        BackwardItem(p, g, b, bounds[j], bounds[j + 1], part, w);
-      }
-    }
-    std::vector<const float*> part_rows(static_cast<size_t>(splits));
-    std::vector<float> sum(static_cast<size_t>(Dp));
-#pragma omp for schedule(static)
-    for (int64_t bt = 0; bt < p.B * p.T; ++bt) {
-      const int64_t b = bt / p.T, t = bt % p.T;
-      for (int64_t j = 0; j < splits; ++j)
-        part_rows[j] = parts + static_cast<size_t>(b * splits + j) * part_floats + t * Dp;
-      write_dq(b, t, part_rows.data(), sum.data());
-    }
-  }
+  flash_backward_driver(
+      p, "flash_attention_backward_bf16", Dp, BwdBuffers::Bytes(p),
+      /*zero_scratch=*/true, [&](std::byte* scratch) { return BwdBuffers(p, scratch); },
+      [&](BwdBuffers& w, int64_t b, int64_t sa, int64_t sb, float* part, int64_t next_b) {
+        BackwardItem(p, g, b, sa, sb, part, w, next_b);
+      },
+      // dq = scale * (sum of the shares), rounded to bf16 once.
+      [&](int64_t b, int64_t t0, int64_t t1, const float* rows, int64_t ld) {
+        for (int64_t t = t0; t < t1; ++t)
+          StoreBf16Row(rows + (t - t0) * ld, p.D, p.scale,
+                       g.dq.data + p.row_offset(b, g.dq.sb, g.dq.sh) + t * g.dq.st, g.dq.sd);
+      });
 }

@@ -188,7 +188,7 @@ struct Packed {
 void PackBatch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   const int64_t S = p.S, Dv = p.Dv, S2 = pk.S2;
   uint32_t* vt = pk.vt2 + b * S2 * Dv;
-  const uint16_t* vb = p.v.data + HeadOffset(p.heads, b, p.v.sb, p.v.sh);
+  const uint16_t* vb = p.v.data + p.row_offset(b, p.v.sb, p.v.sh);
   uint8_t bad[kBlockK];
   for (int64_t tile = 0; tile < pk.tiles; ++tile) {
     const int64_t s0 = tile * kBlockK, n = std::min(kBlockK, S - s0);
@@ -198,34 +198,13 @@ void PackBatch(const FlashBf16Params& p, Packed& pk, int64_t b) {
   }
   uint32_t* kt = pk.kt2 + b * pk.D2 * pk.ldk;
   // (A first version wrote key by key, one word per 4 KiB row at S = 1024: 17% of the forward.)
-  PackPairsTransposed(p.k.data + HeadOffset(p.heads, b, p.k.sb, p.k.sh), S, p.D, p.k.st, p.k.sd, kt,
+  PackPairsTransposed(p.k.data + p.row_offset(b, p.k.sb, p.k.sh), S, p.D, p.k.st, p.k.sd, kt,
                       pk.ldk);
 }
 
 size_t ForwardScratchFloats(const FlashBf16Params& p, const Packed& pk) {
   return static_cast<size_t>(pk.D2 * kBlockQ + kBlockK * kBlockQ + kBlockK / 2 * kBlockQ +
                              p.Dv * kBlockQ + 5 * kBlockQ + kBlockK + p.Dv + kL);
-}
-
-// Output row of a query with no kept key: the mean of v over all S keys (d2l), dropout applied
-// to the 1/S weights, or zeros (PyTorch SDPA).
-void MaskedRow(const FlashBf16Params& p, int64_t b, int64_t t, float* acc, float* z) {
-  std::fill(acc, acc + p.Dv, 0.0f);
-  if (p.zero_masked_rows()) return;
-  for (int64_t s0 = 0; s0 < p.S; s0 += kBlockK) {
-    const int64_t nk = std::min(kBlockK, p.S - s0);
-    if (p.dropout > 0.0f) {
-      DropoutMultipliers(p, p.dropout_index(b, t, s0), nk, z);
-    } else {
-      std::fill(z, z + nk, 1.0f);
-    }
-    for (int64_t s = 0; s < nk; ++s) {
-      const float w = z[s] / static_cast<float>(p.S);
-      const uint16_t* vs = p.v.data + HeadOffset(p.heads, b, p.v.sb, p.v.sh) + (s0 + s) * p.v.st;
-      for (int64_t e = 0; e < p.Dv; ++e)
-        acc[e] += w * bf16_to_float(vs[e * p.v.sd]);
-    }
-  }
 }
 
 // One work item: queries [t0, t0 + kBlockQ) of batch row b (the fp32 ForwardBlock's structure).
@@ -259,8 +238,8 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
     limv[r] = static_cast<float>(lim[r]);
   }
   std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
-  PackPairsTransposed(p.q.data + HeadOffset(p.heads, b, p.q.sb, p.q.sh) + t0 * p.q.st, mq, D,
-                      p.q.st, p.q.sd, qt2, mqp);
+  PackPairsTransposed(p.q.data + p.row_offset(b, p.q.sb, p.q.sh) + t0 * p.q.st, mq, D, p.q.st,
+                      p.q.sd, qt2, mqp);
   for (int64_t j = 0; j < D2; ++j)
     std::fill(qt2 + j * mqp + mq, qt2 + (j + 1) * mqp, 0u);
   std::fill(ot, ot + Dv * mqp, 0.0f);
@@ -276,10 +255,10 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
   RowPrefetch pf[4];
   if (short_rows) {
     const int64_t next_mq = std::min(kBlockQ, p.T - next_t0);
-    pf[0] = RowPrefetch(p.q.data + HeadOffset(p.heads, next_b, p.q.sb, p.q.sh) + next_t0 * p.q.st,
-                        next_mq, D, p.q.st, kWhole);
-    pf[1] = RowPrefetch(p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh) + t0 * p.out.st, mq,
-                        Dv, p.out.st, kWhole);
+    pf[0] = RowPrefetch(p.q.data + p.row_offset(next_b, p.q.sb, p.q.sh) + next_t0 * p.q.st, next_mq,
+                        D, p.q.st, kWhole);
+    pf[1] = RowPrefetch(p.out.data + p.row_offset(b, p.out.sb, p.out.sh) + t0 * p.out.st, mq, Dv,
+                        p.out.st, kWhole);
   }
   if (next_kv) {
     pf[2] = RowPrefetch(pk.kt2 + next_b * D2 * pk.ldk, 1, D2 * pk.ldk, D2 * pk.ldk, kWhole);
@@ -390,8 +369,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
         for (int64_t s = 0; s < std::min(nk, lim[r] - s0); ++s) {
           const uint32_t w = pt2[s / 2 * mqp + r];
           const float pw = bf16_to_float(static_cast<uint16_t>(s % 2 == 0 ? w : w >> 16));
-          const uint16_t* vs =
-              p.v.data + HeadOffset(p.heads, b, p.v.sb, p.v.sh) + (s0 + s) * p.v.st;
+          const uint16_t* vs = p.v.data + p.row_offset(b, p.v.sb, p.v.sh) + (s0 + s) * p.v.st;
           for (int64_t e = 0; e < Dv; ++e)
             ot[e * mqp + r] += pw * bf16_to_float(vs[e * p.v.sd]);
         }
@@ -401,7 +379,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
   // out = O^T / l, transposed back 16 queries at a time (vcvtneps2bf16 rounds to nearest even).
   for (int64_t r = 0; r < mqp; ++r)
     alpha[r] = r < mq && lim[r] > 0 ? 1.0f / lv[r] : 0.0f;
-  uint16_t* const out_b = p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh);
+  uint16_t* const out_b = p.out.data + p.row_offset(b, p.out.sb, p.out.sh);
   if (p.out.sd == 1) {
     // Unit feature stride: 16 x 16 blocks of O^T / l through transpose16x16_epi32, each query's
     // 16 features rounded and stored at once (the element-wise stores below, 2 bytes per query
@@ -429,16 +407,16 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
     for (int64_t q = 0; q < mq; q += kL) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(ot + e * mqp + q), _mm512_loadu_ps(alpha + q));
       _mm256_store_si256(reinterpret_cast<__m256i*>(o16), (__m256i)_mm512_cvtneps_pbh(x));
-      uint16_t* o = p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh) + (t0 + q) * p.out.st +
-                    e * p.out.sd;
+      uint16_t* o =
+          p.out.data + p.row_offset(b, p.out.sb, p.out.sh) + (t0 + q) * p.out.st + e * p.out.sd;
       for (int64_t l = 0; l < std::min(kL, mq - q); ++l)
         o[l * p.out.st] = o16[l];
     }
   for (int64_t r = 0; r < mq; ++r) {
     const int64_t t = t0 + r;
     if (lim[r] == 0) {
-      uint16_t* orow = p.out.data + HeadOffset(p.heads, b, p.out.sb, p.out.sh) + t * p.out.st;
-      MaskedRow(p, b, t, tmp, z);
+      uint16_t* orow = p.out.data + p.row_offset(b, p.out.sb, p.out.sh) + t * p.out.st;
+      masked_row_output(p, b, t, tmp, z, kBlockK);
       p.lse[b * p.T + t] = kNegInf;
       for (int64_t e = 0; e < Dv; ++e)
         orow[e * p.out.sd] = float_to_bf16(tmp[e]);
@@ -467,30 +445,11 @@ void ForwardNative(const FlashBf16Params& p) {
   std::fill(pk.vt2 + nv - kMR, pk.vt2 + nv, 0u);
   std::fill(pk.kt2 + nk - kMR, pk.kt2 + nk, 0u);
   pk.v_finite.assign(static_cast<size_t>(p.B * pk.tiles), 1);
-  const int64_t blocks = (p.T + kBlockQ - 1) / kBlockQ, items = p.B * blocks;
-  const int threads = std::max(1, p.threads);
-  const Scratch<float> scratches("flash_attention_bf16", ForwardScratchFloats(p, pk), threads);
-  // Work items (b, query block) as in the fp32 forward: each one's arithmetic is fixed, so any
-  // thread count and any schedule give the same bits; causal items are handed out longest first.
-#pragma omp parallel num_threads(threads)
-  {
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < p.B; ++b)
-      PackBatch(p, pk, b);
-    float* scratch = scratches.get(omp_get_thread_num());
-    // With a dynamic schedule of equal items, a thread's next item is most often it + threads.
-    const int64_t stride = omp_get_num_threads();
-    auto item = [&](int64_t it, int64_t& b, int64_t& t0) {
-      const int64_t i = p.causal ? items - 1 - it : it;
-      b = i / blocks;
-      t0 = (p.causal ? blocks - 1 - i % blocks : i % blocks) * kBlockQ;
-    };
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {
-      int64_t b = 0, t0 = 0, next_b = -1, next_t0 = 0;
-      item(it, b, t0);
-      if (it + stride < items) item(it + stride, next_b, next_t0);
-      ForwardBlock(p, pk, b, t0, scratch, next_b, next_t0);
-    }
-  }
+  // Each batch row's K and V are packed as pairs before any item (the driver's `prepare`).
+  flash_forward_driver(
+      p, "flash_attention_bf16", kBlockQ, ForwardScratchFloats(p, pk),
+      [&](int64_t b) { PackBatch(p, pk, b); },
+      [&](float* scratch, int64_t b, int64_t t0, int64_t next_b, int64_t next_t0) {
+        ForwardBlock(p, pk, b, t0, scratch, next_b, next_t0);
+      });
 }

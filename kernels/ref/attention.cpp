@@ -32,74 +32,82 @@ void score_row(const T* qt, const T* kb, double* score, int64_t n, int64_t D, do
   }
 }
 
+// The multiplier of weight (b, t, s): 1 without dropout, else 0 or 1 / (1 - p) from the stream.
+double dropout_factor(const kernels::AttentionProblem& p, double dropout, int64_t b, int64_t t,
+                      int64_t s) {
+  if (!(p.dropout > 0.0f)) return 1.0;
+  if (dropout >= 1.0) return 0.0;
+  return dropout_keep(p.seed, p.offset, p.dropout_index(b, t, s), static_cast<float>(dropout))
+             ? 1.0 / (1.0 - dropout)
+             : 0.0;
+}
+
 }  // namespace
 
 template <typename T>
-void sdpa_forward(const T* q, const T* k, const T* v, T* out, T* weights, T* lse,
-                  const int32_t* kept, kernels::MaskedRows policy, double scale,
-                  const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
-                  int64_t alibi_heads) {
-  const auto [B, Tq, S, D, Dv] = dims;
+void sdpa_forward(const AttentionCall<T>& c) {
+  const kernels::AttentionProblem& p = c.problem;
+  const int64_t B = p.B, Tq = p.T, S = p.S, D = p.D, Dv = p.Dv;
+  const double scale = c.scale;
   std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
       acc(static_cast<size_t>(Dv));
   for (int64_t b = 0; b < B; ++b) {
-    const T* kb = k + b * S * D;
-    const T* vb = v + b * S * Dv;
-    const double slope = alibi != nullptr ? alibi[b % alibi_heads] : 0.0;
+    const T* kb = c.k + b * S * D;
+    const T* vb = c.v + b * S * Dv;
+    const double slope = c.alibi != nullptr ? c.alibi[b % c.alibi_heads] : 0.0;
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t row = b * Tq + t;
-      const int64_t n = kept[row];
+      const int64_t n = p.row_limit(b, t);
       // QDotK: score (S) of this query against its kept keys (minus ALiBi's distance bias).
-      score_row(q + row * D, kb, score.data(), n, D, scale, slope, t);
+      score_row(c.q + row * D, kb, score.data(), n, D, scale, slope, t);
       // Softmax over kept keys (the pre-dropout weights d2l stores).
-      lse[row] = static_cast<T>(softmax_row(score.data(), w.data(), n, S, policy));
-      if (weights != nullptr) {
+      c.lse[row] = static_cast<T>(softmax_row(score.data(), w.data(), n, S, p.masked_rows));
+      if (c.weights != nullptr) {
         for (int64_t s = 0; s < S; ++s)
-          weights[row * S + s] = static_cast<T>(w[s]);
+          c.weights[row * S + s] = static_cast<T>(w[s]);
       }
       // WeightedSumV: out[t] = sum_s w[s] f[s] v[s] over the keys the row reads.
       std::fill(acc.begin(), acc.end(), 0.0);
-      const int64_t active = active_keys(n, S, policy);
+      const int64_t active = active_keys(n, S, p.masked_rows);
       for (int64_t s = 0; s < active; ++s) {
-        const double ws = w[s] * drop.factor(static_cast<uint64_t>(row * S + s));
+        const double ws = w[s] * dropout_factor(p, c.dropout, b, t, s);
         const T* vs = vb + s * Dv;
         for (int64_t e = 0; e < Dv; ++e)
           acc[e] += ws * vs[e];
       }
       for (int64_t e = 0; e < Dv; ++e)
-        out[row * Dv + e] = static_cast<T>(acc[e]);
+        c.out[row * Dv + e] = static_cast<T>(acc[e]);
     }
   }
 }
 
 template <typename T>
-void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* dk, T* dv,
-                   const int32_t* kept, kernels::MaskedRows policy, double scale,
-                   const AttentionDims& dims, const DropoutSpec& drop, const double* alibi,
-                   int64_t alibi_heads) {
-  const auto [B, Tq, S, D, Dv] = dims;
+void sdpa_backward(const AttentionCall<T>& c) {
+  const kernels::AttentionProblem& p = c.problem;
+  const int64_t B = p.B, Tq = p.T, S = p.S, D = p.D, Dv = p.Dv;
+  const double scale = c.scale;
   // dk and dv collect contributions from every query row: accumulate in double, round at the end.
   std::vector<double> dk_acc(static_cast<size_t>(B * S * D), 0.0);
   std::vector<double> dv_acc(static_cast<size_t>(B * S * Dv), 0.0);
   std::vector<double> score(static_cast<size_t>(S)), w(static_cast<size_t>(S)),
       dw(static_cast<size_t>(S)), dq_acc(static_cast<size_t>(D));
   for (int64_t b = 0; b < B; ++b) {
-    const T* kb = k + b * S * D;
-    const T* vb = v + b * S * Dv;
-    const double slope = alibi != nullptr ? alibi[b % alibi_heads] : 0.0;
+    const T* kb = c.k + b * S * D;
+    const T* vb = c.v + b * S * Dv;
+    const double slope = c.alibi != nullptr ? c.alibi[b % c.alibi_heads] : 0.0;
     for (int64_t t = 0; t < Tq; ++t) {
       const int64_t row = b * Tq + t;
-      const int64_t n = kept[row];
-      const T* qt = q + row * D;
-      const T* go = dout + row * Dv;
+      const int64_t n = p.row_limit(b, t);
+      const T* qt = c.q + row * D;
+      const T* go = c.dout + row * Dv;
       // Recompute the forward's weights (the ALiBi bias is a constant: it has no gradient).
       score_row(qt, kb, score.data(), n, D, scale, slope, t);
-      softmax_row(score.data(), w.data(), n, S, policy);
-      const int64_t active = active_keys(n, S, policy);
+      softmax_row(score.data(), w.data(), n, S, p.masked_rows);
+      const int64_t active = active_keys(n, S, p.masked_rows);
       // forward: out[t] = sum_s w[s] f[s] v[s]
       // so:      dv[s] += w[s] f[s] dout[t];   dw[s] = f[s] (dout[t] . v[s])
       for (int64_t s = 0; s < active; ++s) {
-        const double fs = drop.factor(static_cast<uint64_t>(row * S + s));
+        const double fs = dropout_factor(p, c.dropout, b, t, s);
         const T* vs = vb + s * Dv;
         double* dvs = dv_acc.data() + (b * S + s) * Dv;
         double g = 0.0;
@@ -127,29 +135,18 @@ void sdpa_backward(const T* dout, const T* q, const T* k, const T* v, T* dq, T* 
         }
       }
       for (int64_t d = 0; d < D; ++d)
-        dq[row * D + d] = static_cast<T>(dq_acc[d]);
+        c.dq[row * D + d] = static_cast<T>(dq_acc[d]);
     }
   }
   for (size_t i = 0; i < dk_acc.size(); ++i)
-    dk[i] = static_cast<T>(dk_acc[i]);
+    c.dk[i] = static_cast<T>(dk_acc[i]);
   for (size_t i = 0; i < dv_acc.size(); ++i)
-    dv[i] = static_cast<T>(dv_acc[i]);
+    c.dv[i] = static_cast<T>(dv_acc[i]);
 }
 
-template void sdpa_forward<float>(const float*, const float*, const float*, float*, float*, float*,
-                                  const int32_t*, kernels::MaskedRows, double, const AttentionDims&,
-                                  const DropoutSpec&, const double*, int64_t);
-template void sdpa_forward<double>(const double*, const double*, const double*, double*, double*,
-                                   double*, const int32_t*, kernels::MaskedRows, double,
-                                   const AttentionDims&, const DropoutSpec&, const double*,
-                                   int64_t);
-template void sdpa_backward<float>(const float*, const float*, const float*, const float*, float*,
-                                   float*, float*, const int32_t*, kernels::MaskedRows, double,
-                                   const AttentionDims&, const DropoutSpec&, const double*,
-                                   int64_t);
-template void sdpa_backward<double>(const double*, const double*, const double*, const double*,
-                                    double*, double*, double*, const int32_t*, kernels::MaskedRows,
-                                    double, const AttentionDims&, const DropoutSpec&, const double*,
-                                    int64_t);
+template void sdpa_forward<float>(const AttentionCall<float>&);
+template void sdpa_forward<double>(const AttentionCall<double>&);
+template void sdpa_backward<float>(const AttentionCall<float>&);
+template void sdpa_backward<double>(const AttentionCall<double>&);
 
 }  // namespace attn::ref

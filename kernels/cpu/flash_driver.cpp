@@ -1,0 +1,32 @@
+// The flash driver's shape-only decisions (flash_driver.hpp).
+#include "kernels/cpu/flash_driver.hpp"
+
+namespace attn::cpu {
+
+std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal) {
+  constexpr int64_t kGrain = 64;
+  const int64_t grains = (S + kGrain - 1) / kGrain;
+  int64_t splits = B >= 4 ? 1 : (4 + B - 1) / B;
+  splits = std::max<int64_t>(1, std::min(splits, grains / 4));
+  std::vector<double> work(grains);
+  double total = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    const double s_mid = (gi + 0.5) * kGrain;
+    work[gi] = causal ? std::max(1.0, double(T) - s_mid) : 1.0;
+    total += work[gi];
+  }
+  std::vector<int64_t> bounds{0};
+  double acc = 0;
+  for (int64_t gi = 0; gi < grains; ++gi) {
+    acc += work[gi];
+    const int64_t j = static_cast<int64_t>(bounds.size());
+    if (j < splits && acc >= total * double(j) / double(splits))
+      bounds.push_back(std::min(S, (gi + 1) * kGrain));
+  }
+  while (static_cast<int64_t>(bounds.size()) <= splits)
+    bounds.push_back(S);
+  bounds.back() = S;
+  return bounds;
+}
+
+}  // namespace attn::cpu
