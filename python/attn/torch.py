@@ -448,6 +448,8 @@ def _mask_lens(key_padding_mask, attn_mask, B, T, S, H, is_causal, op):
                              "len..S-1, right padding, as d2l's valid_lens); this mask keeps a "
                              "key after a padded one")
     if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            _keep_of(attn_mask, "attn_mask", op, True)  # raises, naming valid_lens=
         try:
             mask = attn_mask.detach().cpu().expand(B, H, T, S)
         except RuntimeError:

@@ -526,3 +526,11 @@ def test_mask_helpers_no_mask():
     assert m._masks(None, causal, False, 2, 3, 3) == (None, True)
     lens = at._mask_lens(torch.zeros(2, 3, dtype=torch.bool), None, 2, 3, 3, 1, False, "op")
     assert lens.tolist() == [3, 3]
+
+
+@pytest.mark.skipif(at._OPS is not None, reason=f"PyTorch {torch.__version__} runs attn.torch's "
+                    "custom operators (test_torch2.py); the autograd Functions serve < 2.4")
+def test_autograd_functions_serve_torch_before_2_4():
+    q = torch.zeros(2, 3, 4, requires_grad=True)
+    out = at.scaled_dot_product_attention(q, q, q)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"
