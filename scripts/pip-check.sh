@@ -6,12 +6,9 @@
 #
 #   bash scripts/pip-check.sh            (scripts/test.sh runs it; needs `setup.sh build` + python3-venv)
 #
-# The C++ dependencies come from Debian (scripts/setup.sh build). PyPI's torch wheels for Linux
-# are CUDA builds whose libraries need CUDA's (NEEDED entries, so `import torch` fails without
-# them, even on a CPU). On this project's machine kind the CUDA 13 toolkit is installed, so the
-# venv takes torch with --no-deps, its pure-Python dependencies and the four NVIDIA wheels the
-# toolkit lacks (~0.7 GB instead of several); anywhere else (no CUDA toolkit) the full
-# `pip install torch` (torch_deps below). pip's cache (~/.cache/pip) keeps the wheels between runs.
+# The C++ dependencies come from Debian (scripts/setup.sh build); torch comes from
+# scripts/pip-torch.sh (which says why it is not a plain `pip install torch`). pip's cache
+# (~/.cache/pip) keeps the wheels between runs.
 #
 # Environment: ATTN_PIP_VENV (default ~/.cache/attn/pip-venv, recreated on every run),
 # ATTN_TORCH (default 2.15.0; "none" skips torch, whose tests then skip visibly).
@@ -26,34 +23,25 @@ torch_version=${ATTN_TORCH:-2.15.0}
 rm -rf "$venv"
 "$python" -m venv "$venv"
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
-pip install build pytest "numpy>=2"
+# The build runs in this venv (--no-isolation) with pyproject.toml's build requirements installed
+# here: the venv's fixed path keeps pybind11's include path the same from run to run, so ccache
+# serves the bindings too (pip's isolated build environment has a new random path every time,
+# which ccache cannot see past). `pip install .` as users run it is the isolated build.
+pip install build pytest "numpy>=2" "scikit-build-core>=0.10" "pybind11>=2.12"
 
 echo "-- pip-check: building the wheel"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 t0=$SECONDS
-"$venv/bin/python" -m build --wheel --outdir "$out" . >"$out/build.log" 2>&1 ||
+"$venv/bin/python" -m build --wheel --no-isolation --outdir "$out" . >"$out/build.log" 2>&1 ||
   { tail -40 "$out/build.log"; exit 1; }
 wheel=$(ls "$out"/attn-*.whl)
 echo "-- pip-check: $(basename "$wheel"): $(du -k "$wheel" | cut -f1) KiB in $((SECONDS - t0)) s"
 pip install "$wheel"
 
-# torch's requirements that are plain Python (its METADATA's Requires-Dist, less the CUDA ones).
-torch_pure=(filelock "typing-extensions>=4.13.0" "setuptools>=77.0.3" "sympy>=1.13.3"
-            "networkx>=2.5.1" jinja2 "fsspec>=0.8.5")
-# torch 2.15's NVIDIA wheels that the machine's CUDA 13.0 toolkit does not provide (or provides
-# in an older version: NCCL), found by `import torch` failing on each in turn.
-torch_nvidia=(nvidia-cufile==1.17.1.22 nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7
-              nvidia-nvshmem-cu13==3.7.2)
 if [ "$torch_version" != none ]; then
   t0=$SECONDS
-  if [ -e /usr/local/cuda/lib64/libcudart.so.13 ] && [ "$torch_version" = 2.15.0 ]; then
-    pip install --no-deps "torch==$torch_version" "${torch_nvidia[@]}"
-    pip install "${torch_pure[@]}"
-  else
-    pip install "torch==$torch_version"
-  fi
-  "$venv/bin/python" -c "import torch; print('-- pip-check: torch', torch.__version__)"
+  bash scripts/pip-torch.sh "$venv" "$torch_version"
   echo "-- pip-check: torch installed in $((SECONDS - t0)) s"
 fi
 
