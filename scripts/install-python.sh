@@ -2,7 +2,8 @@
 # Makes `/usr/bin/python3 -c "import attn"` work: builds the module for Debian's python3 (if the
 # build tree lacks it) and installs the package with CMake's install rule, i.e. into
 # <prefix>/lib/python3.X/dist-packages/attn (prefix /usr/local, on Debian python3's sys.path).
-# No pip, no PyPI.
+# No pip, no PyPI (Debian's pybind11-dev, NumPy 1.24, torch 1.13). For a virtual environment,
+# `pip install .` instead (pyproject.toml; docs/python.md, "Set-up").
 #
 #   bash scripts/install-python.sh [build-dir]        (default: build/default)
 #   PREFIX=/opt/attn bash scripts/install-python.sh   (then add its dist-packages to PYTHONPATH)

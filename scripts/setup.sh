@@ -26,6 +26,7 @@ test=(
   pkg-config                                   # scripts/check-package.sh
   libgtest-dev libgmock-dev libbenchmark-dev   # tests and benchmarks
   python3 python3-dev python3-numpy python3-pytest pybind11-dev  # the Python module and its tests
+  python3-venv                                 # scripts/pip-check.sh: the wheel in a fresh venv
   python3-torch                                # the oracle (tests/fixtures, parity, bench)
   libopenblas0-pthread                         # PyTorch's BLAS in bench/run_*.sh (not the reference)
   clang libclang-rt-14-dev libomp-14-dev       # fuzzers (libFuzzer; the library uses OpenMP)

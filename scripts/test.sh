@@ -6,7 +6,9 @@
 #   2. the fixture generator: what it writes now must equal the committed fixtures,
 #   3. the installed package, consumed through CMake and pkg-config, shared and static,
 #   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
-#   5. the whole CTest suite again under AddressSanitizer + UndefinedBehaviorSanitizer.
+#   5. the whole CTest suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
+#   6. the pip route: the wheel built in a fresh virtual environment with NumPy 2.x and
+#      PyTorch 2.x from PyPI, installed, and python/tests run against it (scripts/pip-check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
@@ -48,4 +50,8 @@ echo "== 5. build and test under AddressSanitizer + UndefinedBehaviorSanitizer"
 cmake --preset asan -DATTN_WITH_MPI=ON >/dev/null
 cmake --build --preset asan
 ctest --preset asan
+stamp
+
+echo "== 6. pip: the wheel in a fresh virtual environment, python/tests against it"
+bash scripts/pip-check.sh
 stamp

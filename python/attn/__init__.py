@@ -51,8 +51,9 @@ Data parallel: attn.distributed (world(), Communicator.allreduce/broadcast/barri
 DistributedDataParallel; `mpirun -np N python3 train.py`), Context.dropout_first_sample.
 
 Inside PyTorch: `import attn.torch` (not imported here, so attn needs no torch) gives
-attn.torch.scaled_dot_product_attention (a torch.autograd.Function on torch tensors, fused
-forward and backward) and attn.torch.MultiheadAttention (a drop-in torch.nn.MultiheadAttention).
+attn.torch.scaled_dot_product_attention (F.scaled_dot_product_attention's arguments plus d2l's
+valid_lens, fused forward and backward) and attn.torch.MultiheadAttention (a drop-in
+torch.nn.MultiheadAttention); on PyTorch >= 2.4 custom operators that torch.compile traces.
 
 Errors: attn.Error (a ValueError) carries the C++ library's message, which names the operation,
 the shapes and what was expected; .op is the operation's name.

@@ -1,11 +1,19 @@
-"""attn inside PyTorch: attn's fused attention kernels as a torch.autograd.Function and as a
-drop-in replacement for torch.nn.MultiheadAttention (Debian's PyTorch 1.13, CPU).
+"""attn inside PyTorch: attn's fused attention kernels in PyTorch's autograd, as a function
+with F.scaled_dot_product_attention's arguments and as a drop-in replacement for
+torch.nn.MultiheadAttention, on CPU tensors; PyTorch 2.x (custom operators, torch.compile) and
+Debian's 1.13 (torch.autograd.Function).
 
     import torch, attn.torch
-    out = attn.torch.scaled_dot_product_attention(q, k, v, valid_lens, causal=False,
-                                                  dropout_p=0.1, training=True)
+    out = attn.torch.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.1,
+                                                  is_causal=False, valid_lens=lens)
     mha = attn.torch.MultiheadAttention(256, 8, dropout=0.1, batch_first=True)
     y, _ = mha(x, x, x, key_padding_mask=pad, need_weights=False)
+    model = torch.compile(model)          # PyTorch >= 2.4: no graph break at attn's calls
+
+On PyTorch >= 2.4 every kernel call is a custom operator (python/attn/_torch_ops.py: attn::sdpa,
+attn::heads_attention, attn::packed_heads_attention, attn::linear, attn::mask_lens, each with a
+fake implementation and an autograd formula), so torch.compile traces through them; before 2.4
+the same kernels run as the torch.autograd.Functions below.
 
 Vocabulary: B batch, T queries, S keys, H heads, D head width (of q and k), Dv of v, E = H*D.
 
@@ -47,6 +55,29 @@ from torch.autograd.function import once_differentiable
 from . import _attn
 
 __all__ = ["scaled_dot_product_attention", "reference_attention", "MultiheadAttention"]
+
+_OPS = None  # python/attn/_torch_ops.py on PyTorch >= 2.4 (set at the end of this file)
+
+
+def _torch_version():
+    return tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _compiling():
+    """Whether torch.compile (Dynamo) is tracing this call."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling and is_compiling())
+
+
+def _autocast_cpu():
+    if _torch_version() >= (2, 4):
+        return torch.is_autocast_enabled("cpu")
+    return torch.is_autocast_cpu_enabled()
+
+
+def _ctx_id(actx):
+    """The integer the custom operators take for actx (None before PyTorch 2.4)."""
+    return None if _OPS is None else _OPS.context_id(actx)
 
 
 def _threads(actx, dtype=torch.float32):
@@ -232,22 +263,65 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _core(q, k, v, lens, lens_repeat, causal, p, training, scale, masked_rows, actx):
+    """(B, T, D) attention, any strides: attn::sdpa on PyTorch >= 2.4, else _Attention."""
+    if _OPS is not None:
+        return _OPS.sdpa(q, k, v, lens, lens_repeat, causal, p, training, scale, masked_rows,
+                         _OPS.context_id(actx))[0]
+    return _Attention.apply(q, k, v, lens, lens_repeat, causal, p, training, scale, masked_rows,
+                            actx)[0]
+
+
+def _heads(q, k, v, heads, lens, causal, p, training, scale, masked_rows, actx):
+    """(B, T, H*D) attention through head strides: attn::heads_attention or _HeadsAttention."""
+    if _OPS is not None:
+        return _OPS.heads_attention(q, k, v, heads, lens, causal, p, training, scale, masked_rows,
+                                    _OPS.context_id(actx))[0]
+    return _HeadsAttention.apply(q, k, v, heads, lens, causal, p, training, scale, masked_rows,
+                                 actx)[0]
+
+
+def _packed(qkv, heads, lens, causal, p, training, scale, masked_rows, actx):
+    """Self-attention on one (B, T, 3E) projection: attn::packed_heads_attention or
+    _PackedHeadsAttention."""
+    if _OPS is not None:
+        return _OPS.packed_heads_attention(qkv, heads, lens, causal, p, training, scale,
+                                           masked_rows, _OPS.context_id(actx))[0]
+    return _PackedHeadsAttention.apply(qkv, heads, lens, causal, p, training, scale, masked_rows,
+                                       actx)[0]
+
+
+def _attn_linear(x, weight, bias, actx):
+    """x W^T + b on attn's GEMM: attn::linear or _Linear."""
+    if _OPS is not None:
+        return _OPS.linear(x, weight, bias, _OPS.context_id(actx))
+    return _Linear.apply(x, weight, bias, _threads(actx))
+
+
 def _attn_linear_ok(actx, x, weight, bias):
     """Whether _Linear serves this projection: float32 or bfloat16 of one dtype, non-empty, on a
     context whose backend runs the fused kernels (float64 and backend='reference' keep F.linear,
     where gradcheck runs), outside torch.autocast (whose F.linear casts to its dtype; a custom
     Function would not)."""
-    return not torch.is_autocast_cpu_enabled() and \
+    return not _autocast_cpu() and \
         x.dtype in (torch.float32, torch.bfloat16) and x.dtype == weight.dtype and \
         (bias is None or bias.dtype == x.dtype) and x.numel() > 0 and weight.numel() > 0 and \
-        _attn._heads_supported(_dtype_name_of(x.dtype), actx)
+        _fused_supported(_dtype_name_of(x.dtype), actx)
 
 
 def _fused_heads_ok(dtype, actx, *tensors):
     """Whether the head-strided fused kernels take these tensors (empty ones go the (B*H) way,
     whose op handles every empty shape)."""
     return dtype in (torch.float32, torch.bfloat16) and all(t.numel() > 0 for t in tensors) and \
-        _attn._heads_supported(_dtype_name_of(dtype), actx)
+        _fused_supported(_dtype_name_of(dtype), actx)
+
+
+def _fused_supported(dtype_name, actx):
+    """_attn._heads_supported; under torch.compile a constant of the trace (through the
+    Context's id), so that Dynamo need not look into the binding."""
+    if _OPS is not None:
+        return _OPS.fused_supported(dtype_name, _OPS.context_id(actx))
+    return _attn._heads_supported(dtype_name, actx)
 
 
 def _dtype_name_of(dtype):
@@ -264,53 +338,145 @@ def _as_heads_view(x):
     return None
 
 
-def scaled_dot_product_attention(query, key, value, valid_lens=None, causal=False, dropout_p=0.0,
-                                 training=True, scale=None, masked_rows="uniform", ctx=None):
-    """out = dropout(masked_softmax(query key^T * scale, valid_lens, causal)) value, with attn's
-    kernels, differentiable in query, key and value (a torch.autograd.Function).
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 valid_lens=None, training=True, masked_rows="uniform", ctx=None):
+    """torch.nn.functional.scaled_dot_product_attention's call on attn's kernels:
+    out = dropout(softmax(query key^T * scale + mask)) value, differentiable in query, key and
+    value.
 
     query (B, T, D) or (B, H, T, D), key (B, [H,] S, D), value (B, [H,] S, Dv): float32, float64
-    or bfloat16 torch tensors of one dtype, any strides. valid_lens: None, (B,) or (B, T) (per
-    batch row; with 4-D inputs every head of row b uses valid_lens[b], as d2l's
-    MultiHeadAttention repeats them). causal: query t sees keys 0..t. scale: default 1/sqrt(D).
-    dropout_p acts only when training (attn's Philox stream of ctx, attn.default_context by
-    default). Returns out (B, [H,] T, Dv) in the inputs' dtype.
+    or bfloat16 CPU tensors of one dtype, any strides. Returns (B, [H,] T, Dv) in their dtype.
+      attn_mask: None, or a mask that broadcasts to (B, [H,] T, S), boolean (True: the key takes
+        part, as F.scaled_dot_product_attention) or float holding 0 (keep) and -inf (masked). The
+        kept keys of each row must be a prefix 0..len-1 (right padding, the causal mask, or both:
+        what d2l's valid_lens describe) and the same for every head; anything else (left padding,
+        windows, additive biases) is a ValueError naming it.
+      is_causal: query t sees keys 0..t (with attn_mask, both apply).
+      scale: default 1/sqrt(D). dropout_p: attn's inverted dropout, when training (attn's Philox
+        stream of ctx, attn.default_context by default; not torch's generator).
+      enable_gqa: accepted; grouped-query attention (fewer key/value heads) is a ValueError.
+      valid_lens (keyword): d2l's None, (B,) or (B, T), per batch row (every head of row b uses
+        valid_lens[b], as d2l's MultiHeadAttention repeats them); with attn_mask, both apply.
+      masked_rows: a row with no kept key is uniform over all keys ('uniform', d2l) or zero
+        ('zero'); torch's SDPA gives NaN there.
     """
-    _check_tensors("attn.torch.scaled_dot_product_attention", query, key, value)
+    op = "attn.torch.scaled_dot_product_attention"
+    _check_tensors(op, query, key, value)
     if not query.dtype == key.dtype == value.dtype:
-        raise ValueError(f"attn.torch.scaled_dot_product_attention: query, key, value have dtypes "
-                         f"{query.dtype}, {key.dtype}, {value.dtype}, expected one dtype for all "
-                         "(convert them with .to())")
+        raise ValueError(f"{op}: query, key, value have dtypes {query.dtype}, {key.dtype}, "
+                         f"{value.dtype}, expected one dtype for all (convert them with .to())")
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if query.dim() not in (3, 4) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"{op}: {shapes}: expected all (B, T, D) or all (B, H, T, D)")
+    B, T, S = query.shape[0], query.shape[-2], key.shape[-2]
+    H = query.shape[1] if query.dim() == 4 else 1
+    if query.dim() == 4 and (key.shape[:2] != (B, H) or value.shape[:2] != (B, H)):
+        if enable_gqa and key.shape[0] == B and key.shape[1] != H:
+            raise ValueError(f"{op}: {shapes}: grouped-query attention (enable_gqa, {key.shape[1]} "
+                             f"key/value heads for {H} query heads) is not supported; repeat key "
+                             "and value along the head axis (repeat_interleave(H // Hkv, dim=1))")
+        raise ValueError(f"{op}: {shapes}: expected the same (B, H) leading axes")
     actx = ctx if ctx is not None else _attn.default_context
     lens = _lens_tensor(valid_lens)
+    if attn_mask is not None:
+        mask = attn_mask if query.dim() == 4 else attn_mask.unsqueeze(-3)
+        mask_lens = _mask_lens_op()(None, mask, B, T, S, H, False, op)  # (B, T)
+        if lens is None:
+            lens = mask_lens
+        else:  # both: the stricter per row
+            lens = lens.to(torch.float64)
+            lens = lens[:, None].expand(B, T) if lens.dim() == 1 else lens
+            lens = torch.minimum(lens, mask_lens.to(torch.float64))
     p = float(dropout_p)
     scale = None if scale is None else float(scale)
+    causal = bool(is_causal)
     if query.dim() == 3:
-        out, _ = _Attention.apply(query, key, value, lens, 1, bool(causal), p, bool(training),
-                                  scale, masked_rows, actx)
-        return out
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        raise ValueError(f"attn.torch.scaled_dot_product_attention: query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}, value {tuple(value.shape)}: expected all "
-                         "(B, T, D) or all (B, H, T, D)")
-    B, H, T, _ = query.shape
+        return _core(query, key, value, lens, 1, causal, p, bool(training), scale, masked_rows,
+                     actx)
     Dv = value.shape[-1]
-    if key.shape[:2] != (B, H) or value.shape[:2] != (B, H):
-        raise ValueError(f"attn.torch.scaled_dot_product_attention: query {tuple(query.shape)}, "
-                         f"key {tuple(key.shape)}, value {tuple(value.shape)}: expected the same "
-                         "(B, H) leading axes")
-    if query.dtype == key.dtype == value.dtype and _fused_heads_ok(query.dtype, actx, query, key,
-                                                                   value):
+    if _fused_heads_ok(query.dtype, actx, query, key, value):
         views = [_as_heads_view(x) for x in (query, key, value)]
         if all(x is not None for x in views):
-            out, _ = _HeadsAttention.apply(*views, H, lens, bool(causal), p, bool(training), scale,
-                                           masked_rows, actx)
+            out = _heads(*views, H, lens, causal, p, bool(training), scale, masked_rows, actx)
             return out.view(B, T, H, Dv).transpose(1, 2)
     # Heads as batch rows b*H + h (d2l's split), copies only where the layout needs them.
     flat = [x.reshape(B * H, x.shape[2], x.shape[3]) for x in (query, key, value)]
-    out, _ = _Attention.apply(*flat, lens, H, bool(causal), p, bool(training), scale, masked_rows,
-                              actx)
+    out = _core(*flat, lens, H, causal, p, bool(training), scale, masked_rows, actx)
     return out.view(B, H, T, Dv)
+
+
+def _mask_lens_op():
+    """attn::mask_lens on PyTorch >= 2.4 (checked at run time, also under torch.compile), else
+    _mask_lens itself."""
+    return _mask_lens if _OPS is None else _OPS.mask_lens
+
+
+def _keep_of(mask, what, op, true_keeps):
+    """A boolean keep-mask from a boolean mask (True keeps when true_keeps) or a float 0/-inf
+    one."""
+    if mask.dtype == torch.bool:
+        return mask if true_keeps else ~mask
+    if mask.is_floating_point():
+        masked = torch.isneginf(mask)
+        if not bool(((mask == 0) | masked).all()):
+            raise ValueError(f"{op}: a float {what} must hold only 0 (keep) and -inf (masked); "
+                             "attn's kernels take no additive bias (torch's own "
+                             "F.scaled_dot_product_attention does)")
+        return ~masked
+    hint = " (d2l's valid_lens go in valid_lens=)" if what == "attn_mask" else ""
+    raise ValueError(f"{op}: {what} has dtype {mask.dtype}, expected torch.bool or a float "
+                     f"0/-inf mask{hint}")
+
+
+def _mask_lens(key_padding_mask, attn_mask, B, T, S, H, is_causal, op):
+    """d2l's valid_lens from masks: key_padding_mask (B, S), True or -inf marking a padded key
+    (nn.MultiheadAttention's convention); attn_mask broadcasting to (B, H, T, S), True or 0
+    keeping a key (F.scaled_dot_product_attention's). With is_causal the attn_mask (if any) must
+    be the causal mask, and the lens come from the padding alone: (B,). Else with attn_mask the
+    lens are per query, (B, T); with neither, S for every row. ValueError where the kept keys of
+    a row are not a prefix 0..len-1, or differ between heads."""
+    arange = torch.arange(S)
+    pad_keep = None
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (B, S):
+            raise ValueError(f"{op}: key_padding_mask has shape {tuple(key_padding_mask.shape)}, "
+                             f"expected (batch, source length) = ({B}, {S})")
+        pad_keep = _keep_of(key_padding_mask.detach().cpu(), "key_padding_mask", op, False)
+        if not torch.equal(pad_keep, arange[None, :] < pad_keep.sum(-1)[:, None]):
+            raise ValueError(f"{op}: key_padding_mask must pad a suffix of each row (keys "
+                             "len..S-1, right padding, as d2l's valid_lens); this mask keeps a "
+                             "key after a padded one")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            _keep_of(attn_mask, "attn_mask", op, True)  # raises, naming valid_lens=
+        try:
+            mask = attn_mask.detach().cpu().expand(B, H, T, S)
+        except RuntimeError:
+            raise ValueError(f"{op}: attn_mask has shape {tuple(attn_mask.shape)}, expected one "
+                             f"that broadcasts to (B, H, T, S) = ({B}, {H}, {T}, {S})") from None
+        keep = _keep_of(mask, "attn_mask", op, True)
+        causal = torch.ones((T, S), dtype=torch.bool).tril()
+        if is_causal:
+            if not torch.equal(keep, causal.expand(B, H, T, S)):
+                raise ValueError(f"{op}: is_causal=True with an attn_mask that is not the causal "
+                                 "mask (keys 0..t for query t)")
+        else:
+            if H > 1 and not torch.equal(keep, keep[:, :1].expand(B, H, T, S)):
+                raise ValueError(f"{op}: attn_mask differs between heads; attn's kernels take "
+                                 "one mask per batch row")
+            keep = keep[:, 0]
+            if pad_keep is not None:
+                keep = keep & pad_keep[:, None, :]
+            lens = keep.sum(-1)
+            if not torch.equal(keep, arange < lens[..., None]):
+                raise ValueError(f"{op}: the mask keeps a key after a masked one in some row; "
+                                 "attn's kernels take masks whose kept keys are a prefix 0..len-1 "
+                                 "of each row (right padding, the causal mask, or both)")
+            return lens
+    if pad_keep is None:
+        return torch.full((B,), S, dtype=torch.int64)
+    return pad_keep.sum(-1)
 
 
 def _keep_mask(T, S, valid_lens, causal, batch_shape, device):
@@ -349,63 +515,24 @@ def reference_attention(query, key, value, valid_lens=None, causal=False, scale=
     return (out, weights) if need_weights else out
 
 
-def _lens_from_key_padding_mask(mask, B, S):
-    """valid_lens (B,) int64 from a right-padding key_padding_mask (B, S), or None when nothing
-    is masked. True (bool) or -inf (float) marks a padded key; the kept keys must be a prefix."""
-    if mask is None:
-        return None
-    if tuple(mask.shape) != (B, S):
-        raise ValueError(f"attn.torch.MultiheadAttention: key_padding_mask has shape "
-                         f"{tuple(mask.shape)}, expected (batch, source length) = ({B}, {S})")
-    if mask.dtype == torch.bool:
-        pad = mask
-    elif mask.is_floating_point():
-        pad = torch.isneginf(mask)
-        if not bool(((mask == 0) | pad).all()):
-            raise ValueError("attn.torch.MultiheadAttention: a float key_padding_mask must hold "
-                             "only 0 (keep) and -inf (pad); additive biases are not supported")
+def _mha_attn_mask(mask, B, H, T, S, op):
+    """nn.MultiheadAttention's attn_mask ((T, S), or (B*H, T, S); bool True = not allowed, or
+    float 0/-inf) as F.scaled_dot_product_attention's convention, broadcasting to (B, H, T, S)."""
+    if mask.dim() == 2 and tuple(mask.shape) == (T, S):
+        pass
+    elif mask.dim() == 3 and tuple(mask.shape) == (B * H, T, S):
+        mask = mask.reshape(B, H, T, S)
     else:
-        raise ValueError(f"attn.torch.MultiheadAttention: key_padding_mask has dtype "
-                         f"{mask.dtype}, expected torch.bool or a float 0/-inf mask")
-    pad = pad.detach().cpu()
-    if not bool(pad.any()):
-        return None
-    lens = (~pad).sum(dim=1)
-    if not torch.equal(pad, torch.arange(S)[None, :] >= lens[:, None]):
-        raise ValueError("attn.torch.MultiheadAttention: key_padding_mask must pad a suffix of "
-                         "each row (keys len..S-1, right padding, as d2l's valid_lens); this mask "
-                         "keeps a key after a padded one")
-    return lens
+        raise ValueError(f"{op}: attn_mask has shape {tuple(mask.shape)}, expected (L, S) = "
+                         f"({T}, {S}) or (batch * num_heads, L, S) = ({B * H}, {T}, {S})")
+    return ~mask if mask.dtype == torch.bool else mask
 
 
-def _causal_from_attn_mask(mask, T, S):
-    """True for the square causal mask (True or -inf strictly above the diagonal, as
-    nn.Transformer.generate_square_subsequent_mask), False for None or an all-keep mask."""
-    if mask is None:
-        return False
-    if mask.dim() != 2 or tuple(mask.shape) != (T, S) or T != S:
-        raise ValueError(f"attn.torch.MultiheadAttention: attn_mask has shape "
-                         f"{tuple(mask.shape)}; only the square (L, L) causal mask is supported "
-                         f"(here L = {T}, S = {S}), no per-batch or per-head masks")
-    mask = mask.detach().cpu()
-    above = torch.ones((T, S), dtype=torch.bool).triu(1)
-    if mask.dtype == torch.bool:
-        masked = mask
-    elif mask.is_floating_point():
-        masked = torch.isneginf(mask)
-        if not bool(((mask == 0) | masked).all()):
-            raise ValueError("attn.torch.MultiheadAttention: a float attn_mask must hold only 0 "
-                             "and -inf (the causal mask); additive biases are not supported")
-    else:
-        raise ValueError(f"attn.torch.MultiheadAttention: attn_mask has dtype {mask.dtype}, "
-                         "expected torch.bool or a float 0/-inf causal mask")
-    if torch.equal(masked, above):
-        return True
-    if not bool(masked.any()):
-        return False
-    raise ValueError("attn.torch.MultiheadAttention: attn_mask is not the causal mask; only the "
-                     "square upper-triangular mask (True or -inf above the diagonal, "
-                     "nn.Transformer.generate_square_subsequent_mask) is supported")
+def _is_causal_mask(mask, T, S, op):
+    """Whether an SDPA-convention mask (bool True = keep, or float 0/-inf) is the causal mask
+    (keys 0..t for query t), on every head and batch row it covers."""
+    keep = _keep_of(mask.detach().cpu(), "attn_mask", op, True)
+    return torch.equal(keep, torch.ones((T, S), dtype=torch.bool).tril().expand(keep.shape))
 
 
 def _split_heads(x, H):
@@ -420,9 +547,11 @@ class MultiheadAttention(nn.MultiheadAttention):
     A subclass: same constructor, parameters (in_proj_weight, in_proj_bias, out_proj.weight,
     out_proj.bias; q/k/v_proj_weight when kdim or vdim differ from embed_dim), initialisation
     (same torch random draws) and state dict, so weights load both ways. The core is
-    attn.torch's autograd Function; the projections are _Linear (attn's oneDNN GEMM, autograd
-    accumulating .grad as for torch's ops) where the fused kernels run (float32, bfloat16 on
-    the default backend), torch's F.linear otherwise (float64, backend='reference').
+    attn's attention op (a custom operator on PyTorch >= 2.4, so torch.compile traces the module
+    without a graph break; an autograd Function before); the projections run on attn's GEMM
+    (attn::linear or _Linear: oneDNN, autograd accumulating .grad as for torch's ops) where the
+    fused kernels run (float32, bfloat16 on the default backend, outside torch.autocast),
+    torch's F.linear otherwise (float64, backend='reference', autocast).
     Self-attention (query is key is value) projects once into one (B, T, 3E) tensor whose thirds
     the kernels read through head strides, and gets its gradient back in the same layout.
 
@@ -431,10 +560,16 @@ class MultiheadAttention(nn.MultiheadAttention):
     attn.Context of the dropout stream; by default one seeded with torch.initial_seed()).
 
     forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-    average_attn_weights=True) as torch's, with these limits (a ValueError says which):
+    average_attn_weights=True, is_causal=False) as torch's, with these limits (a ValueError says
+    which):
       - key_padding_mask: bool (True = pad) or float 0/-inf, padding a suffix of each row (right
         padding: d2l's valid_lens);
-      - attn_mask: None or the square causal mask (True or -inf above the diagonal);
+      - attn_mask (L, S) or (batch * num_heads, L, S), bool (True = not allowed) or float 0/-inf:
+        the kept keys of each query must be a prefix 0..len-1 (the causal mask; per-query
+        lengths), the same for every head; no additive biases. The causal mask (also as
+        is_causal=True, a hint that attn_mask is causal, as torch's) runs the kernels' causal
+        mode; under torch.compile pass is_causal=True with it, since the mask's values are not
+        known while tracing (they are checked at run time);
       - add_bias_kv and add_zero_attn are not supported.
     need_weights=True (torch's default) still computes the output with the fused kernels, and
     the weights (B, [T], S) with torch ops from the same projections (differentiable, averaged
@@ -473,7 +608,7 @@ class MultiheadAttention(nn.MultiheadAttention):
     def _linear(self, x, weight, bias):
         """x W^T + b: attn's GEMM (_Linear) where the fused kernels run, else torch's F.linear."""
         if _attn_linear_ok(self.context, x, weight, bias):
-            return _Linear.apply(x, weight, bias, _threads(self.context))
+            return _attn_linear(x, weight, bias, self.context)
         return F.linear(x, weight, bias)
 
     def _projections(self, query, key, value):
@@ -492,8 +627,26 @@ class MultiheadAttention(nn.MultiheadAttention):
         return (to_btE(self._linear(query, wq, bq)), to_btE(self._linear(key, wk, bk)),
                 to_btE(self._linear(value, wv, bv))), None
 
+    def _masks(self, key_padding_mask, attn_mask, is_causal, B, T, S):
+        """(valid_lens or None, causal) from nn.MultiheadAttention's masks."""
+        op = "attn.torch.MultiheadAttention"
+        H = self.num_heads
+        if attn_mask is not None:
+            attn_mask = _mha_attn_mask(attn_mask, B, H, T, S, op)
+        if key_padding_mask is None and attn_mask is None:
+            return None, bool(is_causal)
+        if _OPS is not None and _compiling():  # the masks' values are checked at run time
+            return _OPS.mask_lens(key_padding_mask, attn_mask, B, T, S, H, bool(is_causal),
+                                  op), bool(is_causal)
+        if attn_mask is not None and not is_causal and _is_causal_mask(attn_mask, T, S, op):
+            is_causal = True  # the kernels' causal mode: no per-query lengths
+        lens = _mask_lens_op()(key_padding_mask, attn_mask, B, T, S, H, bool(is_causal), op)
+        if lens.dim() == 1 and bool((lens == S).all()):
+            lens = None  # nothing masked
+        return lens, bool(is_causal)
+
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True,
-                attn_mask=None, average_attn_weights=True):
+                attn_mask=None, average_attn_weights=True, is_causal=False):
         unbatched = query.dim() == 2
         if unbatched:  # (L, E): one sequence, as torch accepts
             bdim = 0 if self.batch_first else 1
@@ -513,8 +666,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             S = key.shape[0]
         H, E = self.num_heads, self.embed_dim
         _check_tensors("attn.torch.MultiheadAttention", query, key, value)
-        lens = _lens_from_key_padding_mask(key_padding_mask, B, S)
-        causal = _causal_from_attn_mask(attn_mask, T, S)
+        lens, causal = self._masks(key_padding_mask, attn_mask, is_causal, B, T, S)
         p = self.dropout if self.training else 0.0
         separate, qkv = self._projections(query, key, value)
         if qkv is not None:
@@ -524,15 +676,14 @@ class MultiheadAttention(nn.MultiheadAttention):
         if _fused_heads_ok(dtype, self.context, q, k, v) and q.stride(-1) == 1 and \
                 k.stride(-1) == 1 and v.stride(-1) == 1:
             if qkv is not None:
-                out, _ = _PackedHeadsAttention.apply(qkv, H, lens, causal, p, self.training, None,
-                                                     self.masked_rows, self.context)
+                out = _packed(qkv, H, lens, causal, p, self.training, None, self.masked_rows,
+                              self.context)
             else:
-                out, _ = _HeadsAttention.apply(q, k, v, H, lens, causal, p, self.training, None,
-                                               self.masked_rows, self.context)
+                out = _heads(q, k, v, H, lens, causal, p, self.training, None, self.masked_rows,
+                             self.context)
         else:  # float64 or the reference backend: heads as batch rows b*H + h
-            out, _ = _Attention.apply(*(_split_heads(x, H).flatten(0, 1) for x in (q, k, v)), lens,
-                                      H, causal, p, self.training, None, self.masked_rows,
-                                      self.context)
+            out = _core(*(_split_heads(x, H).flatten(0, 1) for x in (q, k, v)), lens, H, causal,
+                        p, self.training, None, self.masked_rows, self.context)
             out = out.view(B, H, T, E // H).transpose(1, 2).reshape(B, T, E)
         if not self.batch_first:
             out = out.transpose(0, 1)
@@ -548,3 +699,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         if unbatched:
             out = out.squeeze(0 if self.batch_first else 1)
         return out, weights
+
+
+if _torch_version() >= (2, 4):
+    from . import _torch_ops as _OPS  # noqa: E402,F811  (registers the attn:: operators)

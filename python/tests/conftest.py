@@ -38,7 +38,15 @@ def autograd_node_names(out):
             continue
         seen.add(f)
         todo.extend(g for g, _ in f.next_functions)
-    return [type(f).__name__ for f in seen]
+    return [_OP_NODE_NAMES.get(type(f).__name__, type(f).__name__) for f in seen]
+
+
+# PyTorch >= 2.4 runs attn.torch's kernels as custom operators (python/attn/_torch_ops.py), whose
+# autograd nodes are named after the op; 1.13 runs them as autograd Functions. One name for each.
+_OP_NODE_NAMES = {f"GeneratedBackwardFor_attn_{op}_defaultBackward": name for op, name in (
+    ("linear", "_LinearBackward"), ("sdpa", "_AttentionBackward"),
+    ("heads_attention", "_HeadsAttentionBackward"),
+    ("packed_heads_attention", "_PackedHeadsAttentionBackward"))}
 
 
 def assert_close(actual, expected, dtype, what=""):

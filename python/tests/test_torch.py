@@ -45,7 +45,8 @@ def test_gradcheck_float64(rng, heads, lens, causal):
     lead = (B,) if heads is None else (B, heads)
     q, k, v = randn(rng, *lead, T, D), randn(rng, *lead, S, D), randn(rng, *lead, S, Dv)
     vl = lens_of(rng, lens, B, T, S)
-    f = lambda q, k, v: at.scaled_dot_product_attention(q, k, v, vl, causal=causal)  # noqa
+    f = lambda q, k, v: at.scaled_dot_product_attention(q, k, v, valid_lens=vl,  # noqa: E731
+                                                        is_causal=causal)
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
     # ... and attn's forward is torch's math
     expected = at.reference_attention(q, k, v, vl, causal=causal)
@@ -60,8 +61,8 @@ def test_gradcheck_float64_dropout(rng):
 
     def f(q, k, v):
         ctx.dropout_offset = 11
-        return at.scaled_dot_product_attention(q, k, v, torch.tensor([5, 2]), dropout_p=0.3,
-                                               ctx=ctx)
+        return at.scaled_dot_product_attention(q, k, v, valid_lens=torch.tensor([5, 2]),
+                                               dropout_p=0.3, ctx=ctx)
 
     assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-8)
     assert ctx.dropout_offset == 12  # one offset per call that drops
@@ -71,10 +72,10 @@ def test_masked_rows_policies(rng):
     q, k, v = randn(rng, 2, 3, 4), randn(rng, 2, 5, 4), randn(rng, 2, 5, 3)
     vl = torch.tensor([0, 3])
     for policy in ("uniform", "zero"):
-        out = at.scaled_dot_product_attention(q, k, v, vl, masked_rows=policy)
+        out = at.scaled_dot_product_attention(q, k, v, valid_lens=vl, masked_rows=policy)
         ref = at.reference_attention(q, k, v, vl, masked_rows=policy)
         np.testing.assert_allclose(out.detach(), ref.detach(), rtol=1e-12, atol=1e-13)
-    zero = at.scaled_dot_product_attention(q, k, v, vl, masked_rows="zero")
+    zero = at.scaled_dot_product_attention(q, k, v, valid_lens=vl, masked_rows="zero")
     assert torch.all(zero[0] == 0)
     assert torch.isfinite(zero).all()
 
@@ -96,7 +97,7 @@ def test_float32_fused_matches_torch_math(rng, layout, lens, causal):
         q, k, v = (randn(rng, B, H, L, D, dtype=torch.float32) for L in (T, S, S))
         assert at._as_heads_view(q.detach()) is None
     vl = lens_of(rng, lens, B, T, S)
-    out = at.scaled_dot_product_attention(q, k, v, vl, causal=causal)
+    out = at.scaled_dot_product_attention(q, k, v, valid_lens=vl, is_causal=causal)
     g = torch.tensor(rng.standard_normal(out.shape), dtype=torch.float32)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
 
@@ -156,7 +157,7 @@ def test_bfloat16_within_tolerance(rng, layout):
             B, T, H, D).transpose(1, 2) for _ in range(3))
     q, k, v = (x.to(torch.bfloat16).requires_grad_(True) for x in (q32, k32, v32))
     vl = torch.tensor([T, 9])
-    out = at.scaled_dot_product_attention(q, k, v, vl, causal=True)
+    out = at.scaled_dot_product_attention(q, k, v, valid_lens=vl, is_causal=True)
     assert out.dtype == torch.bfloat16
     g = torch.tensor(rng.standard_normal(out.shape), dtype=torch.float32)
     grads = torch.autograd.grad(out, (q, k, v), g.to(torch.bfloat16))
@@ -175,12 +176,12 @@ def test_function_errors(rng):
     x = q.clone().requires_grad_(True)
     (dx,) = torch.autograd.grad(at.scaled_dot_product_attention(x, x, x).square().sum(), x,
                                 create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):  # no double backward
+    with pytest.raises(RuntimeError, match="once_differentiable|no autograd formula"):  # no 2nd
         dx.sum().backward()
     with pytest.raises(ValueError, match="expected one dtype"):
         at.scaled_dot_product_attention(q, q.double(), q)
     with pytest.raises(attn.Error, match="valid_lens"):
-        at.scaled_dot_product_attention(q, q, q, torch.tensor([1, 2, 3]))
+        at.scaled_dot_product_attention(q, q, q, valid_lens=torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="expected all"):
         at.scaled_dot_product_attention(q[None], q, q)
     with pytest.raises(ValueError, match="float16"):
@@ -431,8 +432,8 @@ def test_module_errors():
     x = torch.zeros(4, 2, 8)
     with pytest.raises(ValueError, match="causal mask"):
         m(x, x, x, attn_mask=torch.ones(4, 4, dtype=torch.bool).tril(-1))
-    with pytest.raises(ValueError, match="square"):
-        m(x, x, x, attn_mask=torch.zeros(4, 4, dtype=torch.bool).expand(4, 4, 4))
+    with pytest.raises(ValueError, match="attn_mask has shape"):
+        m(x, x, x, attn_mask=torch.zeros(3, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="additive"):
         m(x, x, x, attn_mask=torch.full((4, 4), 0.5))
     with pytest.raises(ValueError, match="suffix"):
@@ -518,5 +519,18 @@ def test_d2l_encoder_trains_to_the_same_loss_curve(rng):
 
 
 def test_mask_helpers_no_mask():
-    assert at._lens_from_key_padding_mask(torch.zeros(2, 3, dtype=torch.bool), 2, 3) is None
-    assert at._causal_from_attn_mask(None, 3, 3) is False
+    m = at.MultiheadAttention(4, 2)
+    assert m._masks(torch.zeros(2, 3, dtype=torch.bool), None, False, 2, 3, 3) == (None, False)
+    assert m._masks(None, None, False, 2, 3, 3) == (None, False)
+    causal = torch.ones(3, 3, dtype=torch.bool).triu(1)  # nn.MultiheadAttention's: True = masked
+    assert m._masks(None, causal, False, 2, 3, 3) == (None, True)
+    lens = at._mask_lens(torch.zeros(2, 3, dtype=torch.bool), None, 2, 3, 3, 1, False, "op")
+    assert lens.tolist() == [3, 3]
+
+
+@pytest.mark.skipif(at._OPS is not None, reason=f"PyTorch {torch.__version__} runs attn.torch's "
+                    "custom operators (test_torch2.py); the autograd Functions serve < 2.4")
+def test_autograd_functions_serve_torch_before_2_4():
+    q = torch.zeros(2, 3, 4, requires_grad=True)
+    out = at.scaled_dot_product_attention(q, q, q)
+    assert type(out.grad_fn).__name__ == "_AttentionBackward"

@@ -63,7 +63,10 @@ def test_linear_matches_torch(rng, dtype, bias, layout):
 
 
 def test_linear_fp32_agrees_with_f_linear_closely(rng):
-    """float32 against torch's own float32 F.linear (both f32 accumulation): within 1e-5."""
+    """float32 against torch's own float32 F.linear (both f32 accumulation): within 1e-5
+    relative, and 1e-6 of the largest element absolute (dW sums 64 products of magnitude ~100 into
+    elements near 1 at places, where the summation order alone moves the last 1e-4: seen with
+    Debian torch 1.13's OpenBLAS)."""
     x = tensor(rng, 64, 32).requires_grad_(True)
     w = tensor(rng, 48, 32).requires_grad_(True)
     b = tensor(rng, 48).requires_grad_(True)
@@ -74,7 +77,8 @@ def test_linear_fp32_agrees_with_f_linear_closely(rng):
         y.square().sum().backward()
         res.append([t.detach().clone() for t in (y, x.grad, w.grad, b.grad)])
     for a, e, name in zip(res[1], res[0], ("y", "dx", "dW", "db")):
-        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+        atol = max(1e-5, 1e-6 * float(e.abs().max()))
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=atol, err_msg=name)
 
 
 def test_linear_grads_only_where_needed_and_no_graph_without_grad(rng):
