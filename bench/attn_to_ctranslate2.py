@@ -23,6 +23,12 @@ its specification API (ctranslate2.specs.TransformerSpec), which maps one to one
   config             layer_norm_epsilon 1e-5 (CTranslate2's default is 1e-6), <bos> as the
                      decoder start token, <eos>, <unk>; sources get no automatic <bos>/<eos>
                      (the caller appends <eos>, as attn's batches do)
+
+What identical translations depend on (tried on the held-out dates): the positional table's
+layout and the <eos> at the end of each source change translations when wrong; the LayerNorm eps
+does not at this scale. Where two tokens are nearly tied, the batch's padding can decide between
+them in either engine, so comparisons use the same consecutive batches on both sides rather than
+CTranslate2's length-sorted batching (max_batch_size).
 """
 import json
 import math
