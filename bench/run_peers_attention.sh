@@ -60,20 +60,24 @@ run_engine() {  # engine threads cases...
     "$py" bench/peers_attention.py --engine "$e" --threads "$t" --min-time "$min_time" "$@"
   fi
 }
+peak_reading() {  # threads: three readings (the highest counts), before and after each batch
+  for _ in 1 2 3; do
+    python3 -c "import sys; sys.path.insert(0, 'bench'); import json, peers_common as c; \
+print(json.dumps({'peak': c.fma_peak('$attn_bin', $1), 'threads': $1}))" >>"$tmp/peaks.jsonl"
+  done
+}
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 0; r < rounds; r++)); do
   for t in "$threads" "${sweep_threads[@]}"; do
     if [[ $t == "$threads" ]]; then cases=("${main[@]}"); else cases=("${sweep[@]}"); fi
     # The sweep's row at the main thread count comes from the main table's runs.
     if [[ $t == "$threads" && -e "$tmp/main_done$r" ]]; then continue; fi
-    python3 -c "import sys; sys.path.insert(0, 'bench'); import json, peers_common as c; \
-print(json.dumps({'peak': c.fma_peak('$attn_bin', $t), 'threads': $t}))" >>"$tmp/peaks.jsonl"
+    peak_reading "$t"
     for ((i = 0; i < ${#engines[@]}; i++)); do
       e=${engines[$(((i + r) % ${#engines[@]}))]}
       run_engine "$e" "$t" "${cases[@]}" >>"$tmp/rows.jsonl"
     done
-    python3 -c "import sys; sys.path.insert(0, 'bench'); import json, peers_common as c; \
-print(json.dumps({'peak': c.fma_peak('$attn_bin', $t), 'threads': $t}))" >>"$tmp/peaks.jsonl"
+    peak_reading "$t"
     [[ $t == "$threads" ]] && touch "$tmp/main_done$r"
     echo "round $((r + 1))/$rounds, $t threads done" >&2
   done
@@ -192,6 +196,13 @@ for e, d in (("ort", "fp32"), ("ov", "fp32"), ("ov", "bf16")):
     print(f"| {names[e]} {versions.get(e, '?')} {d} fwd | " + " | ".join(cells) + " |")
 print("\nFMA peak per thread count (GFLOP/s, the highest read in the run): "
       + ", ".join(f"{t}: {p:.0f}" for t, p in sorted(peak.items())) + ".")
+over = [r for r in rows if r["engine"] == "attn" and "best_gflops" in r
+        and r["best_gflops"] > peak[r["threads"]]]
+if over:
+    print(f"\n{len(over)} of attn's figures exceed the FP32 peak: bf16 can (its dot products do "
+          "more than one FMA's work per instruction); fp32 ones above 100% mean that every peak "
+          "reading of the run was taken while other processes held the cores (see the load "
+          "average), so for this run the ratio columns are the meaningful ones.")
 PY
 cat "$tmp/block.md"
 if (( quick )); then
