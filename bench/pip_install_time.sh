@@ -4,7 +4,7 @@
 # environment. It runs as its two halves, `pip wheel .` (the build: what `pip install .` does
 # first) and `pip install` of that wheel, so that the wheel's size comes from the same build.
 # Prints one line with the wall time, the CPU time, the load average before and after and the
-# wheel's size.
+# wheel's size, and writes it into docs/python.md's pip_install_time block.
 #
 #   bash bench/pip_install_time.sh    (needs scripts/setup.sh build, python3-venv, /usr/bin/time)
 set -euo pipefail
@@ -23,6 +23,11 @@ read -r wall user sys <"$venv/time"
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 (cd / && "$venv/bin/python" -c "import attn; attn.MultiHeadAttention(8, 2, 0.0)")  # it works
 wheel=$(ls "$venv"/dist/attn-*.whl)
-printf 'pip_install_time: cold `pip install .` %.0f s wall, %.0f s user + %.0f s system CPU, %s cores; wheel %s, %s KiB; load before %s, after %s\n' \
+line=$(printf 'pip_install_time: cold `pip install .` %.0f s wall, %.0f s user + %.0f s system CPU, %s cores; wheel %s, %s KiB; load before %s, after %s\n' \
   "$wall" "$user" "$sys" "$(nproc)" "$(basename "$wheel")" "$(du -k "$wheel" | cut -f1)" \
-  "$load_before" "$load_after"
+  "$load_before" "$load_after")
+echo "$line"
+printf '%s (%s, %s UTC; written by `bench/pip_install_time.sh`)\n' "${line#pip_install_time: }" \
+  "$(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)" "$(date -u '+%Y-%m-%d %H:%M')" \
+  >"$venv/block.md"
+/usr/bin/python3 bench/write_block.py pip_install_time "$venv/block.md" docs/python.md
