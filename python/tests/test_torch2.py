@@ -255,3 +255,22 @@ def test_module_is_causal_matches_nn_multihead_attention(rng):
     e, _ = ref(x, x, x, attn_mask=mask3, need_weights=False)
     o, _ = ours(x, x, x, attn_mask=mask3, need_weights=False)
     torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_decisions_cache_is_only_a_speed_up(rng):
+    """The heads operators keep the fused kernel's dropout decisions for the backward; dropping
+    them (the backward then redraws the mask from the forward's seed and offset) gives the same
+    gradients."""
+    x = torch.tensor(rng.standard_normal((2, 40, 16)), dtype=torch.float32)
+    grads = []
+    for clear in (False, True):
+        torch.manual_seed(0)
+        m = at.MultiheadAttention(16, 4, dropout=0.3, batch_first=True,
+                                  ctx=attn.Context(seed=5))
+        out, _ = m(x, x, x, need_weights=False)
+        if clear:
+            at._OPS._keep_cache.clear()
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
