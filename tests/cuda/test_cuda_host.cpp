@@ -1,0 +1,350 @@
+// Host-side logic of the CUDA backend, on any machine (no GPU needed): the per-thread arithmetic of
+// the kernels (kernels/cuda/device_math.hpp) against the CPU paths, the caching pool's
+// bookkeeping, launch configurations, the GEMM plan key and its row-major -> column-major mapping,
+// device tensors' host guards and the device flag.
+#include "attn/core/device.hpp"
+#include "attn/core/dtype.hpp"
+#include "attn/core/rng.hpp"
+#include "attn/core/tensor.hpp"
+#include "attn/nn/optim.hpp"
+#include "kernels/cuda/block_pool.hpp"
+#include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/gemm_plan.hpp"
+#include "kernels/cuda/launch.hpp"
+#include "kernels/ref/dropout.hpp"
+#include "kernels/ref/layer_norm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <set>
+#include <vector>
+
+namespace attn::cuda {
+namespace {
+
+TEST(CudaHostMath, Bf16RoundingMatchesTheCpuBitForBit) {
+  Rng rng(7);
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.005859375f, 65504.0f, 3.4e38f,
+                               1e-40f, std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN()};
+  for (int i = 0; i < 100000; ++i) {
+    uint32_t u = rng.next_u32();
+    float f;
+    std::memcpy(&f, &u, 4);
+    values.push_back(f);
+  }
+  for (float f : values) {
+    ASSERT_EQ(bf16_round(f), float_to_bf16(f)) << f;
+    const uint16_t h = float_to_bf16(f);
+    const float a = bf16_widen(h), b = bf16_to_float(h);
+    ASSERT_EQ(std::memcmp(&a, &b, 4), 0);
+  }
+}
+
+TEST(CudaHostMath, DropoutFactorIsTheCpuStream) {
+  // The reference's DropoutSpec (kernels/ref/dropout.hpp) is what every CPU path checks against.
+  for (double p : {0.0, 0.1, 0.5, 0.9, 1.0}) {
+    ref::DropoutSpec spec;
+    spec.active = p > 0;
+    spec.p = p;
+    spec.seed = 0x123456789abcdefull;
+    spec.offset = 42;
+    spec.index_base = 1000;
+    for (uint64_t i = 0; i < 4096; ++i) {
+      const float z = dropout_factor(spec.seed, spec.offset, spec.index_base + i,
+                                     static_cast<float>(p));
+      const double want = spec.factor(i);
+      ASSERT_EQ(z == 0.0f, want == 0.0) << "p " << p << " i " << i;
+      if (want != 0.0) {
+        ASSERT_FLOAT_EQ(z, static_cast<float>(want)) << "p " << p << " i " << i;
+      }
+    }
+  }
+}
+
+TEST(CudaHostMath, DropoutIndexAndRowLimitMatchTheProblem) {
+  kernels::AttentionProblem pr;
+  pr.B = 3;
+  pr.T = 5;
+  pr.S = 7;
+  pr.dropout_index_base = 99;
+  std::vector<int32_t> kept = {0, 1, 7, 3, 9, 2, 2, 0, 5, 6, 7, 1, 4, 4, 4};
+  for (int window = 0; window < 2; ++window) {
+    if (window) pr.dropout_window = {11, 13, 2, 4};
+    for (int causal = 0; causal < 2; ++causal)
+      for (int use_kept = 0; use_kept < 2; ++use_kept) {
+        pr.causal = causal;
+        pr.kept_keys = use_kept ? kept.data() : nullptr;
+        DropoutIndexer ix{pr.dropout_index_base, pr.T, pr.S, pr.dropout_window.rows,
+                          pr.dropout_window.cols, pr.dropout_window.t0, pr.dropout_window.s0};
+        for (int64_t b = 0; b < pr.B; ++b)
+          for (int64_t t = 0; t < pr.T; ++t) {
+            ASSERT_EQ(row_limit(pr.kept_keys, pr.causal, b, t, pr.T, pr.S), pr.row_limit(b, t));
+            for (int64_t s = 0; s < pr.S; ++s)
+              ASSERT_EQ(ix(b, t, s), pr.dropout_index(b, t, s));
+          }
+      }
+  }
+}
+
+TEST(CudaHostMath, OnlineSoftmaxMergeEqualsOnePass) {
+  Rng rng(3);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int n = 1 + static_cast<int>(rng.below(300));
+    const int cut = static_cast<int>(rng.below(static_cast<uint64_t>(n + 1)));
+    std::vector<float> x(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      x[i] = static_cast<float>(rng.uniform(-30, 30));
+      v[i] = static_cast<float>(rng.uniform(-1, 1));
+      if (rng.below(10) == 0) x[i] = -INFINITY;  // masked scores
+    }
+    // Two halves accumulated separately, as two warps do, then merged.
+    SoftmaxState a, b;
+    float oa = 0, ob = 0;
+    for (int i = 0; i < n; ++i) {
+      SoftmaxState& st = i < cut ? a : b;
+      float& o = i < cut ? oa : ob;
+      if (x[i] == -INFINITY) continue;
+      const float m_new = std::max(st.m, x[i]);
+      o = o * SoftmaxState::rescale(st.m, m_new) + std::exp(x[i] - m_new) * v[i];
+      st.add(x[i]);
+    }
+    float wa, wb;
+    const SoftmaxState r = SoftmaxState::merge(a, b, &wa, &wb);
+    double m = -INFINITY, l = 0, o = 0;
+    for (float xi : x) m = std::max<double>(m, xi);
+    for (int i = 0; i < n; ++i)
+      if (x[i] != -INFINITY) {
+        l += std::exp(x[i] - m);
+        o += std::exp(x[i] - m) * v[i];
+      }
+    if (m == -INFINITY) {
+      EXPECT_EQ(r.lse(), -INFINITY);
+      continue;
+    }
+    EXPECT_NEAR(r.lse(), m + std::log(l), 1e-4 * std::max(1.0, std::abs(m)));
+    EXPECT_NEAR((wa * oa + wb * ob) / r.l, o / l, 1e-5);
+  }
+}
+
+TEST(CudaHostMath, WelfordStatisticsMatchTheReferenceLayerNorm) {
+  Rng rng(5);
+  for (int64_t E : {1, 7, 32, 33, 128, 1000}) {
+    std::vector<float> x(static_cast<size_t>(E)), y(static_cast<size_t>(E));
+    for (auto& xi : x) xi = static_cast<float>(rng.uniform(-3, 5));
+    float mean_ref, rstd_ref;
+    ref::layer_norm_forward<float>(x.data(), nullptr, nullptr, y.data(), &mean_ref, &rstd_ref, 1,
+                                   E, 1e-5);
+    // The kernel's order: 32 lanes each fold a strided share, then a butterfly combine.
+    WelfordState lanes[32];
+    for (int64_t e = 0; e < E; ++e) lanes[e % 32].add(x[e]);
+    for (int o = 16; o > 0; o >>= 1) {
+      WelfordState next[32];
+      for (int l = 0; l < 32; ++l) next[l] = WelfordState::combine(lanes[l], lanes[l ^ o]);
+      for (int l = 0; l < 32; ++l) lanes[l] = next[l];
+    }
+    EXPECT_NEAR(lanes[0].mean, mean_ref, 1e-5) << "E " << E;
+    EXPECT_NEAR(1.0f / std::sqrt(lanes[0].variance() + 1e-5f), rstd_ref, 1e-4 * rstd_ref)
+        << "E " << E;
+  }
+}
+
+TEST(CudaHostMath, AdamWElementIsTheCpuOptimiserBitForBit) {
+  Rng rng(11);
+  const int64_t n = 1000;
+  std::vector<double> w0(n), grads[3];
+  for (auto& w : w0) w = rng.uniform(-1, 1);
+  for (auto& g : grads) {
+    g.resize(n);
+    for (auto& gi : g) gi = rng.uniform(-0.1, 0.1);
+  }
+  nn::Parameter p;
+  p.value = Tensor::from_vector(w0, {n});
+  p.grad = Tensor::zeros({n});
+  nn::AdamWOptions o;
+  nn::AdamW cpu({{"w", &p}}, o);
+  std::vector<float> w(w0.begin(), w0.end()), m(n, 0.0f), v(n, 0.0f);
+  for (int step = 1; step <= 3; ++step) {
+    for (int64_t j = 0; j < n; ++j) p.grad.data<float>()[j] = static_cast<float>(grads[step - 1][j]);
+    cpu.step();
+    AdamWElement u{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay,
+                   o.lr / (1.0 - std::pow(o.beta1, step)), std::sqrt(1.0 - std::pow(o.beta2, step))};
+    for (int64_t j = 0; j < n; ++j) u(&w[j], p.grad.data<float>()[j], &m[j], &v[j]);
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_EQ(w[j], p.value.data<float>()[j]) << "step " << step << " element " << j;
+  }
+}
+
+TEST(CudaHostPool, ReusesBlocksBySizeClassAndStream) {
+  int allocs = 0, frees = 0;
+  BlockPool pool([&](size_t n) { ++allocs; return std::malloc(n); },
+                 [&](void* p) { ++frees; std::free(p); }, [] {}, size_t{64} << 20);
+  int s1 = 0, s2 = 0;
+  EXPECT_EQ(BlockPool::round_size(1), 512u);
+  EXPECT_EQ(BlockPool::round_size(513), 1024u);
+  EXPECT_EQ(BlockPool::round_size((1u << 20) + 1), size_t{2} << 20);
+  EXPECT_EQ(pool.acquire(0, &s1), nullptr);
+  void* a = pool.acquire(1000, &s1);
+  pool.release(a, 1000, &s1);
+  void* b = pool.acquire(1024, &s1);  // same class (1024), same stream: the cached block
+  EXPECT_EQ(a, b);
+  pool.release(b, 1024, &s1);
+  void* c = pool.acquire(1000, &s2);  // another stream never gets it
+  EXPECT_NE(c, a);
+  PoolStats st = pool.stats();
+  EXPECT_EQ(st.hits, 1u);
+  EXPECT_EQ(st.misses, 2u);
+  EXPECT_EQ(st.cached_bytes, 1024u);
+  EXPECT_EQ(st.live_bytes, 1024u);
+  pool.release(c, 1000, &s2);
+  pool.release_cached();
+  EXPECT_EQ(pool.stats().cached_bytes, 0u);
+  EXPECT_EQ(allocs, frees);
+}
+
+TEST(CudaHostPool, LimitAndOutOfMemoryRetry) {
+  int live_allocs = 0, syncs = 0;
+  const int capacity = 3;  // the "device" holds three blocks
+  BlockPool pool(
+      [&](size_t n) -> void* {
+        if (live_allocs == capacity) return nullptr;
+        ++live_allocs;
+        return std::malloc(n);
+      },
+      [&](void* p) { --live_allocs; std::free(p); }, [&] { ++syncs; }, size_t{8} << 20);
+  int s = 0;
+  void* x = pool.acquire(size_t{4} << 20, &s);
+  void* y = pool.acquire(size_t{4} << 20, &s);
+  pool.release(x, size_t{4} << 20, &s);
+  pool.release(y, size_t{4} << 20, &s);  // cache holds 8 MiB: at its limit
+  void* z = pool.acquire(size_t{6} << 20, &s);  // new class: the device has one slot left
+  void* w = pool.acquire(size_t{10} << 20, &s);  // none left: sync, flush, retry succeeds
+  EXPECT_NE(z, nullptr);
+  EXPECT_NE(w, nullptr);
+  EXPECT_EQ(syncs, 1);
+  EXPECT_EQ(pool.stats().flushes, 1u);
+  EXPECT_EQ(pool.stats().cached_bytes, 0u);
+  pool.release(z, size_t{6} << 20, &s);
+  pool.set_limit(0);  // frees past the limit
+  EXPECT_EQ(pool.stats().cached_bytes, 0u);
+  pool.release(w, size_t{10} << 20, &s);
+  EXPECT_EQ(live_allocs, 0);
+}
+
+TEST(CudaHostLaunch, GridsCoverTheProblem) {
+  for (int64_t T : {1, 15, 16, 17, 128, 8192})
+    for (int64_t D : {1, 32, 64, 128, 256}) {
+      const LaunchConfig f = flash_forward_config(64, T, D, D, false);
+      EXPECT_GE(int64_t{f.grid.x} * kRowsPerBlock, T);
+      EXPECT_LT(int64_t{f.grid.x - 1} * kRowsPerBlock, T);
+      EXPECT_EQ(f.grid.y, 64u);
+      EXPECT_EQ(f.block.x, unsigned(kWarp * kWarpsPerBlock));
+      // Within what an sm_80 block may opt into (163 KiB), for every kernel.
+      EXPECT_LE(f.smem_bytes, size_t{163} << 10);
+      EXPECT_LE(flash_forward_smem(D, D, true), size_t{163} << 10);
+      EXPECT_LE(flash_dkdv_smem(D, D), size_t{163} << 10);
+      EXPECT_LE(flash_decode_smem(D), size_t{48} << 10);
+    }
+  EXPECT_EQ(rows_config(1).grid.x, 1u);
+  EXPECT_EQ(rows_config(kRowWarps + 1).grid.x, 2u);
+  EXPECT_EQ(elementwise_config(0).grid.x, 1u);
+  EXPECT_EQ(elementwise_config(int64_t{1} << 40).grid.x, 65535u * 8);
+}
+
+// A column-major GEMM on the host, as cuBLASLt reads its operands: checks that the row-major ->
+// column-major mapping (gemm_plan.hpp) computes row-major C = op(A) op(B) for every transpose.
+TEST(CudaHostGemm, ColumnMajorMappingComputesTheRowMajorProduct) {
+  Rng rng(2);
+  const int64_t M = 5, N = 3, K = 4;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      GemmArgs g;
+      g.M = M;
+      g.N = N;
+      g.K = K;
+      g.trans_a = ta;
+      g.trans_b = tb;
+      g.lda = (ta ? M : K) + 2;  // padded rows
+      g.ldb = (tb ? K : N) + 1;
+      g.ldc = N;
+      std::vector<double> A((ta ? K : M) * g.lda), B((tb ? N : K) * g.ldb);
+      for (auto& a : A) a = rng.uniform(-1, 1);
+      for (auto& b : B) b = rng.uniform(-1, 1);
+      auto a_at = [&](int64_t m, int64_t k) { return ta ? A[k * g.lda + m] : A[m * g.lda + k]; };
+      auto b_at = [&](int64_t k, int64_t n) { return tb ? B[n * g.ldb + k] : B[k * g.ldb + n]; };
+      const ColumnMajorGemm c = column_major(g);
+      // Column-major element (r, col) of a stored matrix with leading dimension ld: p[col*ld + r].
+      auto first = [&](int64_t r, int64_t k) {  // op(first) (m, k)
+        return c.trans_first ? B[r * g.ldb + k] : B[k * g.ldb + r];
+      };
+      auto second = [&](int64_t k, int64_t col) {  // op(second) (k, n)
+        return c.trans_second ? A[k * g.lda + col] : A[col * g.lda + k];
+      };
+      EXPECT_EQ(c.trans_first ? c.first_cols : c.first_rows, c.m);
+      EXPECT_EQ(c.trans_second ? c.second_rows : c.second_cols, c.n);
+      for (int64_t i = 0; i < c.m; ++i)
+        for (int64_t j = 0; j < c.n; ++j) {
+          double d = 0, want = 0;
+          for (int64_t k = 0; k < c.k; ++k) d += first(i, k) * second(k, j);
+          // D (m, n) column-major is row-major C (n = M rows, m = N cols): C[j][i].
+          for (int64_t k = 0; k < K; ++k) want += a_at(j, k) * b_at(k, i);
+          EXPECT_NEAR(d, want, 1e-12) << "ta " << ta << " tb " << tb;
+        }
+    }
+}
+
+TEST(CudaHostGemm, PlanKeysSeparateWhatTheHeuristicSees) {
+  alignas(16) float buf[64];
+  GemmArgs g;
+  g.M = 4;
+  g.N = 4;
+  g.K = 4;
+  g.lda = g.ldb = g.ldc = 4;
+  g.A = buf;
+  g.B = buf;
+  g.C = buf;
+  std::set<size_t> hashes;
+  const GemmKey base = gemm_key(g);
+  hashes.insert(GemmKeyHash{}(base));
+  GemmArgs h = g;
+  h.A = buf + 16;  // other pointer, same alignment: the same plan
+  EXPECT_EQ(gemm_key(h), base);
+  h.A = buf + 1;  // misaligned: another plan
+  EXPECT_FALSE(gemm_key(h) == base);
+  h = g;
+  h.trans_b = true;
+  EXPECT_FALSE(gemm_key(h) == base);
+  hashes.insert(GemmKeyHash{}(gemm_key(h)));
+  h = g;
+  h.beta = 1.0f;
+  EXPECT_FALSE(gemm_key(h) == base);
+  hashes.insert(GemmKeyHash{}(gemm_key(h)));
+  h = g;
+  h.type = GemmType::kBF16;
+  EXPECT_FALSE(gemm_key(h) == base);
+  hashes.insert(GemmKeyHash{}(gemm_key(h)));
+  EXPECT_EQ(hashes.size(), 4u);
+}
+
+TEST(CudaHostDevice, DeviceTensorsRefuseHostAccessAndTheFlagParses) {
+  EXPECT_TRUE(cuda_built());
+  EXPECT_EQ(parse_device("cpu"), Device::kCpu);
+  EXPECT_EQ(parse_device("cuda"), Device::kCuda);
+  EXPECT_THROW(parse_device("tpu"), Error);
+  // A host block adopted as if it were device memory: element access must refuse it.
+  std::shared_ptr<std::byte> storage(new std::byte[16], [](std::byte* p) { delete[] p; });
+  Tensor t = Tensor::adopt(storage, {4}, DType::F32, Device::kCuda);
+  EXPECT_EQ(t.device(), Device::kCuda);
+  EXPECT_THROW(t.to_vector(), Error);
+  EXPECT_THROW(t.at({0}), Error);
+  EXPECT_THROW(t.fill(1.0), Error);
+  EXPECT_EQ(t.slice(0, 1, 3).device(), Device::kCuda);
+  EXPECT_EQ(Tensor::zeros({2}).device(), Device::kCpu);
+}
+
+}  // namespace
+}  // namespace attn::cuda
