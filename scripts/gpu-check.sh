@@ -1,0 +1,154 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend (docs/gpu.md): one short run on a GPU machine verifies and
+# times everything.
+#
+#   scripts/gpu-check.sh build        on a machine of the CI kind (nvcc, no GPU needed): builds the
+#                                     CUDA tests and bench_cuda (build/cuda) and bundles them with
+#                                     the Debian libraries they need into build/gpu-check (< 50 MB)
+#   scripts/gpu-check.sh run [--quick]  on the GPU machine, from the repository root, with
+#                                     build/gpu-check carried there: every GPU test (every failure
+#                                     reported, none stops the run), compute-sanitizer memcheck on
+#                                     a small subset, bench_cuda beside PyTorch's SDPA, one table.
+#                                     Results also go to $OUT (the device tool's folder) if set.
+#
+# The GPU machine has the NVIDIA driver, the CUDA 13 toolkit (cuBLASLt comes from there: 500 MB
+# is too much to carry) and PyTorch 2.x, but none of Debian's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+bundle=build/gpu-check
+
+build() {
+  set -e
+  source scripts/ccache-env.sh
+  cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
+    -DATTN_WITH_CUDA=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=OFF -DATTN_BUILD_BENCH=OFF \
+    -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda
+  rm -rf "$bundle"
+  mkdir -p "$bundle/bin" "$bundle/lib"
+  find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
+    -exec cp {} "$bundle/bin/" \;
+  cp build/cuda/bench_cuda "$bundle/bin/"
+  strip --strip-debug "$bundle"/bin/*
+  # Every shared library the binaries load, except glibc's own (the GPU machine's glibc is newer)
+  # and the CUDA toolkit's large libraries (the GPU machine has the same CUDA 13 toolkit).
+  for bin in "$bundle"/bin/*; do
+    ldd "$bin" | awk '$3 ~ /^\// {print $3}'
+  done | sort -u | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|ld-linux*) ;;
+      libcublas*|libcudnn*|libnccl*) ;;
+      *) cp -L "$lib" "$bundle/lib/" ;;
+    esac
+  done
+  local size
+  size=$(du -sm "$bundle" | cut -f1)
+  echo "bundle $bundle: ${size} MB"
+  ls "$bundle/bin" "$bundle/lib"
+  if [ "$size" -gt 50 ]; then
+    echo "gpu-check: the bundle is over 50 MB" >&2
+    exit 1
+  fi
+}
+
+run() {
+  local quick=""
+  [ "${1:-}" = "--quick" ] && quick="--quick"
+  local out=${OUT:-$bundle/out}
+  mkdir -p "$out"
+  local start=$SECONDS
+  if [ ! -x "$bundle/bin/test_cuda_host" ]; then
+    echo "gpu-check: $bundle is missing; run 'scripts/gpu-check.sh build' on the build machine" >&2
+    echo "and carry build/gpu-check to this one" >&2
+    exit 2
+  fi
+  # cuBLASLt and cudart from the toolkit or from PyTorch's wheels, whichever is there.
+  local torch_libs
+  torch_libs=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null || true)
+  export LD_LIBRARY_PATH="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${torch_libs}:${LD_LIBRARY_PATH:-}"
+  nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
+
+  echo "== 1. tests (every failure reported; log in $out/tests.log)"
+  local failed=0 summary=""
+  : >"$out/tests.log"
+  for t in "$bundle"/bin/test_cuda_*; do
+    local name
+    name=$(basename "$t")
+    timeout 240 "$t" --gtest_color=no >"$out/$name.log" 2>&1
+    local rc=$?
+    cat "$out/$name.log" >>"$out/tests.log"
+    local passed failedn skipped
+    passed=$(grep -c '^\[       OK \]' "$out/$name.log")
+    failedn=$(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' "$out/$name.log")
+    skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]*\.[A-Za-z]* (' "$out/$name.log")
+    summary+=$(printf '%-24s rc %-3s passed %-3s failed %-3s skipped %s' "$name" "$rc" "$passed" "$failedn" "$skipped")$'\n'
+    if [ "$rc" -ne 0 ] || [ "$skipped" -gt 0 ]; then
+      failed=1
+      # Every failing expectation with its case: the lines gtest prints around "Failure".
+      grep -B1 -A6 'Failure$' "$out/$name.log" | head -150
+      [ "$rc" -eq 124 ] && echo "$name: timed out after 240 s"
+      [ "$skipped" -gt 0 ] && echo "$name: tests skipped on a GPU machine (no device visible?)"
+    fi
+  done
+  printf '%s' "$summary"
+  # The largest errors of every comparison (all cases, passing or not).
+  grep -h 'max err' "$out/tests.log" >"$out/errors.txt"
+  echo "($(wc -l <"$out/errors.txt") comparisons; each with its largest error in $out/errors.txt)"
+  echo "   ($((SECONDS - start)) s so far)"
+
+  echo "== 2. compute-sanitizer memcheck on a small subset"
+  local sanitizer=""
+  for s in compute-sanitizer /usr/local/cuda/bin/compute-sanitizer; do
+    command -v "$s" >/dev/null 2>&1 && { sanitizer=$s; break; }
+  done
+  if [ -z "$sanitizer" ]; then
+    echo "compute-sanitizer not found: skipped"
+  else
+    ATTN_CUDA_SMALL=1 timeout 180 "$sanitizer" --tool memcheck --error-exitcode 3 \
+      "$bundle/bin/test_cuda_attention" --gtest_color=no >"$out/memcheck.log" 2>&1
+    local rc=$?
+    ATTN_CUDA_SMALL=1 timeout 60 "$sanitizer" --tool memcheck --error-exitcode 3 \
+      "$bundle/bin/test_cuda_kernels" --gtest_color=no \
+      --gtest_filter='CudaOps.Dropout*:CudaOps.LayerNorm*:CudaOps.MaskedSoftmax*' \
+      >>"$out/memcheck.log" 2>&1
+    local rc2=$?
+    tail -n 3 "$out/memcheck.log"
+    if [ "$rc" -ne 0 ] || [ "$rc2" -ne 0 ]; then
+      echo "memcheck: exit codes $rc, $rc2 (3: errors found; 124: timeout); see $out/memcheck.log"
+      grep -m 20 -E '^=========  *(Invalid|Program hit|Error)' "$out/memcheck.log"
+      failed=1
+    else
+      echo "memcheck: no errors"
+    fi
+  fi
+  echo "   ($((SECONDS - start)) s so far)"
+
+  echo "== 3. benchmarks: attn beside PyTorch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  timeout 150 "$bundle/bin/bench_cuda" $quick >"$out/bench_attn.jsonl" || {
+    echo "bench_cuda failed (rc $?)"
+    failed=1
+  }
+  PYTHONUNBUFFERED=1 timeout 150 python3 bench/torch_cuda.py $quick >"$out/bench_torch.jsonl" || {
+    echo "bench/torch_cuda.py failed (rc $?)"
+  }
+  python3 bench/gpu_table.py "$out/bench_attn.jsonl" "$out/bench_torch.jsonl" | tee "$out/table.txt"
+  echo
+  echo "== summary ($((SECONDS - start)) s)"
+  printf '%s' "$summary"
+  if [ "$failed" -eq 0 ]; then
+    echo "gpu-check: PASS"
+  else
+    echo "gpu-check: FAIL (details above and in $out)"
+  fi
+  return "$failed"
+}
+
+case "$mode" in
+  build) build ;;
+  run) shift; run "$@" ;;
+  *)
+    echo "usage: scripts/gpu-check.sh build | run [--quick]" >&2
+    exit 2
+    ;;
+esac
