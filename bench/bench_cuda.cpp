@@ -1,5 +1,5 @@
 // CUDA benchmarks of attn for scripts/gpu-check.sh: the fused attention forward and backward at
-// the shapes, the decode step, and cuBLASLt GEMMs as the same run's peak. One JSON object
+// the shapes (bf16 forward also through the SIMT kernel: op "fwd_simt"), the decode step, and cuBLASLt GEMMs as the same run's peak. One JSON object
 // a line on stdout ({"op", "shape", "dtype", "ms", "tflops" or "us"}), read by bench/gpu_table.py.
 // FLOP convention (FlashAttention papers): forward 4*B*H*T*S*D, backward 2.5x forward.
 //
@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -113,6 +114,13 @@ void bench_attention(int64_t batch, int64_t heads, int64_t N, int64_t D, bool ca
   const char* dts = bf16 ? "bf16" : "f32";
   const double fwd = time_ms([&] { cuda::flash_attention_forward(a, nullptr); }, reps, inner);
   emit("sdpa_fwd", shape, dts, fwd, flops);
+  if (bf16) {
+    // The SIMT kernel on the same problem, to see what the tensor-core forward buys.
+    setenv("ATTN_CUDA_SIMT_ATTENTION", "1", 1);
+    const double simt = time_ms([&] { cuda::flash_attention_forward(a, nullptr); }, reps, inner);
+    unsetenv("ATTN_CUDA_SIMT_ATTENTION");
+    emit("fwd_simt", shape, dts, simt, flops);
+  }
   if (backward) {
     const double bwd = time_ms(
         [&] { cuda::flash_attention_backward(a, g, static_cast<float*>(delta.raw_data()), nullptr); },

@@ -19,10 +19,13 @@
 // the CPU's index for (b, t, s), so the CUDA and CPU paths drop the same weights.
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/flash_mma.hpp"
 #include "kernels/cuda/kernels.hpp"
 #include "kernels/cuda/launch.hpp"
 
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 namespace attn::cuda {
 namespace {
@@ -524,6 +527,12 @@ void forward_impl(const AttentionArgs<E>& a, StreamHandle stream) {
   const FlashParams<E> P = make_params(a, op);
   const LaunchConfig c = flash_forward_config(a.B, a.T, a.D, a.Dv, false);
   if (a.B == 0 || a.T == 0) return;
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    if (flash_mma_supports(a)) {  // bf16 on tensor cores (flash_mma.cu)
+      flash_mma_forward(a, stream);
+      return;
+    }
+  }
   allow_smem(flash_forward_kernel<E>, c, op);
   flash_forward_kernel<E><<<dim3(c.grid.x, c.grid.y), dim3(c.block.x), c.smem_bytes,
                             static_cast<cudaStream_t>(stream)>>>(P);

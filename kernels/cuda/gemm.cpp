@@ -50,16 +50,13 @@ struct ThreadState {
     ATTN_LT(cublasLtCreate(&handle));
     ATTN_CUDA_CHECK("cuda::gemm", cudaMalloc(&workspace, kWorkspaceBytes));
   }
-  ~ThreadState() {
-    plans.clear();
-    if (workspace) (void)cudaFree(workspace);
-    if (handle) cublasLtDestroy(handle);
-  }
 };
 
+// Never destroyed: at process exit the CUDA runtime may be torn down before thread-local
+// destructors run, and freeing then can fail or crash; the driver reclaims everything anyway.
 ThreadState& thread_state() {
-  thread_local ThreadState s;
-  return s;
+  thread_local ThreadState* s = new ThreadState;
+  return *s;
 }
 
 std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& g) {

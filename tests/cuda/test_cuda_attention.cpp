@@ -2,7 +2,9 @@
 // (kernels/ref/attention, double): forward, backward and the decode step, float32 and bf16, over
 // d2l's masks (1-D and 2-D valid_lens lowered to kept-key counts), causal, dropout (the same
 // Philox stream, so the reference drops the same weights), both masked-row policies, head dims
-// past a warp, T != S, and heads read in place from a (batch, T, heads * D) projection.
+// past a warp, T != S, and heads read in place from a (batch, T, heads * D) projection. bf16
+// cases with D = Dv in {32, 64, 128} run the tensor-core forward (flash_mma.cu), the others the
+// SIMT kernel; ATTN_CUDA_SIMT_ATTENTION=1 sends all of them to the SIMT kernel.
 // Every case prints its largest errors; a failure names the case. Skips without a GPU.
 #include "cuda_testing.hpp"
 #include "kernels/cuda/kernels.hpp"
@@ -75,6 +77,22 @@ std::vector<Case> cases() {
   c.mask = Mask::kLens1d;
   c.dropout = 0.1f;
   c.in_place_heads = true;
+  v.push_back(c);
+  c = Case{};  // the bf16 tensor-core forward's features: dropout, heads in place, padding rows
+  c.batch = 2;
+  c.heads = 2;
+  c.D = c.Dv = 64;
+  c.T = 100;
+  c.S = 130;
+  c.mask = Mask::kLens2d;
+  c.causal = true;
+  c.dropout = 0.2f;
+  c.in_place_heads = true;
+  v.push_back(c);
+  c.D = c.Dv = 128;
+  c.causal = false;
+  c.mask = Mask::kLens1d;
+  c.policy = kernels::MaskedRows::kZero;
   v.push_back(c);
   c = Case{};
   c.D = c.Dv = 256;

@@ -9,6 +9,7 @@
 #include "attn/nn/optim.hpp"
 #include "kernels/cuda/block_pool.hpp"
 #include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/flash_mma.hpp"
 #include "kernels/cuda/gemm_plan.hpp"
 #include "kernels/cuda/launch.hpp"
 #include "kernels/ref/dropout.hpp"
@@ -253,6 +254,40 @@ TEST(CudaHostLaunch, GridsCoverTheProblem) {
   EXPECT_EQ(rows_config(kRowWarps + 1).grid.x, 2u);
   EXPECT_EQ(elementwise_config(0).grid.x, 1u);
   EXPECT_EQ(elementwise_config(int64_t{1} << 40).grid.x, 65535u * 8);
+}
+
+TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
+  alignas(16) static uint16_t buf[64];
+  kernels::AttentionArgs<uint16_t> a;
+  a.B = 2;
+  a.T = a.S = 64;
+  a.D = a.Dv = 64;
+  a.q = {buf, 4096, 0, 64, 1};
+  a.k = {buf, 4096, 0, 64, 1};
+  a.v = {buf, 4096, 0, 64, 1};
+  a.out = {buf, 4096, 0, 64, 1};
+  EXPECT_TRUE(flash_mma_supports(a));
+  for (int64_t D : {32, 128}) {
+    kernels::AttentionArgs<uint16_t> b = a;
+    b.D = b.Dv = D;
+    EXPECT_TRUE(flash_mma_supports(b)) << D;
+    EXPECT_LE(flash_mma_smem(D), size_t{48} << 10) << D;
+  }
+  kernels::AttentionArgs<uint16_t> b = a;
+  b.D = b.Dv = 48;
+  EXPECT_FALSE(flash_mma_supports(b));
+  b = a;
+  b.Dv = 32;
+  EXPECT_FALSE(flash_mma_supports(b));
+  b = a;
+  b.k.sd = 2;
+  EXPECT_FALSE(flash_mma_supports(b));
+  b = a;
+  b.v.st = 65;  // odd row stride: bf16 pairs would straddle 4-byte words
+  EXPECT_FALSE(flash_mma_supports(b));
+  b = a;
+  b.q.data = buf + 1;
+  EXPECT_FALSE(flash_mma_supports(b));
 }
 
 // A column-major GEMM on the host, as cuBLASLt reads its operands: checks that the row-major ->
