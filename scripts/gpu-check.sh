@@ -26,7 +26,7 @@ build() {
     -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
   cmake --build build/cuda --target attn_cuda_tests bench_cuda
   rm -rf "$bundle"
-  mkdir -p "$bundle/bin" "$bundle/lib"
+  mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
     -exec cp {} "$bundle/bin/" \;
   cp build/cuda/bench_cuda "$bundle/bin/"
@@ -39,13 +39,16 @@ build() {
     case "$(basename "$lib")" in
       libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|ld-linux*) ;;
       libcublas*|libcudnn*|libnccl*) ;;
+      # The C++ runtime only as a fallback: a newer system copy must win, or PyTorch and
+      # compute-sanitizer, which need newer symbol versions, would load this one.
+      libstdc++.so.*|libgcc_s.so.*) cp -L "$lib" "$bundle/lib-fallback/" ;;
       *) cp -L "$lib" "$bundle/lib/" ;;
     esac
   done
   local size
   size=$(du -sm "$bundle" | cut -f1)
   echo "bundle $bundle: ${size} MB"
-  ls "$bundle/bin" "$bundle/lib"
+  ls "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   if [ "$size" -gt 50 ]; then
     echo "gpu-check: the bundle is over 50 MB" >&2
     exit 1
@@ -66,7 +69,16 @@ run() {
   # cuBLASLt and cudart from the toolkit or from PyTorch's wheels, whichever is there.
   local torch_libs
   torch_libs=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null || true)
-  export LD_LIBRARY_PATH="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${torch_libs}:${LD_LIBRARY_PATH:-}"
+  local libs="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${torch_libs}"
+  # The binaries need GLIBCXX_3.4.29 (GCC 11); an older system C++ runtime gets the bundled one.
+  local sys_cxx
+  sys_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+  if [ -z "$sys_cxx" ] || ! grep -qa 'GLIBCXX_3\.4\.29' "$sys_cxx"; then
+    libs="$libs:$PWD/$bundle/lib-fallback"
+    echo "(system libstdc++ too old or missing: using the bundled one)"
+  fi
+  local orig_ld=${LD_LIBRARY_PATH:-}
+  export LD_LIBRARY_PATH="$libs${orig_ld:+:$orig_ld}"
   nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
 
   echo "== 1. tests (every failure reported; log in $out/tests.log)"
@@ -134,12 +146,13 @@ run() {
   fi
   echo "   ($((SECONDS - start)) s so far)"
 
-  echo "== 3. benchmarks: attn beside PyTorch $(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  echo "== 3. benchmarks: attn beside PyTorch $(LD_LIBRARY_PATH="$orig_ld" python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   timeout 150 "$bundle/bin/bench_cuda" $quick >"$out/bench_attn.jsonl" || {
     echo "bench_cuda failed (rc $?)"
     failed=1
   }
-  PYTHONUNBUFFERED=1 timeout 150 python3 bench/torch_cuda.py $quick >"$out/bench_torch.jsonl" || {
+  # PyTorch with the machine's own library path, not the bundle's.
+  LD_LIBRARY_PATH="$orig_ld" PYTHONUNBUFFERED=1 timeout 150 python3 bench/torch_cuda.py $quick >"$out/bench_torch.jsonl" || {
     echo "bench/torch_cuda.py failed (rc $?)"
   }
   python3 bench/gpu_table.py "$out/bench_attn.jsonl" "$out/bench_torch.jsonl" | tee "$out/table.txt"
