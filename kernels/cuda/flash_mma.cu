@@ -19,6 +19,7 @@
 #include "kernels/cuda/device_math.hpp"
 #include "kernels/cuda/flash_mma.hpp"
 #include "kernels/cuda/launch.hpp"
+#include "kernels/cuda/mma_layout.hpp"
 
 #include <cuda_runtime.h>
 
@@ -85,10 +86,9 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
 
   const int64_t b = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int g = lane / 4, c = lane % 4;
   const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t t0 = t_block + warp * 16;  // this warp's first row
-  const int64_t rows[2] = {t0 + g, t0 + g + 8};
+  const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
 
   // Q fragments for all k-steps, straight from global memory (rows past T read as zeros).
   uint32_t qa[kChunks][4];
@@ -97,9 +97,9 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
   for (int kc = 0; kc < kChunks; ++kc)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int64_t t = rows[r & 1];
-      const int col = kc * 16 + 2 * c + (r >> 1) * 8;
-      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + col) : 0u;
+      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
+      const int64_t t = t0 + pos.row;
+      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
     }
 
   bool uniform[2] = {false, false};
@@ -142,8 +142,10 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
       sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
 #pragma unroll
       for (int kc = 0; kc < kChunks; ++kc) {
-        const uint16_t* kr = ks + (n * 8 + g) * ld + kc * 16 + 2 * c;
-        mma_bf16(sc[n], qa[kc], load_u32(kr), load_u32(kr + 8));
+        // B = K^T: element (k = dim, n = key) is ks[key][dim], so a register's pair is contiguous.
+        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
+        mma_bf16(sc[n], qa[kc], load_u32(ks + (n * 8 + b0.col) * ld + kc * 16 + b0.row),
+                 load_u32(ks + (n * 8 + b1.col) * ld + kc * 16 + b1.row));
       }
     }
     // Mask and scale; the tile's row maxima (each row's 64 scores sit in the 4 lanes of a group).
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
     for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        const int64_t s = s0 + n * 8 + 2 * c + (e & 1);
+        const int i = e >> 1;  // rows[i] is the row of mma_c_pos(lane, e)
+        const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
         float x = -INFINITY;
         if (s < lim[i]) x = uniform[i] ? 0.0f : sc[n][e] * P.scale;
         sc[n][e] = x;
@@ -181,13 +183,12 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
         row_sum[i] += pv;
         if (P.p > 0.0f && pv != 0.0f)
           pv *= dropout_factor(P.seed, P.offset,
-                               P.drop(b, rows[i], s0 + n * 8 + 2 * c + (e & 1)), P.p);
+                               P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
         pe[e] = pv;
       }
       // C fragment of key tile n is half of the A fragment of key chunk n / 2.
-      const int kc = n / 2, half = n % 2;
-      pa[kc][2 * half] = pack_bf16(pe[0], pe[1]);
-      pa[kc][2 * half + 1] = pack_bf16(pe[2], pe[3]);
+      pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
+      pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -204,8 +205,10 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
       o[n][3] *= alpha[1];
 #pragma unroll
       for (int kc = 0; kc < kMmaKeys / 16; ++kc) {
-        const uint16_t* vr = vts + (n * 8 + g) * ldv + kc * 16 + 2 * c;
-        mma_bf16(o[n], pa[kc], load_u32(vr), load_u32(vr + 8));
+        // B = V: element (k = key, n = dim) is vts[dim][key], a register's pair contiguous.
+        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
+        mma_bf16(o[n], pa[kc], load_u32(vts + (n * 8 + b0.col) * ldv + kc * 16 + b0.row),
+                 load_u32(vts + (n * 8 + b1.col) * ldv + kc * 16 + b1.row));
       }
     }
   }
@@ -218,9 +221,9 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
     const float inv = lim[i] > 0 ? 1.0f / l[i] : 0.0f;
 #pragma unroll
     for (int n = 0; n < kOutTiles; ++n)
-      *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + 2 * c) =
+      *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
           pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
-    if (c == 0 && P.lse != nullptr)
+    if (lane % 4 == 0 && P.lse != nullptr)  // one lane of the row's group of 4
       P.lse[b * P.T + t] = (lim[i] == 0 || uniform[i]) ? -INFINITY : m[i] + logf(l[i]);
   }
 }

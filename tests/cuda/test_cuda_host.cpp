@@ -12,6 +12,7 @@
 #include "kernels/cuda/flash_mma.hpp"
 #include "kernels/cuda/gemm_plan.hpp"
 #include "kernels/cuda/launch.hpp"
+#include "kernels/cuda/mma_layout.hpp"
 #include "kernels/ref/dropout.hpp"
 #include "kernels/ref/layer_norm.hpp"
 
@@ -288,6 +289,183 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
   b = a;
   b.q.data = buf + 1;
   EXPECT_FALSE(flash_mma_supports(b));
+}
+
+TEST(CudaHostMma, FragmentLayoutsAreBijections) {
+  std::set<std::pair<int, int>> a, b, c;
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int reg = 0; reg < 4; ++reg)
+      for (int half = 0; half < 2; ++half) {
+        const FragPos p = mma_a_pos(lane, reg, half);
+        EXPECT_TRUE(p.row >= 0 && p.row < 16 && p.col >= 0 && p.col < 16);
+        a.insert({p.row, p.col});
+      }
+    for (int reg = 0; reg < 2; ++reg)
+      for (int half = 0; half < 2; ++half) {
+        const FragPos p = mma_b_pos(lane, reg, half);
+        EXPECT_TRUE(p.row >= 0 && p.row < 16 && p.col >= 0 && p.col < 8);
+        b.insert({p.row, p.col});
+      }
+    for (int e = 0; e < 4; ++e) {
+      const FragPos p = mma_c_pos(lane, e);
+      EXPECT_TRUE(p.row >= 0 && p.row < 16 && p.col >= 0 && p.col < 8);
+      c.insert({p.row, p.col});
+      // The accumulator of key tile n lands where the next product's A fragment wants it.
+      for (int n = 0; n < 2; ++n) {
+        const FragPos q = mma_a_pos(lane, p_reg_of(n, e), e % 2);
+        EXPECT_EQ(q.row, p.row);
+        EXPECT_EQ(q.col, p.col + 8 * n);
+      }
+    }
+  }
+  EXPECT_EQ(a.size(), 256u);
+  EXPECT_EQ(b.size(), 128u);
+  EXPECT_EQ(c.size(), 128u);
+}
+
+// One warp of flash_mma.cu's forward on the host: 16 query rows against S keys in tiles of 64,
+// each mma emulated from the fragment layouts, the registers filled and read exactly as the
+// kernel does (mma_layout.hpp). Checks the index arithmetic that a GPU run would otherwise be
+// the first to see.
+TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
+  constexpr int D = 32, kKeys = 64, kChunks = D / 16, kOut = D / 8, kTiles = kKeys / 8;
+  const int S = 100;
+  Rng rng(21);
+  auto bf = [&](double lo, double hi) { return bf16_round(static_cast<float>(rng.uniform(lo, hi))); };
+  std::vector<uint16_t> Q(16 * D), K(S * D), V(S * D);
+  for (auto& x : Q) x = bf(-1, 1);
+  for (auto& x : K) x = bf(-1, 1);
+  for (auto& x : V) x = bf(-1, 1);
+  auto pair = [](uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; };
+  auto lo = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r)); };
+  auto hi = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r >> 16)); };
+  // D(16x8) += A(16x16) B(16x8) for all 32 lanes at once.
+  auto mma = [&](float c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+    float A[16][16], B[16][8];
+    for (int l = 0; l < 32; ++l) {
+      for (int r = 0; r < 4; ++r) {
+        FragPos p0 = mma_a_pos(l, r, 0), p1 = mma_a_pos(l, r, 1);
+        A[p0.row][p0.col] = lo(a[l][r]);
+        A[p1.row][p1.col] = hi(a[l][r]);
+      }
+      for (int r = 0; r < 2; ++r) {
+        FragPos p0 = mma_b_pos(l, r, 0), p1 = mma_b_pos(l, r, 1);
+        B[p0.row][p0.col] = lo(b[l][r]);
+        B[p1.row][p1.col] = hi(b[l][r]);
+      }
+    }
+    for (int l = 0; l < 32; ++l)
+      for (int e = 0; e < 4; ++e) {
+        const FragPos p = mma_c_pos(l, e);
+        for (int k = 0; k < 16; ++k) c[l][e] += A[p.row][k] * B[k][p.col];
+      }
+  };
+  const float scale = 1.0f / std::sqrt(float(D));
+  uint32_t qa[kChunks][32][4];
+  for (int kc = 0; kc < kChunks; ++kc)
+    for (int l = 0; l < 32; ++l)
+      for (int r = 0; r < 4; ++r) {
+        const FragPos p = mma_a_pos(l, r, 0);
+        qa[kc][l][r] = pair(Q[p.row * D + kc * 16 + p.col], Q[p.row * D + kc * 16 + p.col + 1]);
+      }
+  float o[kOut][32][4] = {}, m[32][2], l_[32][2] = {};
+  for (int l = 0; l < 32; ++l) m[l][0] = m[l][1] = -INFINITY;
+  for (int s0 = 0; s0 < S; s0 += kKeys) {
+    std::vector<uint16_t> ks(kKeys * D, 0), vts(D * kKeys, 0);  // K tile, V tile transposed
+    for (int key = 0; key < kKeys && s0 + key < S; ++key)
+      for (int d = 0; d < D; ++d) {
+        ks[key * D + d] = K[(s0 + key) * D + d];
+        vts[d * kKeys + key] = V[(s0 + key) * D + d];
+      }
+    float sc[kTiles][32][4] = {};
+    for (int n = 0; n < kTiles; ++n)
+      for (int kc = 0; kc < kChunks; ++kc) {
+        uint32_t b[32][2];
+        for (int l = 0; l < 32; ++l)
+          for (int r = 0; r < 2; ++r) {
+            const FragPos p = mma_b_pos(l, r, 0);
+            const uint16_t* at = &ks[(n * 8 + p.col) * D + kc * 16 + p.row];
+            b[l][r] = pair(at[0], at[1]);
+          }
+        mma(sc[n], qa[kc], b);
+      }
+    float alpha[32][2], row_max[32][2], row_sum[32][2] = {};
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 2; ++i) row_max[l][i] = -INFINITY;
+    for (int n = 0; n < kTiles; ++n)
+      for (int l = 0; l < 32; ++l)
+        for (int e = 0; e < 4; ++e) {
+          const int s = s0 + n * 8 + mma_c_pos(l, e).col;
+          sc[n][l][e] = s < S ? sc[n][l][e] * scale : -INFINITY;
+          row_max[l][e >> 1] = std::max(row_max[l][e >> 1], sc[n][l][e]);
+        }
+    auto group_reduce = [](float v[32][2], bool is_max) {  // __shfl_xor 1 then 2
+      for (int off : {1, 2}) {
+        float next[32][2];
+        for (int l = 0; l < 32; ++l)
+          for (int i = 0; i < 2; ++i)
+            next[l][i] = is_max ? std::max(v[l][i], v[l ^ off][i]) : v[l][i] + v[l ^ off][i];
+        std::memcpy(v, next, sizeof(next));
+      }
+    };
+    group_reduce(row_max, true);
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 2; ++i) {
+        const float m_new = std::max(m[l][i], row_max[l][i]);
+        alpha[l][i] = SoftmaxState::rescale(m[l][i], m_new);
+        m[l][i] = m_new;
+      }
+    uint32_t pa[kKeys / 16][32][4];
+    for (int n = 0; n < kTiles; ++n)
+      for (int l = 0; l < 32; ++l) {
+        float pe[4];
+        for (int e = 0; e < 4; ++e) {
+          const float x = sc[n][l][e];
+          pe[e] = x == -INFINITY ? 0.0f : std::exp(x - m[l][e >> 1]);
+          row_sum[l][e >> 1] += pe[e];
+        }
+        pa[n / 2][l][p_reg_of(n, 0)] = pair(bf16_round(pe[0]), bf16_round(pe[1]));
+        pa[n / 2][l][p_reg_of(n, 2)] = pair(bf16_round(pe[2]), bf16_round(pe[3]));
+      }
+    group_reduce(row_sum, false);
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 2; ++i) l_[l][i] = l_[l][i] * alpha[l][i] + row_sum[l][i];
+    for (int n = 0; n < kOut; ++n) {
+      for (int l = 0; l < 32; ++l)
+        for (int e = 0; e < 4; ++e) o[n][l][e] *= alpha[l][e >> 1];
+      for (int kc = 0; kc < kKeys / 16; ++kc) {
+        uint32_t b[32][2];
+        for (int l = 0; l < 32; ++l)
+          for (int r = 0; r < 2; ++r) {
+            const FragPos p = mma_b_pos(l, r, 0);
+            const uint16_t* at = &vts[(n * 8 + p.col) * kKeys + kc * 16 + p.row];
+            b[l][r] = pair(at[0], at[1]);
+          }
+        mma(o[n], pa[kc], b);
+      }
+    }
+  }
+  // The reference in double on the same bf16 inputs.
+  double max_err = 0;
+  for (int n = 0; n < kOut; ++n)
+    for (int l = 0; l < 32; ++l)
+      for (int e = 0; e < 4; ++e) {
+        const FragPos p = mma_c_pos(l, e);
+        const int t = p.row, d = n * 8 + p.col;
+        std::vector<double> w(S);
+        double mx = -INFINITY, sum = 0, out = 0;
+        for (int s = 0; s < S; ++s) {
+          double dot = 0;
+          for (int k = 0; k < D; ++k) dot += double(bf16_widen(Q[t * D + k])) * bf16_widen(K[s * D + k]);
+          w[s] = dot * scale;
+          mx = std::max(mx, w[s]);
+        }
+        for (int s = 0; s < S; ++s) sum += std::exp(w[s] - mx);
+        for (int s = 0; s < S; ++s) out += std::exp(w[s] - mx) / sum * bf16_widen(V[s * D + d]);
+        max_err = std::max(max_err, std::abs(o[n][l][e] / l_[l][e >> 1] - out));
+      }
+  EXPECT_LT(max_err, 1e-2);  // P rounded to bf16 before the second product
+  std::printf("  emulated warp forward: max err %.3g\n", max_err);
 }
 
 // A column-major GEMM on the host, as cuBLASLt reads its operands: checks that the row-major ->
