@@ -6,6 +6,7 @@
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/core/tensor.hpp"
+#include "attn/cuda/graph.hpp"
 #include "attn/nn/optim.hpp"
 #include "kernels/cuda/block_pool.hpp"
 #include "kernels/cuda/device_math.hpp"
@@ -541,6 +542,32 @@ TEST(CudaHostGemm, PlanKeysSeparateWhatTheHeuristicSees) {
   EXPECT_FALSE(gemm_key(h) == base);
   hashes.insert(GemmKeyHash{}(gemm_key(h)));
   EXPECT_EQ(hashes.size(), 4u);
+}
+
+TEST(CudaHostGraph, CapturesOncePerKeyAndReplays) {
+  int captured = 0, launched = 0, destroyed = 0, body_runs = 0;
+  std::vector<int> handles;
+  handles.reserve(8);
+  GraphCacheCore cache(GraphOps{[&](const std::function<void()>& body) -> void* {
+                                  body();  // recording runs the body once
+                                  handles.push_back(++captured);
+                                  return &handles.back();
+                                },
+                                [&](void*) { ++launched; }, [&](void*) { ++destroyed; }});
+  auto step = [&] { ++body_runs; };
+  for (int i = 0; i < 3; ++i) cache.run({"step", {32, 128}}, step);
+  cache.run({"step", {32, 64}}, step);   // another shape: another graph
+  cache.run({"other", {32, 128}}, step);  // another name: another graph
+  cache.run({"step", {32, 128}}, step);
+  EXPECT_EQ(cache.size(), 3u);
+  EXPECT_EQ(cache.captures(), 3u);
+  EXPECT_EQ(cache.launches(), 6u);
+  EXPECT_EQ(body_runs, 3);
+  EXPECT_EQ(launched, 6);
+  EXPECT_NE(GraphKeyHash{}({"step", {32, 128}}), GraphKeyHash{}({"step", {128, 32}}));
+  cache.clear();
+  EXPECT_EQ(destroyed, 3);
+  EXPECT_EQ(cache.size(), 0u);
 }
 
 TEST(CudaHostDevice, DeviceTensorsRefuseHostAccessAndTheFlagParses) {
