@@ -1,7 +1,8 @@
 // CUDA benchmarks of attn for scripts/gpu-check.sh: the fused attention forward and backward at
-// the shapes (bf16 forward also through the SIMT kernel: op "fwd_simt"), the decode step, and cuBLASLt GEMMs as the same run's peak. One JSON object
-// a line on stdout ({"op", "shape", "dtype", "ms", "tflops" or "us"}), read by bench/gpu_table.py.
-// FLOP convention (FlashAttention papers): forward 4*B*H*T*S*D, backward 2.5x forward.
+// the shapes (bf16 forward also through the SIMT kernel: op "fwd_simt"), the decode step,
+// and cuBLASLt GEMMs as the same run's peak. One JSON object a line on stdout ({"op", "shape",
+// "dtype", "ms", "tflops" or "us"}), read by bench/gpu_table.py. FLOP convention (FlashAttention
+// papers): forward 4*B*H*T*S*D, backward 2.5x forward.
 //
 // Usage: bench_cuda [--quick]   (--quick: fewer iterations, for a smoke run)
 #include "attn/cuda/runtime.hpp"
@@ -32,7 +33,8 @@ double time_ms(const std::function<void()>& fn, int reps, int inner) {
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     const auto a = Clock::now();
-    for (int i = 0; i < inner; ++i) fn();
+    for (int i = 0; i < inner; ++i)
+      fn();
     cuda::synchronize(nullptr);
     t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - a).count() / inner);
   }
@@ -56,13 +58,15 @@ Tensor random_device(int64_t n, DType dt, uint64_t seed) {
 void emit(const std::string& op, const std::string& shape, const char* dtype, double ms,
           double flops) {
   if (flops > 0)
-    std::printf("{\"impl\": \"attn\", \"op\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", "
-                "\"ms\": %.4f, \"us\": %.1f, \"tflops\": %.1f}\n",
-                op.c_str(), shape.c_str(), dtype, ms, ms * 1e3, flops / ms / 1e9);
+    std::printf(
+        "{\"impl\": \"attn\", \"op\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", "
+        "\"ms\": %.4f, \"us\": %.1f, \"tflops\": %.1f}\n",
+        op.c_str(), shape.c_str(), dtype, ms, ms * 1e3, flops / ms / 1e9);
   else
-    std::printf("{\"impl\": \"attn\", \"op\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", "
-                "\"ms\": %.4f, \"us\": %.1f}\n",
-                op.c_str(), shape.c_str(), dtype, ms, ms * 1e3);
+    std::printf(
+        "{\"impl\": \"attn\", \"op\": \"%s\", \"shape\": \"%s\", \"dtype\": \"%s\", "
+        "\"ms\": %.4f, \"us\": %.1f}\n",
+        op.c_str(), shape.c_str(), dtype, ms, ms * 1e3);
   std::fflush(stdout);
 }
 
@@ -123,7 +127,9 @@ void bench_attention(int64_t batch, int64_t heads, int64_t N, int64_t D, bool ca
   }
   if (backward) {
     const double bwd = time_ms(
-        [&] { cuda::flash_attention_backward(a, g, static_cast<float*>(delta.raw_data()), nullptr); },
+        [&] {
+          cuda::flash_attention_backward(a, g, static_cast<float*>(delta.raw_data()), nullptr);
+        },
         reps, inner);
     emit("sdpa_bwd", shape, dts, bwd, 2.5 * flops);
   }
@@ -148,11 +154,12 @@ void bench_decode(int64_t batch, int64_t heads, int64_t S, int64_t D, int reps, 
   const double ms = time_ms([&] { cuda::flash_attention_decode(a, nullptr); }, reps, inner);
   // The step reads the whole cache once: report bandwidth as "tflops" would mislead, so GB/s.
   const double bytes = 2.0 * B * S * D * (std::is_same_v<E, float> ? 4 : 2);
-  std::printf("{\"impl\": \"attn\", \"op\": \"decode\", \"shape\": \"(%lld,%lld,1x%lld,%lld)\", "
-              "\"dtype\": \"%s\", \"ms\": %.4f, \"us\": %.1f, \"gbps\": %.0f}\n",
-              static_cast<long long>(batch), static_cast<long long>(heads),
-              static_cast<long long>(S), static_cast<long long>(D),
-              std::is_same_v<E, float> ? "f32" : "bf16", ms, ms * 1e3, bytes / ms / 1e6);
+  std::printf(
+      "{\"impl\": \"attn\", \"op\": \"decode\", \"shape\": \"(%lld,%lld,1x%lld,%lld)\", "
+      "\"dtype\": \"%s\", \"ms\": %.4f, \"us\": %.1f, \"gbps\": %.0f}\n",
+      static_cast<long long>(batch), static_cast<long long>(heads), static_cast<long long>(S),
+      static_cast<long long>(D), std::is_same_v<E, float> ? "f32" : "bf16", ms, ms * 1e3,
+      bytes / ms / 1e6);
   std::fflush(stdout);
 }
 

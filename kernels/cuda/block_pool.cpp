@@ -7,7 +7,9 @@ BlockPool::BlockPool(AllocateFn allocate, FreeFn free, SyncFn sync, size_t limit
   stats_.limit_bytes = limit_bytes;
 }
 
-BlockPool::~BlockPool() { release_cached(); }
+BlockPool::~BlockPool() {
+  release_cached();
+}
 
 size_t BlockPool::round_size(size_t bytes) {
   constexpr size_t kSmall = 512, kLarge = size_t{2} << 20, kSmallLimit = size_t{1} << 20;

@@ -19,9 +19,9 @@
 namespace attn::cuda {
 
 struct PoolStats {
-  size_t limit_bytes = 0;     // the most the cache holds beyond live blocks
-  size_t cached_bytes = 0;    // held, unused
-  size_t live_bytes = 0;      // handed out, not yet released
+  size_t limit_bytes = 0;   // the most the cache holds beyond live blocks
+  size_t cached_bytes = 0;  // held, unused
+  size_t live_bytes = 0;    // handed out, not yet released
   size_t cached_blocks = 0;
   uint64_t hits = 0, misses = 0;
   uint64_t flushes = 0;  // out-of-memory retries that emptied the cache

@@ -12,12 +12,12 @@ void require(bool ok, const char* op, const char* message);
 }  // namespace attn::cuda
 
 // `call` is a cudaError_t expression.
-#define ATTN_CUDA_CHECK(op, call)                                                    \
-  do {                                                                               \
-    const cudaError_t attn_cuda_err_ = (call);                                       \
-    if (attn_cuda_err_ != cudaSuccess)                                               \
-      ::attn::cuda::throw_cuda_error(op, #call, static_cast<int>(attn_cuda_err_),   \
-                                     cudaGetErrorString(attn_cuda_err_));            \
+#define ATTN_CUDA_CHECK(op, call)                                                 \
+  do {                                                                            \
+    const cudaError_t attn_cuda_err_ = (call);                                    \
+    if (attn_cuda_err_ != cudaSuccess)                                            \
+      ::attn::cuda::throw_cuda_error(op, #call, static_cast<int>(attn_cuda_err_), \
+                                     cudaGetErrorString(attn_cuda_err_));         \
   } while (0)
 
 // After a kernel launch: configuration errors show up here, not at the launch.

@@ -15,7 +15,9 @@
 
 namespace attn::cuda {
 
-ATTN_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+ATTN_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
 
 // bfloat16 <-> float, bit for bit attn::float_to_bf16 / bf16_to_float (attn/core/dtype.hpp):
 // round to nearest even, NaN kept a quiet NaN. The CUDA intrinsic __float2bfloat16_rn agrees on
@@ -50,16 +52,24 @@ ATTN_HOST_DEVICE inline float bf16_widen(uint16_t h) {
 }
 
 // Loads and stores of a kernel's element type E (float, or bf16 held as uint16_t) in float.
-ATTN_HOST_DEVICE inline float load_f(const float* p) { return *p; }
-ATTN_HOST_DEVICE inline float load_f(const uint16_t* p) { return bf16_widen(*p); }
-ATTN_HOST_DEVICE inline void store_f(float* p, float v) { *p = v; }
-ATTN_HOST_DEVICE inline void store_f(uint16_t* p, float v) { *p = bf16_round(v); }
+ATTN_HOST_DEVICE inline float load_f(const float* p) {
+  return *p;
+}
+ATTN_HOST_DEVICE inline float load_f(const uint16_t* p) {
+  return bf16_widen(*p);
+}
+ATTN_HOST_DEVICE inline void store_f(float* p, float v) {
+  *p = v;
+}
+ATTN_HOST_DEVICE inline void store_f(uint16_t* p, float v) {
+  *p = bf16_round(v);
+}
 
 // The dropout stream index of attention weight (b, t, s): kernels::AttentionProblem::dropout_index
 // (the host original) rewritten on plain fields so that device code can call it.
 struct DropoutIndexer {
   uint64_t base = 0;
-  int64_t T = 0, S = 0;                      // this call's problem
+  int64_t T = 0, S = 0;                        // this call's problem
   int64_t rows = 0, cols = 0, t0 = 0, s0 = 0;  // dropout window; rows == 0: the whole problem
 
   ATTN_HOST_DEVICE uint64_t operator()(int64_t b, int64_t t, int64_t s) const {

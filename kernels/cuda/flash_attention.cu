@@ -214,10 +214,10 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock) flash_dq_kernel(const F
   const int64_t t_first = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t D = P.D, Dv = P.Dv, ldq = D + 1, ldv = Dv + 1;
-  float* qs = smem;                       // (kRowsPerBlock, D)
-  float* gs = qs + kRowsPerBlock * ldq;   // (kRowsPerBlock, Dv): dO
-  float* ks = gs + kRowsPerBlock * ldv;   // (kTile, D)
-  float* vs = ks + kTile * ldq;           // (kTile, Dv)
+  float* qs = smem;                      // (kRowsPerBlock, D)
+  float* gs = qs + kRowsPerBlock * ldq;  // (kRowsPerBlock, Dv): dO
+  float* ks = gs + kRowsPerBlock * ldv;  // (kTile, D)
+  float* vs = ks + kTile * ldq;          // (kTile, Dv)
 
   load_rows(qs, ldq, P.q.data + P.row_off(b, P.q.sb, P.q.sh), P.q.st, P.q.sd, t_first,
             kRowsPerBlock, P.T, D);
@@ -297,19 +297,18 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock) flash_dq_kernel(const F
 // dK and dV over key blocks; queries stream through shared memory, lane i taking query i of the
 // tile. dv[s] = sum_t P Z dO[t];  dk[s] = scale * sum_t dS q[t]  (dS as in the dQ kernel).
 template <class E>
-__global__ void __launch_bounds__(kWarp* kWarpsPerBlock)
-    flash_dkdv_kernel(const FlashParams<E> P) {
+__global__ void __launch_bounds__(kWarp* kWarpsPerBlock) flash_dkdv_kernel(const FlashParams<E> P) {
   extern __shared__ float smem[];
   const int64_t b = blockIdx.y;
   const int64_t s_first = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t D = P.D, Dv = P.Dv, ldq = D + 1, ldv = Dv + 1;
-  float* ks = smem;                       // (kRowsPerBlock, D): this block's keys
-  float* vs = ks + kRowsPerBlock * ldq;   // (kRowsPerBlock, Dv)
-  float* qs = vs + kRowsPerBlock * ldv;   // (kTile, D): a tile of queries
-  float* gs = qs + kTile * ldq;           // (kTile, Dv): their dO
-  float* lse_s = gs + kTile * ldv;        // (kTile)
-  float* delta_s = lse_s + kTile;         // (kTile)
+  float* ks = smem;                      // (kRowsPerBlock, D): this block's keys
+  float* vs = ks + kRowsPerBlock * ldq;  // (kRowsPerBlock, Dv)
+  float* qs = vs + kRowsPerBlock * ldv;  // (kTile, D): a tile of queries
+  float* gs = qs + kTile * ldq;          // (kTile, Dv): their dO
+  float* lse_s = gs + kTile * ldv;       // (kTile)
+  float* delta_s = lse_s + kTile;        // (kTile)
 
   load_rows(ks, ldq, P.k.data + P.row_off(b, P.k.sb, P.k.sh), P.k.st, P.k.sd, s_first,
             kRowsPerBlock, P.S, D);
@@ -401,8 +400,8 @@ __global__ void __launch_bounds__(kWarp* kDecodeWarps) flash_decode_kernel(const
   extern __shared__ float smem[];
   const int64_t t = blockIdx.x, b = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  float* state = smem;                      // (kDecodeWarps, 2): m, l
-  float* part = smem + 2 * kDecodeWarps;    // (kDecodeWarps, Dv)
+  float* state = smem;                    // (kDecodeWarps, 2): m, l
+  float* part = smem + 2 * kDecodeWarps;  // (kDecodeWarps, Dv)
   bool uniform = false;
   const int64_t lim = P.limit(b, t, &uniform);
 
@@ -578,7 +577,9 @@ void decode_impl(const AttentionArgs<E>& a, StreamHandle stream) {
 
 }  // namespace
 
-void flash_attention_forward(const AttentionArgs<float>& a, StreamHandle s) { forward_impl(a, s); }
+void flash_attention_forward(const AttentionArgs<float>& a, StreamHandle s) {
+  forward_impl(a, s);
+}
 void flash_attention_forward(const AttentionArgs<uint16_t>& a, StreamHandle s) {
   forward_impl(a, s);
 }
@@ -587,11 +588,12 @@ void flash_attention_backward(const AttentionArgs<float>& a, const AttentionGrad
   backward_impl(a, g, delta, s);
 }
 void flash_attention_backward(const AttentionArgs<uint16_t>& a,
-                              const AttentionGradArgs<uint16_t>& g, float* delta,
-                              StreamHandle s) {
+                              const AttentionGradArgs<uint16_t>& g, float* delta, StreamHandle s) {
   backward_impl(a, g, delta, s);
 }
-void flash_attention_decode(const AttentionArgs<float>& a, StreamHandle s) { decode_impl(a, s); }
+void flash_attention_decode(const AttentionArgs<float>& a, StreamHandle s) {
+  decode_impl(a, s);
+}
 void flash_attention_decode(const AttentionArgs<uint16_t>& a, StreamHandle s) {
   decode_impl(a, s);
 }

@@ -1,6 +1,7 @@
 // The bf16 attention forward on tensor cores (mma.sync m16n8k16, sm_80 and later), for the common
-// case: bf16, D == Dv in {32, 64, 128} (d2l's heads are 32 wide), unit stride along the head dim, 4-byte aligned rows. Other
-// problems take the SIMT kernel (flash_attention.cu), which has the same contract.
+// case: bf16, D == Dv in {32, 64, 128} (d2l's heads are 32 wide), unit stride along the head dim,
+// 4-byte aligned rows. Other problems take the SIMT kernel (flash_attention.cu), which has the same
+// contract.
 //
 // Glossary: B rows of (batch, head) pairs, T queries, S keys, D head dim.
 //
@@ -12,9 +13,9 @@
 // A-fragment layout of the next product, so P never leaves registers) by V.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): g = lane / 4, c = lane % 4.
-//   A (16 x 16, row): reg0 = (g, 2c..2c+1), reg1 = (g+8, 2c..), reg2 = (g, 2c+8..), reg3 = (g+8, 2c+8..)
-//   B (16 x 8, col):  reg0 = (k = 2c..2c+1, n = g), reg1 = (k = 2c+8.., n = g)
-//   C (16 x 8):       c0, c1 = (g, 2c..2c+1), c2, c3 = (g+8, 2c..2c+1)
+//   A (16 x 16, row): reg0 = (g, 2c..2c+1), reg1 = (g+8, 2c..), reg2 = (g, 2c+8..), reg3 = (g+8,
+//   2c+8..) B (16 x 8, col):  reg0 = (k = 2c..2c+1, n = g), reg1 = (k = 2c+8.., n = g) C (16 x 8):
+//   c0, c1 = (g, 2c..2c+1), c2, c3 = (g+8, 2c..2c+1)
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/device_math.hpp"
 #include "kernels/cuda/flash_mma.hpp"
@@ -75,14 +76,14 @@ __device__ __forceinline__ uint32_t load_u32(const uint16_t* p) {
 
 template <int D>
 __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(const MmaParams P) {
-  constexpr int ld = D + kPad;        // K tile row stride (keys x D)
+  constexpr int ld = D + kPad;          // K tile row stride (keys x D)
   constexpr int ldv = kMmaKeys + kPad;  // V^T tile row stride (D x keys)
-  constexpr int kChunks = D / 16;     // k-steps of Q K^T
-  constexpr int kOutTiles = D / 8;    // n-tiles of the output
+  constexpr int kChunks = D / 16;       // k-steps of Q K^T
+  constexpr int kOutTiles = D / 8;      // n-tiles of the output
   constexpr int kKeyTiles = kMmaKeys / 8;
   extern __shared__ uint16_t smem16[];
-  uint16_t* ks = smem16;                // (kMmaKeys, D)
-  uint16_t* vts = ks + kMmaKeys * ld;   // (D, kMmaKeys)
+  uint16_t* ks = smem16;               // (kMmaKeys, D)
+  uint16_t* vts = ks + kMmaKeys * ld;  // (D, kMmaKeys)
 
   const int64_t b = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -105,7 +106,8 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
   bool uniform[2] = {false, false};
   int64_t lim[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &uniform[i]) : 0;
+  for (int i = 0; i < 2; ++i)
+    lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &uniform[i]) : 0;
   int64_t block_limit = 0;
   for (int r = 0; r < kMmaRows && t_block + r < P.T; ++r) {
     bool u;
@@ -114,7 +116,8 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
 
   float o[kOutTiles][4];
 #pragma unroll
-  for (int n = 0; n < kOutTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < kOutTiles; ++n)
+    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
@@ -236,7 +239,8 @@ void launch_mma(const MmaParams& P, void* stream) {
                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
-  flash_mma_forward_kernel<D><<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
+  flash_mma_forward_kernel<D>
+      <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
   ATTN_CUDA_CHECK_LAUNCH(op);
 }
 
@@ -273,8 +277,13 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
   P.p = a.dropout;
   P.seed = a.seed;
   P.offset = a.offset;
-  P.drop = DropoutIndexer{a.dropout_index_base, a.T, a.S, a.dropout_window.rows,
-                          a.dropout_window.cols, a.dropout_window.t0, a.dropout_window.s0};
+  P.drop = DropoutIndexer{a.dropout_index_base,
+                          a.T,
+                          a.S,
+                          a.dropout_window.rows,
+                          a.dropout_window.cols,
+                          a.dropout_window.t0,
+                          a.dropout_window.s0};
   P.q = a.q.data;
   P.k = a.k.data;
   P.v = a.v.data;

@@ -22,8 +22,8 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLAS's own recommenda
 
 void check_lt(cublasStatus_t s, const char* call) {
   if (s != CUBLAS_STATUS_SUCCESS)
-    throw Error("cuda::gemm", fmt::format("cuBLASLt call {} failed: status {}", call,
-                                          static_cast<int>(s)));
+    throw Error("cuda::gemm",
+                fmt::format("cuBLASLt call {} failed: status {}", call, static_cast<int>(s)));
 }
 #define ATTN_LT(call) check_lt((call), #call)
 
@@ -72,8 +72,8 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& g) {
                                          sizeof(op_second)));
   if (g.bias != nullptr) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    ATTN_LT(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
-                                           sizeof(epi)));
+    ATTN_LT(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
   }
   ATTN_LT(cublasLtMatrixLayoutCreate(&p->a, t, static_cast<uint64_t>(c.first_rows),
                                      static_cast<uint64_t>(c.first_cols), g.ldb));
@@ -92,8 +92,8 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& g) {
                                                           pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS || found == 0)
-    throw Error("cuda::gemm", fmt::format("cuBLASLt has no algorithm for M={} N={} K={} ({})",
-                                          g.M, g.N, g.K, g.type == GemmType::kF32 ? "f32" : "bf16"));
+    throw Error("cuda::gemm", fmt::format("cuBLASLt has no algorithm for M={} N={} K={} ({})", g.M,
+                                          g.N, g.K, g.type == GemmType::kF32 ? "f32" : "bf16"));
   p->algo = result.algo;
   return p;
 }

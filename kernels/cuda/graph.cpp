@@ -31,9 +31,8 @@ GraphCache::GraphCache(void* stream)
             return exec;
           },
           [stream](void* exec) {
-            ATTN_CUDA_CHECK("cuda::GraphCache",
-                            cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec),
-                                            static_cast<cudaStream_t>(stream)));
+            ATTN_CUDA_CHECK("cuda::GraphCache", cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec),
+                                                                static_cast<cudaStream_t>(stream)));
           },
           [](void* exec) { (void)cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec)); }}) {
   require(stream != nullptr, "cuda::GraphCache",

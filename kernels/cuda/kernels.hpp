@@ -56,8 +56,9 @@ struct GemmArgs {
 };
 void gemm(const GemmArgs& g, StreamHandle stream);
 
-// ---- Row and elementwise ops (ops.cu); float32 unless a bf16 overload exists ----------------------
-// Inverted dropout of n elements with the dropout stream: element i draws index index_base + i.
+// ---- Row and elementwise ops (ops.cu); float32 unless a bf16 overload exists
+// ---------------------- Inverted dropout of n elements with the dropout stream: element i draws
+// index index_base + i.
 void dropout_forward(const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset,
                      uint64_t index_base, StreamHandle stream);
 // dx = dy * Z (the same Z as the forward of the same stream).
@@ -80,8 +81,8 @@ void add_positional(const float* x, const float* P, float* y, int64_t B, int64_t
 // With `residual` non-null it is AddNorm: LayerNorm(x + residual), and `sum` (R, E) receives
 // x + residual for the backward (null: not kept).
 void layer_norm_forward(const float* x, const float* residual, float* sum, const float* gamma,
-                        const float* beta, float* y, float* mean, float* rstd, int64_t R,
-                        int64_t E, float eps, StreamHandle stream);
+                        const float* beta, float* y, float* mean, float* rstd, int64_t R, int64_t E,
+                        float eps, StreamHandle stream);
 // dx (R, E) from dy; dgamma/dbeta (E) overwritten when non-null (a second pass over the rows:
 // deterministic, no atomics). For AddNorm dx is the gradient of both summands.
 void layer_norm_backward(const float* dy, const float* x, const float* gamma, const float* mean,
@@ -90,8 +91,7 @@ void layer_norm_backward(const float* dy, const float* x, const float* gamma, co
 
 // Masked softmax over rows of S (ref::masked_softmax_forward): kept (R) kept-key counts or null.
 void masked_softmax_forward(const float* x, float* y, const int32_t* kept,
-                            kernels::MaskedRows policy, int64_t R, int64_t S,
-                            StreamHandle stream);
+                            kernels::MaskedRows policy, int64_t R, int64_t S, StreamHandle stream);
 void masked_softmax_backward(const float* dy, const float* y, float* dx, const int32_t* kept,
                              int64_t R, int64_t S, StreamHandle stream);
 
@@ -100,8 +100,7 @@ void masked_softmax_backward(const float* dy, const float* y, float* dx, const i
 void cross_entropy_forward(const float* logits, const int64_t* targets, const uint8_t* keep,
                            float* loss, int64_t N, int64_t V, StreamHandle stream);
 void cross_entropy_backward(const float* logits, const int64_t* targets, const uint8_t* keep,
-                            float* dlogits, int64_t N, int64_t V, float scale,
-                            StreamHandle stream);
+                            float* dlogits, int64_t N, int64_t V, float scale, StreamHandle stream);
 
 // ---- AdamW (optim.cu) ---------------------------------------------------------------------------
 // One step over n float parameters, bit for bit the CPU's (nn/optim.cpp) for the same inputs.

@@ -28,11 +28,19 @@ __device__ float warp_max(float x) {
 __device__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
 }
-__device__ int lane_id() { return static_cast<int>(threadIdx.x % kWarp); }
-__device__ int64_t grid_start() { return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; }
-__device__ int64_t grid_step() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+__device__ int lane_id() {
+  return static_cast<int>(threadIdx.x % kWarp);
+}
+__device__ int64_t grid_start() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ int64_t grid_step() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
 
-cudaStream_t as_stream(StreamHandle s) { return static_cast<cudaStream_t>(s); }
+cudaStream_t as_stream(StreamHandle s) {
+  return static_cast<cudaStream_t>(s);
+}
 
 // ---- dropout ---------------------------------------------------------------------------------
 __global__ void dropout_kernel(const float* x, float* y, int64_t n, float p, uint64_t seed,
@@ -233,8 +241,7 @@ __global__ void cross_entropy_backward_kernel(const float* logits, const int64_t
   const float lse = row_logsumexp(logits + r * V, V, lane);
   const int64_t target = targets[r];
   for (int64_t c = lane; c < V; c += kWarp)
-    dlogits[r * V + c] =
-        scale * (expf(logits[r * V + c] - lse) - (c == target ? 1.0f : 0.0f));
+    dlogits[r * V + c] = scale * (expf(logits[r * V + c] - lse) - (c == target ? 1.0f : 0.0f));
 }
 
 template <class Kernel, class... Args>
@@ -270,8 +277,8 @@ void embedding_forward(const int64_t* ids, const float* weight, float* out, int6
   launch_elementwise("cuda::embedding_forward", N * E, s, embedding_forward_kernel, ids, weight,
                      out, N, E);
 }
-void embedding_backward(const float* dout, const int64_t* ids, float* dweight, int64_t N,
-                        int64_t E, StreamHandle s) {
+void embedding_backward(const float* dout, const int64_t* ids, float* dweight, int64_t N, int64_t E,
+                        StreamHandle s) {
   launch_elementwise("cuda::embedding_backward", N * E, s, embedding_backward_kernel, dout, ids,
                      dweight, N, E);
 }
@@ -285,8 +292,8 @@ void add_positional(const float* x, const float* P, float* y, int64_t B, int64_t
                      x_scale);
 }
 void layer_norm_forward(const float* x, const float* residual, float* sum, const float* gamma,
-                        const float* beta, float* y, float* mean, float* rstd, int64_t R,
-                        int64_t E, float eps, StreamHandle s) {
+                        const float* beta, float* y, float* mean, float* rstd, int64_t R, int64_t E,
+                        float eps, StreamHandle s) {
   launch_rows("cuda::layer_norm_forward", R, s, layer_norm_forward_kernel, x, residual, sum, gamma,
               beta, y, mean, rstd, R, E, eps);
 }

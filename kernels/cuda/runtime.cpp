@@ -46,7 +46,9 @@ BlockPool& pool() {
   return *p;
 }
 
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaStream_t as_stream(void* s) {
+  return static_cast<cudaStream_t>(s);
+}
 
 }  // namespace
 
@@ -86,7 +88,9 @@ Stream::~Stream() {
   if (stream_ != nullptr) (void)cudaStreamDestroy(as_stream(stream_));
 }
 
-void Stream::synchronize() const { cuda::synchronize(stream_); }
+void Stream::synchronize() const {
+  cuda::synchronize(stream_);
+}
 
 void Stream::attach(Context& ctx) const {
   ctx.device = Device::kCuda;
@@ -171,7 +175,11 @@ DeviceMemoryStats memory_stats() {
   return r;
 }
 
-void release_cached_memory() { pool().release_cached(); }
-void set_memory_cache_limit(size_t bytes) { pool().set_limit(bytes); }
+void release_cached_memory() {
+  pool().release_cached();
+}
+void set_memory_cache_limit(size_t bytes) {
+  pool().set_limit(bytes);
+}
 
 }  // namespace attn::cuda

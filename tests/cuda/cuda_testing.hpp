@@ -44,7 +44,8 @@ T* ptr(const Tensor& t) {
 
 inline std::vector<uint16_t> to_bf16(const std::vector<double>& v) {
   std::vector<uint16_t> r(v.size());
-  for (size_t i = 0; i < v.size(); ++i) r[i] = bf16_round(static_cast<float>(v[i]));
+  for (size_t i = 0; i < v.size(); ++i)
+    r[i] = bf16_round(static_cast<float>(v[i]));
   return r;
 }
 inline std::vector<float> to_f32(const std::vector<double>& v) {
@@ -55,7 +56,8 @@ inline std::vector<double> widen(const std::vector<float>& v) {
 }
 inline std::vector<double> widen(const std::vector<uint16_t>& v) {
   std::vector<double> r(v.size());
-  for (size_t i = 0; i < v.size(); ++i) r[i] = bf16_widen(v[i]);
+  for (size_t i = 0; i < v.size(); ++i)
+    r[i] = bf16_widen(v[i]);
   return r;
 }
 

@@ -102,7 +102,8 @@ std::vector<Case> cases() {
   // ATTN_CUDA_SMALL (scripts/gpu-check.sh's compute-sanitizer run): a spread of 6 cases.
   if (std::getenv("ATTN_CUDA_SMALL") != nullptr) {
     std::vector<Case> few;
-    for (size_t i = 0; i < v.size(); i += 6) few.push_back(v[i]);
+    for (size_t i = 0; i < v.size(); i += 6)
+      few.push_back(v[i]);
     v = few;
   }
   const size_t n = v.size();
@@ -139,7 +140,8 @@ Problem make(const Case& c, uint64_t seed) {
   fill(p.v, p.Bh * c.S * c.Dv);
   fill(p.dout, p.Bh * c.T * c.Dv);
   std::vector<int64_t> lens1(c.batch);
-  for (auto& l : lens1) l = static_cast<int64_t>(rng.below(static_cast<uint64_t>(c.S + 1)));
+  for (auto& l : lens1)
+    l = static_cast<int64_t>(rng.below(static_cast<uint64_t>(c.S + 1)));
   if (c.mask == Mask::kLens1d && c.batch > 1) lens1[0] = 0;  // a fully masked batch
   p.kept.resize(static_cast<size_t>(p.Bh * c.T));
   p.ref_kept.resize(p.kept.size());
@@ -150,7 +152,8 @@ Problem make(const Case& c, uint64_t seed) {
       if (c.mask == Mask::kLens2d)
         len = static_cast<int64_t>(rng.below(static_cast<uint64_t>(c.S + 1)));
       p.kept[b * c.T + t] = static_cast<int32_t>(len);
-      p.ref_kept[b * c.T + t] = static_cast<int32_t>(c.causal ? std::min<int64_t>(len, t + 1) : len);
+      p.ref_kept[b * c.T + t] =
+          static_cast<int32_t>(c.causal ? std::min<int64_t>(len, t + 1) : len);
     }
   return p;
 }
@@ -224,7 +227,8 @@ void run_case(const Case& c, bool decode) {
   Tensor q = upload_as<E>(p.q, c, c.T, c.D), k = upload_as<E>(p.k, c, c.S, c.D),
          v = upload_as<E>(p.v, c, c.S, c.Dv), dout = upload_as<E>(p.dout, c, c.T, c.Dv);
   const size_t n_out = static_cast<size_t>(Bh * c.T * c.Dv);
-  Tensor out = empty({static_cast<int64_t>(n_out)}, std::is_same_v<E, float> ? DType::F32 : DType::BF16);
+  Tensor out =
+      empty({static_cast<int64_t>(n_out)}, std::is_same_v<E, float> ? DType::F32 : DType::BF16);
   Tensor lse = empty({Bh * c.T}, DType::F32);
   Tensor kept = upload(p.kept);
   kernels::AttentionArgs<E> a;

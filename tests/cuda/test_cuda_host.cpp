@@ -30,8 +30,15 @@ namespace {
 
 TEST(CudaHostMath, Bf16RoundingMatchesTheCpuBitForBit) {
   Rng rng(7);
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, 1.00390625f, 1.005859375f, 65504.0f, 3.4e38f,
-                               1e-40f, std::numeric_limits<float>::infinity(),
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               1.0f,
+                               1.00390625f,
+                               1.005859375f,
+                               65504.0f,
+                               3.4e38f,
+                               1e-40f,
+                               std::numeric_limits<float>::infinity(),
                                -std::numeric_limits<float>::infinity(),
                                std::numeric_limits<float>::quiet_NaN()};
   for (int i = 0; i < 100000; ++i) {
@@ -58,8 +65,8 @@ TEST(CudaHostMath, DropoutFactorIsTheCpuStream) {
     spec.offset = 42;
     spec.index_base = 1000;
     for (uint64_t i = 0; i < 4096; ++i) {
-      const float z = dropout_factor(spec.seed, spec.offset, spec.index_base + i,
-                                     static_cast<float>(p));
+      const float z =
+          dropout_factor(spec.seed, spec.offset, spec.index_base + i, static_cast<float>(p));
       const double want = spec.factor(i);
       ASSERT_EQ(z == 0.0f, want == 0.0) << "p " << p << " i " << i;
       if (want != 0.0) {
@@ -82,8 +89,13 @@ TEST(CudaHostMath, DropoutIndexAndRowLimitMatchTheProblem) {
       for (int use_kept = 0; use_kept < 2; ++use_kept) {
         pr.causal = causal;
         pr.kept_keys = use_kept ? kept.data() : nullptr;
-        DropoutIndexer ix{pr.dropout_index_base, pr.T, pr.S, pr.dropout_window.rows,
-                          pr.dropout_window.cols, pr.dropout_window.t0, pr.dropout_window.s0};
+        DropoutIndexer ix{pr.dropout_index_base,
+                          pr.T,
+                          pr.S,
+                          pr.dropout_window.rows,
+                          pr.dropout_window.cols,
+                          pr.dropout_window.t0,
+                          pr.dropout_window.s0};
         for (int64_t b = 0; b < pr.B; ++b)
           for (int64_t t = 0; t < pr.T; ++t) {
             ASSERT_EQ(row_limit(pr.kept_keys, pr.causal, b, t, pr.T, pr.S), pr.row_limit(b, t));
@@ -119,7 +131,8 @@ TEST(CudaHostMath, OnlineSoftmaxMergeEqualsOnePass) {
     float wa, wb;
     const SoftmaxState r = SoftmaxState::merge(a, b, &wa, &wb);
     double m = -INFINITY, l = 0, o = 0;
-    for (float xi : x) m = std::max<double>(m, xi);
+    for (float xi : x)
+      m = std::max<double>(m, xi);
     for (int i = 0; i < n; ++i)
       if (x[i] != -INFINITY) {
         l += std::exp(x[i] - m);
@@ -138,17 +151,21 @@ TEST(CudaHostMath, WelfordStatisticsMatchTheReferenceLayerNorm) {
   Rng rng(5);
   for (int64_t E : {1, 7, 32, 33, 128, 1000}) {
     std::vector<float> x(static_cast<size_t>(E)), y(static_cast<size_t>(E));
-    for (auto& xi : x) xi = static_cast<float>(rng.uniform(-3, 5));
+    for (auto& xi : x)
+      xi = static_cast<float>(rng.uniform(-3, 5));
     float mean_ref, rstd_ref;
-    ref::layer_norm_forward<float>(x.data(), nullptr, nullptr, y.data(), &mean_ref, &rstd_ref, 1,
-                                   E, 1e-5);
+    ref::layer_norm_forward<float>(x.data(), nullptr, nullptr, y.data(), &mean_ref, &rstd_ref, 1, E,
+                                   1e-5);
     // The kernel's order: 32 lanes each fold a strided share, then a butterfly combine.
     WelfordState lanes[32];
-    for (int64_t e = 0; e < E; ++e) lanes[e % 32].add(x[e]);
+    for (int64_t e = 0; e < E; ++e)
+      lanes[e % 32].add(x[e]);
     for (int o = 16; o > 0; o >>= 1) {
       WelfordState next[32];
-      for (int l = 0; l < 32; ++l) next[l] = WelfordState::combine(lanes[l], lanes[l ^ o]);
-      for (int l = 0; l < 32; ++l) lanes[l] = next[l];
+      for (int l = 0; l < 32; ++l)
+        next[l] = WelfordState::combine(lanes[l], lanes[l ^ o]);
+      for (int l = 0; l < 32; ++l)
+        lanes[l] = next[l];
     }
     EXPECT_NEAR(lanes[0].mean, mean_ref, 1e-5) << "E " << E;
     EXPECT_NEAR(1.0f / std::sqrt(lanes[0].variance() + 1e-5f), rstd_ref, 1e-4 * rstd_ref)
@@ -160,10 +177,12 @@ TEST(CudaHostMath, AdamWElementIsTheCpuOptimiserBitForBit) {
   Rng rng(11);
   const int64_t n = 1000;
   std::vector<double> w0(n), grads[3];
-  for (auto& w : w0) w = rng.uniform(-1, 1);
+  for (auto& w : w0)
+    w = rng.uniform(-1, 1);
   for (auto& g : grads) {
     g.resize(n);
-    for (auto& gi : g) gi = rng.uniform(-0.1, 0.1);
+    for (auto& gi : g)
+      gi = rng.uniform(-0.1, 0.1);
   }
   nn::Parameter p;
   p.value = Tensor::from_vector(w0, {n});
@@ -172,11 +191,18 @@ TEST(CudaHostMath, AdamWElementIsTheCpuOptimiserBitForBit) {
   nn::AdamW cpu({{"w", &p}}, o);
   std::vector<float> w(w0.begin(), w0.end()), m(n, 0.0f), v(n, 0.0f);
   for (int step = 1; step <= 3; ++step) {
-    for (int64_t j = 0; j < n; ++j) p.grad.data<float>()[j] = static_cast<float>(grads[step - 1][j]);
+    for (int64_t j = 0; j < n; ++j)
+      p.grad.data<float>()[j] = static_cast<float>(grads[step - 1][j]);
     cpu.step();
-    AdamWElement u{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay,
-                   o.lr / (1.0 - std::pow(o.beta1, step)), std::sqrt(1.0 - std::pow(o.beta2, step))};
-    for (int64_t j = 0; j < n; ++j) u(&w[j], p.grad.data<float>()[j], &m[j], &v[j]);
+    AdamWElement u{o.lr,
+                   o.beta1,
+                   o.beta2,
+                   o.eps,
+                   o.weight_decay,
+                   o.lr / (1.0 - std::pow(o.beta1, step)),
+                   std::sqrt(1.0 - std::pow(o.beta2, step))};
+    for (int64_t j = 0; j < n; ++j)
+      u(&w[j], p.grad.data<float>()[j], &m[j], &v[j]);
     for (int64_t j = 0; j < n; ++j)
       ASSERT_EQ(w[j], p.value.data<float>()[j]) << "step " << step << " element " << j;
   }
@@ -184,8 +210,16 @@ TEST(CudaHostMath, AdamWElementIsTheCpuOptimiserBitForBit) {
 
 TEST(CudaHostPool, ReusesBlocksBySizeClassAndStream) {
   int allocs = 0, frees = 0;
-  BlockPool pool([&](size_t n) { ++allocs; return std::malloc(n); },
-                 [&](void* p) { ++frees; std::free(p); }, [] {}, size_t{64} << 20);
+  BlockPool pool(
+      [&](size_t n) {
+        ++allocs;
+        return std::malloc(n);
+      },
+      [&](void* p) {
+        ++frees;
+        std::free(p);
+      },
+      [] {}, size_t{64} << 20);
   int s1 = 0, s2 = 0;
   EXPECT_EQ(BlockPool::round_size(1), 512u);
   EXPECT_EQ(BlockPool::round_size(513), 1024u);
@@ -218,13 +252,17 @@ TEST(CudaHostPool, LimitAndOutOfMemoryRetry) {
         ++live_allocs;
         return std::malloc(n);
       },
-      [&](void* p) { --live_allocs; std::free(p); }, [&] { ++syncs; }, size_t{8} << 20);
+      [&](void* p) {
+        --live_allocs;
+        std::free(p);
+      },
+      [&] { ++syncs; }, size_t{8} << 20);
   int s = 0;
   void* x = pool.acquire(size_t{4} << 20, &s);
   void* y = pool.acquire(size_t{4} << 20, &s);
   pool.release(x, size_t{4} << 20, &s);
-  pool.release(y, size_t{4} << 20, &s);  // cache holds 8 MiB: at its limit
-  void* z = pool.acquire(size_t{6} << 20, &s);  // new class: the device has one slot left
+  pool.release(y, size_t{4} << 20, &s);          // cache holds 8 MiB: at its limit
+  void* z = pool.acquire(size_t{6} << 20, &s);   // new class: the device has one slot left
   void* w = pool.acquire(size_t{10} << 20, &s);  // none left: sync, flush, retry succeeds
   EXPECT_NE(z, nullptr);
   EXPECT_NE(w, nullptr);
@@ -332,11 +370,16 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
   constexpr int D = 32, kKeys = 64, kChunks = D / 16, kOut = D / 8, kTiles = kKeys / 8;
   const int S = 100;
   Rng rng(21);
-  auto bf = [&](double lo, double hi) { return bf16_round(static_cast<float>(rng.uniform(lo, hi))); };
+  auto bf = [&](double lo, double hi) {
+    return bf16_round(static_cast<float>(rng.uniform(lo, hi)));
+  };
   std::vector<uint16_t> Q(16 * D), K(S * D), V(S * D);
-  for (auto& x : Q) x = bf(-1, 1);
-  for (auto& x : K) x = bf(-1, 1);
-  for (auto& x : V) x = bf(-1, 1);
+  for (auto& x : Q)
+    x = bf(-1, 1);
+  for (auto& x : K)
+    x = bf(-1, 1);
+  for (auto& x : V)
+    x = bf(-1, 1);
   auto pair = [](uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; };
   auto lo = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r)); };
   auto hi = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r >> 16)); };
@@ -358,7 +401,8 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
     for (int l = 0; l < 32; ++l)
       for (int e = 0; e < 4; ++e) {
         const FragPos p = mma_c_pos(l, e);
-        for (int k = 0; k < 16; ++k) c[l][e] += A[p.row][k] * B[k][p.col];
+        for (int k = 0; k < 16; ++k)
+          c[l][e] += A[p.row][k] * B[k][p.col];
       }
   };
   const float scale = 1.0f / std::sqrt(float(D));
@@ -370,7 +414,8 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
         qa[kc][l][r] = pair(Q[p.row * D + kc * 16 + p.col], Q[p.row * D + kc * 16 + p.col + 1]);
       }
   float o[kOut][32][4] = {}, m[32][2], l_[32][2] = {};
-  for (int l = 0; l < 32; ++l) m[l][0] = m[l][1] = -INFINITY;
+  for (int l = 0; l < 32; ++l)
+    m[l][0] = m[l][1] = -INFINITY;
   for (int s0 = 0; s0 < S; s0 += kKeys) {
     std::vector<uint16_t> ks(kKeys * D, 0), vts(D * kKeys, 0);  // K tile, V tile transposed
     for (int key = 0; key < kKeys && s0 + key < S; ++key)
@@ -392,7 +437,8 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
       }
     float alpha[32][2], row_max[32][2], row_sum[32][2] = {};
     for (int l = 0; l < 32; ++l)
-      for (int i = 0; i < 2; ++i) row_max[l][i] = -INFINITY;
+      for (int i = 0; i < 2; ++i)
+        row_max[l][i] = -INFINITY;
     for (int n = 0; n < kTiles; ++n)
       for (int l = 0; l < 32; ++l)
         for (int e = 0; e < 4; ++e) {
@@ -430,10 +476,12 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
       }
     group_reduce(row_sum, false);
     for (int l = 0; l < 32; ++l)
-      for (int i = 0; i < 2; ++i) l_[l][i] = l_[l][i] * alpha[l][i] + row_sum[l][i];
+      for (int i = 0; i < 2; ++i)
+        l_[l][i] = l_[l][i] * alpha[l][i] + row_sum[l][i];
     for (int n = 0; n < kOut; ++n) {
       for (int l = 0; l < 32; ++l)
-        for (int e = 0; e < 4; ++e) o[n][l][e] *= alpha[l][e >> 1];
+        for (int e = 0; e < 4; ++e)
+          o[n][l][e] *= alpha[l][e >> 1];
       for (int kc = 0; kc < kKeys / 16; ++kc) {
         uint32_t b[32][2];
         for (int l = 0; l < 32; ++l)
@@ -457,12 +505,15 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
         double mx = -INFINITY, sum = 0, out = 0;
         for (int s = 0; s < S; ++s) {
           double dot = 0;
-          for (int k = 0; k < D; ++k) dot += double(bf16_widen(Q[t * D + k])) * bf16_widen(K[s * D + k]);
+          for (int k = 0; k < D; ++k)
+            dot += double(bf16_widen(Q[t * D + k])) * bf16_widen(K[s * D + k]);
           w[s] = dot * scale;
           mx = std::max(mx, w[s]);
         }
-        for (int s = 0; s < S; ++s) sum += std::exp(w[s] - mx);
-        for (int s = 0; s < S; ++s) out += std::exp(w[s] - mx) / sum * bf16_widen(V[s * D + d]);
+        for (int s = 0; s < S; ++s)
+          sum += std::exp(w[s] - mx);
+        for (int s = 0; s < S; ++s)
+          out += std::exp(w[s] - mx) / sum * bf16_widen(V[s * D + d]);
         max_err = std::max(max_err, std::abs(o[n][l][e] / l_[l][e >> 1] - out));
       }
   EXPECT_LT(max_err, 1e-2);  // P rounded to bf16 before the second product
@@ -486,8 +537,10 @@ TEST(CudaHostGemm, ColumnMajorMappingComputesTheRowMajorProduct) {
       g.ldb = (tb ? K : N) + 1;
       g.ldc = N;
       std::vector<double> A((ta ? K : M) * g.lda), B((tb ? N : K) * g.ldb);
-      for (auto& a : A) a = rng.uniform(-1, 1);
-      for (auto& b : B) b = rng.uniform(-1, 1);
+      for (auto& a : A)
+        a = rng.uniform(-1, 1);
+      for (auto& b : B)
+        b = rng.uniform(-1, 1);
       auto a_at = [&](int64_t m, int64_t k) { return ta ? A[k * g.lda + m] : A[m * g.lda + k]; };
       auto b_at = [&](int64_t k, int64_t n) { return tb ? B[n * g.ldb + k] : B[k * g.ldb + n]; };
       const ColumnMajorGemm c = column_major(g);
@@ -503,9 +556,11 @@ TEST(CudaHostGemm, ColumnMajorMappingComputesTheRowMajorProduct) {
       for (int64_t i = 0; i < c.m; ++i)
         for (int64_t j = 0; j < c.n; ++j) {
           double d = 0, want = 0;
-          for (int64_t k = 0; k < c.k; ++k) d += first(i, k) * second(k, j);
+          for (int64_t k = 0; k < c.k; ++k)
+            d += first(i, k) * second(k, j);
           // D (m, n) column-major is row-major C (n = M rows, m = N cols): C[j][i].
-          for (int64_t k = 0; k < K; ++k) want += a_at(j, k) * b_at(k, i);
+          for (int64_t k = 0; k < K; ++k)
+            want += a_at(j, k) * b_at(k, i);
           EXPECT_NEAR(d, want, 1e-12) << "ta " << ta << " tb " << tb;
         }
     }
@@ -555,8 +610,9 @@ TEST(CudaHostGraph, CapturesOncePerKeyAndReplays) {
                                 },
                                 [&](void*) { ++launched; }, [&](void*) { ++destroyed; }});
   auto step = [&] { ++body_runs; };
-  for (int i = 0; i < 3; ++i) cache.run({"step", {32, 128}}, step);
-  cache.run({"step", {32, 64}}, step);   // another shape: another graph
+  for (int i = 0; i < 3; ++i)
+    cache.run({"step", {32, 128}}, step);
+  cache.run({"step", {32, 64}}, step);    // another shape: another graph
   cache.run({"other", {32, 128}}, step);  // another name: another graph
   cache.run({"step", {32, 128}}, step);
   EXPECT_EQ(cache.size(), 3u);

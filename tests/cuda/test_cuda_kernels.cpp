@@ -23,15 +23,20 @@ using namespace testing;
 std::vector<double> random(size_t n, uint64_t seed, double lo = -1, double hi = 1) {
   Rng rng(seed);
   std::vector<double> v(n);
-  for (auto& x : v) x = static_cast<float>(rng.uniform(lo, hi));
+  for (auto& x : v)
+    x = static_cast<float>(rng.uniform(lo, hi));
   return v;
 }
 
 TEST(CudaGemm, Fp32AndBf16MatchTheHostProduct) {
   ATTN_SKIP_WITHOUT_GPU();
   for (bool bf16 : {false, true})
-    for (auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1}, {7, 5, 3}, {64, 64, 64},
-                           {128, 384, 128}, {4096, 128, 256}, {33, 1000, 130}})
+    for (auto [M, N, K] : {std::array<int64_t, 3>{1, 1, 1},
+                           {7, 5, 3},
+                           {64, 64, 64},
+                           {128, 384, 128},
+                           {4096, 128, 256},
+                           {33, 1000, 130}})
       for (int ta = 0; ta < 2; ++ta)
         for (int tb = 0; tb < 2; ++tb)
           for (int with_bias = 0; with_bias < 2; ++with_bias) {
@@ -41,13 +46,15 @@ TEST(CudaGemm, Fp32AndBf16MatchTheHostProduct) {
                                 bias = random(static_cast<size_t>(N), 3);
             if (bf16)
               for (auto* x : {&A, &B, &bias})
-                for (auto& e : *x) e = bf16_widen(bf16_round(static_cast<float>(e)));
+                for (auto& e : *x)
+                  e = bf16_widen(bf16_round(static_cast<float>(e)));
             std::vector<double> want(static_cast<size_t>(M * N));
             for (int64_t m = 0; m < M; ++m)
               for (int64_t n = 0; n < N; ++n) {
                 double acc = with_bias ? bias[n] : 0.0;
                 for (int64_t k = 0; k < K; ++k)
-                  acc += (ta ? A[k * lda + m] : A[m * lda + k]) * (tb ? B[n * ldb + k] : B[k * ldb + n]);
+                  acc += (ta ? A[k * lda + m] : A[m * lda + k]) *
+                         (tb ? B[n * ldb + k] : B[k * ldb + n]);
                 want[m * N + n] = acc;
               }
             Tensor a = bf16 ? upload(to_bf16(A)) : upload(to_f32(A));
@@ -70,7 +77,7 @@ TEST(CudaGemm, Fp32AndBf16MatchTheHostProduct) {
             g.ldc = N;
             gemm(g, nullptr);
             const std::vector<double> got = bf16 ? widen(download<uint16_t>(c, want.size()))
-                                                  : widen(download<float>(c, want.size()));
+                                                 : widen(download<float>(c, want.size()));
             // fp32 without TF32: K-term sums in float; bf16: the output's rounding dominates.
             expect_close(fmt::format("gemm {} M{} N{} K{} ta{} tb{} bias{}", bf16 ? "bf16" : "f32",
                                      M, N, K, ta, tb, with_bias),
@@ -94,7 +101,8 @@ TEST(CudaOps, DropoutDrawsTheCpuMaskBitForBit) {
     dropout_forward(ptr<float>(dx), ptr<float>(dy), n, 0.1f, 99, 7, 12, nullptr);
     const std::vector<float> got = download<float>(dy, x.size());
     int64_t mismatches = 0;
-    for (int64_t i = 0; i < n; ++i) mismatches += (got[i] == 0.0f) != (want[i] == 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      mismatches += (got[i] == 0.0f) != (want[i] == 0.0f);
     std::printf("  dropout n%-8lld mask mismatches %lld\n", static_cast<long long>(n),
                 static_cast<long long>(mismatches));
     EXPECT_EQ(mismatches, 0) << "n " << n;
@@ -109,7 +117,8 @@ TEST(CudaOps, EmbeddingAndPositionalEncoding) {
                      dout = to_f32(random(static_cast<size_t>(N * E), 6));
   std::vector<int64_t> ids(N);
   Rng rng(8);
-  for (auto& i : ids) i = static_cast<int64_t>(rng.below(V));
+  for (auto& i : ids)
+    i = static_cast<int64_t>(rng.below(V));
   std::vector<float> want(N * E), dw_want(V * E);
   ref::embedding_forward<int64_t, float>(ids.data(), w.data(), want.data(), N, E);
   ref::embedding_backward<int64_t, float>(dout.data(), ids.data(), dw_want.data(), N, V, E);
@@ -140,7 +149,8 @@ TEST(CudaOps, LayerNormAndAddNormForwardBackward) {
                           beta = random(static_cast<size_t>(E), 13);
       std::vector<double> sum = x;
       if (add)
-        for (size_t i = 0; i < n; ++i) sum[i] = static_cast<float>(x[i] + res[i]);
+        for (size_t i = 0; i < n; ++i)
+          sum[i] = static_cast<float>(x[i] + res[i]);
       std::vector<double> y(n), mean(R), rstd(R), dx(n), dg(E), db(E);
       ref::layer_norm_forward<double>(sum.data(), gamma.data(), beta.data(), y.data(), mean.data(),
                                       rstd.data(), R, E, 1e-5);
@@ -150,7 +160,8 @@ TEST(CudaOps, LayerNormAndAddNormForwardBackward) {
              b_d = upload(to_f32(beta)), dy_d = upload(to_f32(dy));
       Tensor y_d = empty({R * E}, DType::F32), s_d = empty({R * E}, DType::F32),
              m_d = empty({R}, DType::F32), r_d = empty({R}, DType::F32),
-             gx = empty({R * E}, DType::F32), gg = empty({E}, DType::F32), gb = empty({E}, DType::F32);
+             gx = empty({R * E}, DType::F32), gg = empty({E}, DType::F32),
+             gb = empty({E}, DType::F32);
       layer_norm_forward(ptr<float>(dx_d), add ? ptr<float>(res_d) : nullptr,
                          add ? ptr<float>(s_d) : nullptr, ptr<float>(g_d), ptr<float>(b_d),
                          ptr<float>(y_d), ptr<float>(m_d), ptr<float>(r_d), R, E, 1e-5f, nullptr);
@@ -173,14 +184,16 @@ TEST(CudaOps, MaskedSoftmaxForwardBackward) {
       std::vector<double> x = random(n, 14, -5, 5), dy = random(n, 15);
       std::vector<int32_t> kept(R);
       Rng rng(16);
-      for (auto& k : kept) k = static_cast<int32_t>(rng.below(static_cast<uint64_t>(S + 1)));
+      for (auto& k : kept)
+        k = static_cast<int32_t>(rng.below(static_cast<uint64_t>(S + 1)));
       kept[0] = 0;
       std::vector<double> y(n), dx(n);
       ref::masked_softmax_forward<double>(x.data(), y.data(), kept.data(), policy, R, S);
       ref::masked_softmax_backward<double>(dy.data(), y.data(), dx.data(), kept.data(), R, S);
       Tensor xd = upload(to_f32(x)), dyd = upload(to_f32(dy)), kd = upload(kept),
              yd = empty({R * S}, DType::F32), dxd = empty({R * S}, DType::F32);
-      masked_softmax_forward(ptr<float>(xd), ptr<float>(yd), ptr<int32_t>(kd), policy, R, S, nullptr);
+      masked_softmax_forward(ptr<float>(xd), ptr<float>(yd), ptr<int32_t>(kd), policy, R, S,
+                             nullptr);
       masked_softmax_backward(ptr<float>(dyd), ptr<float>(yd), ptr<float>(dxd), ptr<int32_t>(kd), R,
                               S, nullptr);
       const std::string tag = fmt::format("masked_softmax R{} S{} policy{}", R, S, int(policy));
@@ -212,7 +225,8 @@ TEST(CudaOps, CrossEntropyForwardBackward) {
     cross_entropy_backward(ptr<float>(ld), ptr<int64_t>(td), ptr<uint8_t>(kd), ptr<float>(dld), N,
                            V, 0.5f, nullptr);
     double got = 0;
-    for (float l : download<float>(loss, N)) got += l;
+    for (float l : download<float>(loss, N))
+      got += l;
     const std::string tag = fmt::format("cross_entropy N{} V{}", N, V);
     expect_close(tag + " loss sum", {got}, {total}, 1e-5, 1e-5);
     expect_close(tag + " dlogits", widen(download<float>(dld, dl.size())), dl, 1e-5, 1e-7);
@@ -244,7 +258,8 @@ TEST(CudaOps, AdamWIsTheCpuStepBitForBit) {
     adamw_update(ptr<float>(w), ptr<float>(gd), ptr<float>(m), ptr<float>(v), n, s, nullptr);
     const std::vector<float> got = download<float>(w, n);
     int64_t differ = 0;
-    for (int64_t j = 0; j < n; ++j) differ += got[j] != p.value.data<float>()[j];
+    for (int64_t j = 0; j < n; ++j)
+      differ += got[j] != p.value.data<float>()[j];
     std::printf("  adamw step %d: %lld of %lld weights differ from the CPU's bits\n", step,
                 static_cast<long long>(differ), static_cast<long long>(n));
     EXPECT_EQ(differ, 0) << "step " << step;
@@ -252,7 +267,8 @@ TEST(CudaOps, AdamWIsTheCpuStepBitForBit) {
   Tensor sq = empty({1}, DType::F64);
   sum_squares(ptr<float>(w), n, ptr<double>(sq), nullptr);
   double want = 0;
-  for (float x : download<float>(w, n)) want += double(x) * x;
+  for (float x : download<float>(w, n))
+    want += double(x) * x;
   expect_close("sum_squares n100003", download<double>(sq, 1), {want}, 1e-12, 0);
 }
 
@@ -279,17 +295,19 @@ TEST(CudaGraph, ReplayEqualsEagerSteps) {
     AdamWStep opt;
     auto body = [&] {
       layer_norm_forward(ptr<float>(x), ptr<float>(res), ptr<float>(sum), ptr<float>(gamma),
-                         ptr<float>(beta), ptr<float>(y), ptr<float>(mean), ptr<float>(rstd), R,
-                         E, 1e-5f, s);
+                         ptr<float>(beta), ptr<float>(y), ptr<float>(mean), ptr<float>(rstd), R, E,
+                         1e-5f, s);
       dropout_forward(ptr<float>(y), ptr<float>(y), n, 0.1f, 5, 0, 0, s);
       opt.step = 1;  // a graph replays the value captured: the step count is fixed in it
       adamw_update(ptr<float>(w), ptr<float>(y), ptr<float>(m), ptr<float>(v), n, opt, s);
     };
     if (mode == 0) {
-      for (; step < 3; ++step) body();
+      for (; step < 3; ++step)
+        body();
     } else {
       GraphCache graphs(s);
-      for (; step < 3; ++step) graphs.run({"step", {R, E}}, body);
+      for (; step < 3; ++step)
+        graphs.run({"step", {R, E}}, body);
       EXPECT_EQ(graphs.captures(), 1u);
       EXPECT_EQ(graphs.launches(), 3u);
     }
@@ -297,9 +315,10 @@ TEST(CudaGraph, ReplayEqualsEagerSteps) {
     results[mode] = download<float>(w, static_cast<size_t>(n));
   }
   int64_t differ = 0;
-  for (int64_t i = 0; i < n; ++i) differ += results[0][i] != results[1][i];
-  std::printf("  graph replay vs eager: %lld of %lld weights differ\n", static_cast<long long>(differ),
-              static_cast<long long>(n));
+  for (int64_t i = 0; i < n; ++i)
+    differ += results[0][i] != results[1][i];
+  std::printf("  graph replay vs eager: %lld of %lld weights differ\n",
+              static_cast<long long>(differ), static_cast<long long>(n));
   EXPECT_EQ(differ, 0);
 }
 

@@ -31,7 +31,8 @@ struct GraphKey {
 struct GraphKeyHash {
   size_t operator()(const GraphKey& k) const {
     size_t h = std::hash<std::string>{}(k.name);
-    for (int64_t d : k.dims) h = h * 1099511628211ull ^ std::hash<int64_t>{}(d);
+    for (int64_t d : k.dims)
+      h = h * 1099511628211ull ^ std::hash<int64_t>{}(d);
     return h;
   }
 };
@@ -60,7 +61,8 @@ class GraphCacheCore {
     ++launches_;
   }
   void clear() {
-    for (auto& [key, g] : graphs_) ops_.destroy(g);
+    for (auto& [key, g] : graphs_)
+      ops_.destroy(g);
     graphs_.clear();
   }
   size_t size() const { return graphs_.size(); }
@@ -72,7 +74,6 @@ class GraphCacheCore {
   std::unordered_map<GraphKey, void*, GraphKeyHash> graphs_;
   uint64_t captures_ = 0, launches_ = 0;
 };
-
 
 class GraphCache {
  public:
