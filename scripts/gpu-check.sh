@@ -66,10 +66,16 @@ run() {
     echo "and carry build/gpu-check to this one" >&2
     exit 2
   fi
-  # cuBLASLt and cudart from the toolkit or from PyTorch's wheels, whichever is there.
-  local torch_libs
-  torch_libs=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(nvidia.cublas.__path__[0], "lib"))' 2>/dev/null || true)
-  local libs="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib:${torch_libs}"
+  # cuBLASLt from the toolkit, or else from PyTorch's wheels (nvidia/cu13/lib or nvidia/cublas/lib).
+  local cublas_dir=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/libcublasLt.so.13" ] && { cublas_dir=$d; break; }
+  done
+  if [ -z "$cublas_dir" ]; then
+    cublas_dir=$(dirname "$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
+  fi
+  echo "cuBLASLt from: ${cublas_dir:-(not found)}"
+  local libs="$PWD/$bundle/lib:${cublas_dir}"
   # The binaries need GLIBCXX_3.4.29 (GCC 11); an older system C++ runtime gets the bundled one.
   local sys_cxx
   sys_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
