@@ -168,6 +168,27 @@ Tensor Tensor::wrap(void* data, const Shape& shape, DType dtype, Strides strides
   return t;
 }
 
+Tensor Tensor::adopt(std::shared_ptr<std::byte> storage, const Shape& shape, DType dtype,
+                     Device device) {
+  Tensor t;
+  t.numel_ = shape_numel(shape, "Tensor::adopt");
+  check(storage != nullptr || t.numel_ == 0, "Tensor::adopt", "null storage for shape {}",
+        shape_str(shape));
+  t.storage_ = std::move(storage);
+  t.data_ = t.storage_.get();
+  t.shape_ = shape;
+  t.strides_ = contiguous_strides(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  t.defined_ = true;
+  return t;
+}
+
+void Tensor::require_host(const char* op) const {
+  check(device_ == Device::kCpu, op, "tensor of shape {} lives on {}; copy it to the host first",
+        shape_str(shape_), device_name(device_));
+}
+
 int64_t Tensor::dim(int i) const {
   int n = ndim();
   check(i >= -n && i < n, "Tensor::dim", "dimension {} out of range for shape {}", i,
@@ -194,6 +215,7 @@ bool Tensor::is_contiguous() const {
 }
 
 int64_t Tensor::offset_of(const std::vector<int64_t>& index) const {
+  require_host("Tensor::at");
   check(index.size() == shape_.size(), "Tensor::at", "{}-d index for shape {}", index.size(),
         shape_str(shape_));
   int64_t off = 0;
@@ -227,17 +249,20 @@ void Tensor::set(const std::vector<int64_t>& index, double value) {
 }
 
 double Tensor::flat(int64_t i) const {
+  require_host("Tensor::flat");
   check(i >= 0 && i < numel_, "Tensor::flat", "index {} out of range for {} elements", i, numel_);
   return load(static_cast<std::byte*>(data_) + offset_of_flat(i) * dtype_size(dtype_), dtype_);
 }
 
 void Tensor::set_flat(int64_t i, double value) {
+  require_host("Tensor::set_flat");
   check(i >= 0 && i < numel_, "Tensor::set_flat", "index {} out of range for {} elements", i,
         numel_);
   store(static_cast<std::byte*>(data_) + offset_of_flat(i) * dtype_size(dtype_), dtype_, value);
 }
 
 std::vector<double> Tensor::to_vector() const {
+  require_host("Tensor::to_vector");
   std::vector<double> v(static_cast<size_t>(numel_));
   for (int64_t i = 0; i < numel_; ++i)
     v[i] = flat(i);
@@ -383,6 +408,8 @@ ATTN_CONVERT_CLONES void bf16_to_floats(const uint16_t* x, float* y, int64_t n) 
 }  // namespace
 
 void Tensor::copy_from(const Tensor& src) {
+  require_host("Tensor::copy_from");
+  src.require_host("Tensor::copy_from");
   check(src.shape_ == shape_, "Tensor::copy_from", "source shape {} differs from destination {}",
         shape_str(src.shape_), shape_str(shape_));
   if (is_contiguous() && src.is_contiguous()) {
@@ -407,6 +434,7 @@ void Tensor::copy_from(const Tensor& src) {
 }
 
 void Tensor::fill(double value) {
+  require_host("Tensor::fill");
   for (int64_t i = 0; i < numel_; ++i)
     set_flat(i, value);
 }

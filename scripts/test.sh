@@ -3,6 +3,8 @@
 #   1. the unit, gradient, parity, CLI and Python tests (CTest; warnings are errors) after the
 #      docs check (scripts/check-docs.py), then installs the Python module for Debian's
 #      /usr/bin/python3,
+#   1b. where nvcc is installed: the CUDA backend configured, compiled and linked (build/cuda: the
+#      library, the CUDA tests and bench_cuda only) and its host-side tests run,
 #   2. the fixture generator: what it writes now must equal the committed fixtures,
 #   3. the installed package, consumed through CMake and pkg-config, shared and static,
 #   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
@@ -28,6 +30,20 @@ cmake --build --preset default
 ctest --preset default
 # The README's set-up makes `/usr/bin/python3 -c "import attn"` work.
 bash scripts/install-python.sh build/default
+stamp
+
+echo "== 1b. CUDA backend: compile and link with nvcc, run the host-side tests"
+# No GPU here: the GPU tests only compile (scripts/gpu-check.sh runs them on a GPU machine). The
+# same flags as step 1 (MPI on), so that the CPU objects come from ccache.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
+    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=OFF \
+    -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda
+  ctest --test-dir build/cuda -L cuda-host --output-on-failure
+else
+  echo "   nvcc not found: skipped"
+fi
 stamp
 
 echo "== 2. fixtures: regenerate with PyTorch and compare with the committed ones"

@@ -271,6 +271,7 @@ std::vector<Command> add_bench_command(CLI::App& app) {
   sub->add_option("--backend", args->backend,
                   "auto, cpu (fused kernels) or reference (the plain-loop oracle: slow)")
       ->capture_default_str();
+  add_device_option(sub, "bench attention");
   sub->add_flag("--json", args->json,
                 "print one JSON object (gflops, peak_gflops, median_ms, peak_rss_mib, ...)");
   auto run = [args] {

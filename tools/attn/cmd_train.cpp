@@ -389,6 +389,7 @@ std::vector<Command> add_train_command(CLI::App& app) {
   add("eval-examples", a.eval_examples, "generated tasks: size of the evaluation set");
   sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
       ->capture_default_str();
+  add_device_option(sub, "train");
   sub->add_option_function<std::string>(
          "--precision",
          [&a](const std::string& p) {

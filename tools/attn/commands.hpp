@@ -52,6 +52,11 @@ std::string attention_weights_svg(const SelfAttentionResult& result, int64_t num
                                   const std::string& title);
 std::vector<Command> add_self_attention_command(CLI::App& app);
 
+// --device cpu|cuda on a subcommand. Only cpu runs today: cuda fails at parse time with one line,
+// naming the build option in a build without CUDA, and saying what is missing in one with it
+// (docs/gpu.md).
+void add_device_option(CLI::App* sub, const std::string& command);
+
 // --- attn pe -------------------------------------------------------------------------------
 
 struct PeArgs {

@@ -5,6 +5,8 @@
 // (never from the thread count), so results are bitwise identical for any `threads`.
 #pragma once
 
+#include "attn/core/device.hpp"
+
 #include <cstdint>
 #include <string>
 
@@ -30,6 +32,12 @@ struct Context {
   // optimiser, LayerNorm, softmax statistics and the loss stay float32. A weight's gradient is
   // the bf16 product widened to float32, as autocast's is. Modules of other dtypes ignore it.
   bool autocast_bf16 = false;
+
+  // Where ops run (builds with ATTN_WITH_CUDA only; see docs/gpu.md). `cuda_stream` is this
+  // context's cudaStream_t, opaque here so that CPU builds see no CUDA header; null means the
+  // CUDA backend's default stream (attn::cuda::Stream makes and owns one per context).
+  Device device = Device::kCpu;
+  void* cuda_stream = nullptr;
 
   // Test and benchmark switches of the fused CPU attention kernels, so that one machine tests
   // every path: restrict their SIMD dispatch to these Highway target bits (0: the best this CPU

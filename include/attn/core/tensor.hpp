@@ -9,6 +9,7 @@
 // PyTorch); `Tensor::wrap` views memory that someone else owns and must outlive it.
 #pragma once
 
+#include "attn/core/device.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/error.hpp"
 
@@ -44,9 +45,15 @@ class Tensor {
                             DType dtype = DType::I64);
   // Non-owning view of `data`; strides default to contiguous.
   static Tensor wrap(void* data, const Shape& shape, DType dtype, Strides strides = {});
+  // A contiguous tensor owning `storage` (its deleter frees it) on `device`: how a backend's
+  // allocator (the CUDA pool) makes device tensors. Element access (at, to_vector, fill, ...)
+  // needs host memory and throws Error for another device; views (slice, permute, ...) work.
+  static Tensor adopt(std::shared_ptr<std::byte> storage, const Shape& shape, DType dtype,
+                      Device device);
 
   bool defined() const { return defined_; }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   const Shape& shape() const { return shape_; }
   const Strides& strides() const { return strides_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
@@ -101,7 +108,10 @@ class Tensor {
   Strides strides_;
   int64_t numel_ = 0;
   DType dtype_ = DType::F32;
+  Device device_ = Device::kCpu;
   bool defined_ = false;
+
+  void require_host(const char* op) const;
 
   int64_t offset_of(const std::vector<int64_t>& index) const;
   int64_t offset_of_flat(int64_t i) const;

@@ -1,0 +1,313 @@
+// The bf16 attention forward on tensor cores (mma.sync m16n8k16, sm_80 and later), for the common
+// case: bf16, D == Dv in {32, 64, 128} (d2l's heads are 32 wide), unit stride along the head dim,
+// 4-byte aligned rows. Other problems take the SIMT kernel (flash_attention.cu), which has the same
+// contract.
+//
+// Glossary: B rows of (batch, head) pairs, T queries, S keys, D head dim.
+//
+// Schedule (FlashAttention-2, Dao 2023): a block = 4 warps = 64 query rows, a warp owns 16 rows
+// and keeps its Q fragments and its output accumulator in registers. Keys stream through shared
+// memory in tiles of 64 (K row-major, V transposed, so that every B fragment is one 32-bit load).
+// Per tile a warp computes S = Q K^T (16 x 64, float), masks it, updates the online softmax per
+// row, rescales its output rows, and multiplies P (rounded to bf16; its C-fragment layout is the
+// A-fragment layout of the next product, so P never leaves registers) by V.
+//
+// Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16): g = lane / 4, c = lane % 4.
+//   A (16 x 16, row): reg0 = (g, 2c..2c+1), reg1 = (g+8, 2c..), reg2 = (g, 2c+8..), reg3 = (g+8,
+//   2c+8..) B (16 x 8, col):  reg0 = (k = 2c..2c+1, n = g), reg1 = (k = 2c+8.., n = g) C (16 x 8):
+//   c0, c1 = (g, 2c..2c+1), c2, c3 = (g+8, 2c..2c+1)
+#include "kernels/cuda/check.hpp"
+#include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/flash_mma.hpp"
+#include "kernels/cuda/launch.hpp"
+#include "kernels/cuda/mma_layout.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+namespace attn::cuda {
+namespace {
+
+using kernels::AttentionArgs;
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaRows = 16 * kMmaWarps;  // query rows a block
+constexpr int kMmaKeys = 64;              // keys a tile
+constexpr int kPad = 8;                   // bf16 elements of padding a smem row (bank spread)
+
+struct MmaParams {
+  int64_t B, T, S, heads;
+  const int32_t* kept;
+  bool causal, zero_rows;
+  float scale, p;
+  uint64_t seed, offset;
+  DropoutIndexer drop;
+  const uint16_t *q, *k, *v;
+  uint16_t* out;
+  int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, o_sb, o_sh, o_st;
+  float* lse;
+
+  __device__ int64_t row_off(int64_t b, int64_t sb, int64_t sh) const {
+    return heads == 1 ? b * sb : (b / heads) * sb + (b % heads) * sh;
+  }
+  __device__ int64_t limit(int64_t b, int64_t t, bool* uniform) const {
+    const int64_t lim = row_limit(kept, causal, b, t, T, S);
+    *uniform = lim == 0 && !zero_rows;
+    return *uniform ? S : lim;
+  }
+};
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return static_cast<uint32_t>(bf16_round(lo)) | static_cast<uint32_t>(bf16_round(hi)) << 16;
+}
+__device__ __forceinline__ uint32_t load_u32(const uint16_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+template <int D>
+__global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(const MmaParams P) {
+  constexpr int ld = D + kPad;          // K tile row stride (keys x D)
+  constexpr int ldv = kMmaKeys + kPad;  // V^T tile row stride (D x keys)
+  constexpr int kChunks = D / 16;       // k-steps of Q K^T
+  constexpr int kOutTiles = D / 8;      // n-tiles of the output
+  constexpr int kKeyTiles = kMmaKeys / 8;
+  extern __shared__ uint16_t smem16[];
+  uint16_t* ks = smem16;               // (kMmaKeys, D)
+  uint16_t* vts = ks + kMmaKeys * ld;  // (D, kMmaKeys)
+
+  const int64_t b = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t t0 = t_block + warp * 16;  // this warp's first row
+  const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
+
+  // Q fragments for all k-steps, straight from global memory (rows past T read as zeros).
+  uint32_t qa[kChunks][4];
+  const uint16_t* qb = P.q + P.row_off(b, P.q_sb, P.q_sh);
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
+      const int64_t t = t0 + pos.row;
+      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
+    }
+
+  bool uniform[2] = {false, false};
+  int64_t lim[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &uniform[i]) : 0;
+  int64_t block_limit = 0;
+  for (int r = 0; r < kMmaRows && t_block + r < P.T; ++r) {
+    bool u;
+    block_limit = max(block_limit, P.limit(b, t_block + r, &u));
+  }
+
+  float o[kOutTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n)
+    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
+  const uint16_t* vb = P.v + P.row_off(b, P.v_sb, P.v_sh);
+  for (int64_t s0 = 0; s0 < block_limit; s0 += kMmaKeys) {
+    __syncthreads();
+    // K tile row-major, V tile transposed; pairs of bf16 per thread and step, zeros past S.
+    for (int i = threadIdx.x; i < kMmaKeys * D / 2; i += blockDim.x) {
+      const int key = i / (D / 2), d = 2 * (i % (D / 2));
+      const int64_t s = s0 + key;
+      const uint32_t kv = s < P.S ? load_u32(kb + s * P.k_st + d) : 0u;
+      const uint32_t vv = s < P.S ? load_u32(vb + s * P.v_st + d) : 0u;
+      *reinterpret_cast<uint32_t*>(ks + key * ld + d) = kv;
+      vts[d * ldv + key] = static_cast<uint16_t>(vv);
+      vts[(d + 1) * ldv + key] = static_cast<uint16_t>(vv >> 16);
+    }
+    __syncthreads();
+    if (__all_sync(0xffffffffu, s0 >= max(lim[0], lim[1])))
+      continue;  // no row of this warp reads the tile (the next __syncthreads is at the top)
+
+    // S = Q K^T for 16 rows x 64 keys.
+    float sc[kKeyTiles][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+      for (int kc = 0; kc < kChunks; ++kc) {
+        // B = K^T: element (k = dim, n = key) is ks[key][dim], so a register's pair is contiguous.
+        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
+        mma_bf16(sc[n], qa[kc], load_u32(ks + (n * 8 + b0.col) * ld + kc * 16 + b0.row),
+                 load_u32(ks + (n * 8 + b1.col) * ld + kc * 16 + b1.row));
+      }
+    }
+    // Mask and scale; the tile's row maxima (each row's 64 scores sit in the 4 lanes of a group).
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;  // rows[i] is the row of mma_c_pos(lane, e)
+        const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
+        float x = -INFINITY;
+        if (s < lim[i]) x = uniform[i] ? 0.0f : sc[n][e] * P.scale;
+        sc[n][e] = x;
+        tile_max[i] = fmaxf(tile_max[i], x);
+      }
+    float alpha[2], row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      const float m_new = fmaxf(m[i], tile_max[i]);
+      alpha[i] = SoftmaxState::rescale(m[i], m_new);
+      m[i] = m_new;
+    }
+    // P = exp(S - m); the row sums enter l before dropout, the dropped P enters the product.
+    uint32_t pa[kMmaKeys / 16][4];
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      float pe[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const float x = sc[n][e];
+        float pv = x == -INFINITY ? 0.0f : expf(x - m[i]);
+        row_sum[i] += pv;
+        if (P.p > 0.0f && pv != 0.0f)
+          pv *= dropout_factor(P.seed, P.offset,
+                               P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
+        pe[e] = pv;
+      }
+      // C fragment of key tile n is half of the A fragment of key chunk n / 2.
+      pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
+      pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+      l[i] = l[i] * alpha[i] + row_sum[i];
+    }
+    // O = O * alpha + P V.
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+#pragma unroll
+      for (int kc = 0; kc < kMmaKeys / 16; ++kc) {
+        // B = V: element (k = key, n = dim) is vts[dim][key], a register's pair contiguous.
+        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
+        mma_bf16(o[n], pa[kc], load_u32(vts + (n * 8 + b0.col) * ldv + kc * 16 + b0.row),
+                 load_u32(vts + (n * 8 + b1.col) * ldv + kc * 16 + b1.row));
+      }
+    }
+  }
+
+  uint16_t* ob = P.out + P.row_off(b, P.o_sb, P.o_sh);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t = rows[i];
+    if (t >= P.T) continue;
+    const float inv = lim[i] > 0 ? 1.0f / l[i] : 0.0f;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n)
+      *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
+          pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+    if (lane % 4 == 0 && P.lse != nullptr)  // one lane of the row's group of 4
+      P.lse[b * P.T + t] = (lim[i] == 0 || uniform[i]) ? -INFINITY : m[i] + logf(l[i]);
+  }
+}
+
+template <int D>
+void launch_mma(const MmaParams& P, void* stream) {
+  const char* op = "cuda::flash_attention_forward";
+  const size_t smem = flash_mma_smem(D);
+  ATTN_CUDA_CHECK(op, cudaFuncSetAttribute(flash_mma_forward_kernel<D>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+  const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
+  flash_mma_forward_kernel<D>
+      <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
+  ATTN_CUDA_CHECK_LAUNCH(op);
+}
+
+}  // namespace
+
+size_t flash_mma_smem(int64_t D) {
+  return static_cast<size_t>(kMmaKeys * (D + kPad) + D * (kMmaKeys + kPad)) * sizeof(uint16_t);
+}
+
+bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
+  if (std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr) return false;  // A/B switch
+  if (a.D != a.Dv || (a.D != 32 && a.D != 64 && a.D != 128)) return false;
+  if (a.q.sd != 1 || a.k.sd != 1 || a.v.sd != 1 || a.out.sd != 1) return false;
+  // 32-bit loads and stores of bf16 pairs: even strides and 4-byte aligned bases.
+  for (const void* p : {static_cast<const void*>(a.q.data), static_cast<const void*>(a.k.data),
+                        static_cast<const void*>(a.v.data), static_cast<const void*>(a.out.data)})
+    if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return false;
+  for (int64_t s : {a.q.sb, a.q.sh, a.q.st, a.k.sb, a.k.sh, a.k.st, a.v.sb, a.v.sh, a.v.st,
+                    a.out.sb, a.out.sh, a.out.st})
+    if (s % 2 != 0) return false;
+  return true;
+}
+
+void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
+  MmaParams P;
+  P.B = a.B;
+  P.T = a.T;
+  P.S = a.S;
+  P.heads = a.heads;
+  P.kept = a.kept_keys;
+  P.causal = a.causal;
+  P.zero_rows = a.zero_masked_rows();
+  P.scale = a.scale;
+  P.p = a.dropout;
+  P.seed = a.seed;
+  P.offset = a.offset;
+  P.drop = DropoutIndexer{a.dropout_index_base,
+                          a.T,
+                          a.S,
+                          a.dropout_window.rows,
+                          a.dropout_window.cols,
+                          a.dropout_window.t0,
+                          a.dropout_window.s0};
+  P.q = a.q.data;
+  P.k = a.k.data;
+  P.v = a.v.data;
+  P.out = a.out.data;
+  P.q_sb = a.q.sb;
+  P.q_sh = a.q.sh;
+  P.q_st = a.q.st;
+  P.k_sb = a.k.sb;
+  P.k_sh = a.k.sh;
+  P.k_st = a.k.st;
+  P.v_sb = a.v.sb;
+  P.v_sh = a.v.sh;
+  P.v_st = a.v.st;
+  P.o_sb = a.out.sb;
+  P.o_sh = a.out.sh;
+  P.o_st = a.out.st;
+  P.lse = a.lse;
+  if (a.B == 0 || a.T == 0) return;
+  if (a.D == 32)
+    launch_mma<32>(P, stream);
+  else if (a.D == 64)
+    launch_mma<64>(P, stream);
+  else
+    launch_mma<128>(P, stream);
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,19 @@
+// The tensor-core bf16 attention forward (flash_mma.cu), chosen by flash_attention_forward when
+// flash_mma_supports() says the problem fits it. No CUDA header.
+#pragma once
+
+#include "kernels/attention_problem.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace attn::cuda {
+
+// bf16, D == Dv in {32, 64, 128}, unit stride along D, even strides, 4-byte aligned bases; and the
+// environment variable ATTN_CUDA_SIMT_ATTENTION unset (set: the SIMT kernel, for A/B runs).
+bool flash_mma_supports(const kernels::AttentionArgs<uint16_t>& a);
+// Shared memory of one block: a K tile (64 x (D + 8)) and a transposed V tile (D x 72), bf16.
+size_t flash_mma_smem(int64_t D);
+void flash_mma_forward(const kernels::AttentionArgs<uint16_t>& a, void* stream);
+
+}  // namespace attn::cuda

@@ -1,0 +1,35 @@
+// Where the elements of mma.sync.m16n8k16 (bf16 in, f32 accumulate) fragments sit: for lane
+// `lane`, 32-bit register `reg` and its half `half` (the low bf16 first), the (row, col) of the
+// element in its matrix (PTX ISA, "Matrix Fragments for mma.m16n8k16"); g = lane / 4, c = lane % 4.
+//   A (16 x 16, row-major): reg0 (g, 2c + half), reg1 (g + 8, 2c + half),
+//                           reg2 (g, 2c + 8 + half), reg3 (g + 8, 2c + 8 + half)
+//   B (16 x 8, k x n):      reg0 (2c + half, g), reg1 (2c + 8 + half, g)
+//   C (16 x 8), element e:  (g + 8 * (e / 2), 2c + e % 2)
+// Host-and-device: flash_mma.cu indexes with these, and tests/cuda/test_cuda_host.cpp checks them
+// (each a bijection onto its matrix) and runs the kernel's warp arithmetic through an emulated mma.
+#pragma once
+
+#include "attn/core/rng.hpp"  // ATTN_HOST_DEVICE
+
+namespace attn::cuda {
+
+struct FragPos {
+  int row, col;
+};
+
+ATTN_HOST_DEVICE inline FragPos mma_a_pos(int lane, int reg, int half) {
+  return {lane / 4 + (reg & 1) * 8, 2 * (lane % 4) + half + (reg >> 1) * 8};
+}
+ATTN_HOST_DEVICE inline FragPos mma_b_pos(int lane, int reg, int half) {  // (k, n)
+  return {2 * (lane % 4) + half + reg * 8, lane / 4};
+}
+ATTN_HOST_DEVICE inline FragPos mma_c_pos(int lane, int e) {
+  return {lane / 4 + (e >> 1) * 8, 2 * (lane % 4) + (e & 1)};
+}
+// The accumulator of key tile n (8 keys) is half of the A fragment of key chunk n / 2 (16 keys):
+// element e of it goes to register p_reg_of(n, e), half e % 2.
+ATTN_HOST_DEVICE inline int p_reg_of(int n, int e) {
+  return 2 * (n % 2) + (e >> 1);
+}
+
+}  // namespace attn::cuda

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# The GPU check of the CUDA backend (docs/gpu.md): one short run on a GPU machine verifies and
+# times everything.
+#
+#   scripts/gpu-check.sh build        on a machine of the CI kind (nvcc, no GPU needed): builds the
+#                                     CUDA tests and bench_cuda (build/cuda) and bundles them with
+#                                     the Debian libraries they need into build/gpu-check (< 50 MB)
+#   scripts/gpu-check.sh run [--quick]  on the GPU machine, from the repository root, with
+#                                     build/gpu-check carried there: every GPU test (every failure
+#                                     reported, none stops the run), compute-sanitizer memcheck on
+#                                     a small subset, bench_cuda beside PyTorch's SDPA, one table.
+#                                     Results also go to $OUT (the device tool's folder) if set.
+#
+# The GPU machine has the NVIDIA driver, the CUDA 13 toolkit (cuBLASLt comes from there: 500 MB
+# is too much to carry) and PyTorch 2.x, but none of Debian's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-}
+bundle=build/gpu-check
+
+build() {
+  set -e
+  source scripts/ccache-env.sh
+  cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
+    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=OFF \
+    -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda
+  rm -rf "$bundle"
+  mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
+  find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
+    -exec cp {} "$bundle/bin/" \;
+  cp build/cuda/bench_cuda "$bundle/bin/"
+  strip --strip-debug "$bundle"/bin/*
+  # Every shared library the binaries load, except glibc's own (the GPU machine's glibc is newer)
+  # and the CUDA toolkit's large libraries (the GPU machine has the same CUDA 13 toolkit).
+  for bin in "$bundle"/bin/*; do
+    ldd "$bin" | awk '$3 ~ /^\// {print $3}'
+  done | sort -u | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|ld-linux*) ;;
+      libcublas*|libcudnn*|libnccl*) ;;
+      # The C++ runtime only as a fallback: a newer system copy must win, or PyTorch and
+      # compute-sanitizer, which need newer symbol versions, would load this one.
+      libstdc++.so.*|libgcc_s.so.*) cp -L "$lib" "$bundle/lib-fallback/" ;;
+      *) cp -L "$lib" "$bundle/lib/" ;;
+    esac
+  done
+  local size
+  size=$(du -sm "$bundle" | cut -f1)
+  echo "bundle $bundle: ${size} MB"
+  ls "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
+  if [ "$size" -gt 50 ]; then
+    echo "gpu-check: the bundle is over 50 MB" >&2
+    exit 1
+  fi
+}
+
+run() {
+  local quick=""
+  [ "${1:-}" = "--quick" ] && quick="--quick"
+  local out=${OUT:-$bundle/out}
+  mkdir -p "$out"
+  local start=$SECONDS
+  if [ ! -x "$bundle/bin/test_cuda_host" ]; then
+    echo "gpu-check: $bundle is missing; run 'scripts/gpu-check.sh build' on the build machine" >&2
+    echo "and carry build/gpu-check to this one" >&2
+    exit 2
+  fi
+  # cuBLASLt from the toolkit, or else from PyTorch's wheels (nvidia/cu13/lib or nvidia/cublas/lib).
+  local cublas_dir=""
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -e "$d/libcublasLt.so.13" ] && { cublas_dir=$d; break; }
+  done
+  if [ -z "$cublas_dir" ]; then
+    cublas_dir=$(dirname "$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
+  fi
+  echo "cuBLASLt from: ${cublas_dir:-(not found)}"
+  local libs="$PWD/$bundle/lib:${cublas_dir}"
+  # The binaries need GLIBCXX_3.4.29 (GCC 11); an older system C++ runtime gets the bundled one.
+  local sys_cxx
+  sys_cxx=$(ldconfig -p 2>/dev/null | awk '/libstdc\+\+\.so\.6 .*x86-64/ {print $NF; exit}')
+  if [ -z "$sys_cxx" ] || ! grep -qa 'GLIBCXX_3\.4\.29' "$sys_cxx"; then
+    libs="$libs:$PWD/$bundle/lib-fallback"
+    echo "(system libstdc++ too old or missing: using the bundled one)"
+  fi
+  local orig_ld=${LD_LIBRARY_PATH:-}
+  export LD_LIBRARY_PATH="$libs${orig_ld:+:$orig_ld}"
+  nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
+
+  echo "== 1. tests (every failure reported; log in $out/tests.log)"
+  local failed=0 summary=""
+  : >"$out/tests.log"
+  for t in "$bundle"/bin/test_cuda_*; do
+    local name
+    name=$(basename "$t")
+    timeout 240 "$t" --gtest_color=no >"$out/$name.log" 2>&1
+    local rc=$?
+    cat "$out/$name.log" >>"$out/tests.log"
+    local passed failedn skipped
+    passed=$(grep -c '^\[       OK \]' "$out/$name.log")
+    failedn=$(grep -c '^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (' "$out/$name.log")
+    skipped=$(grep -c '^\[  SKIPPED \] [A-Za-z]*\.[A-Za-z]* (' "$out/$name.log")
+    summary+=$(printf '%-24s rc %-3s passed %-3s failed %-3s skipped %s' "$name" "$rc" "$passed" "$failedn" "$skipped")$'\n'
+    if [ "$rc" -ne 0 ] || [ "$skipped" -gt 0 ]; then
+      failed=1
+      # Every failing expectation with its case: the lines gtest prints around "Failure".
+      grep -B1 -A6 'Failure$' "$out/$name.log" | head -150
+      [ "$rc" -eq 124 ] && echo "$name: timed out after 240 s"
+      [ "$skipped" -gt 0 ] && echo "$name: tests skipped on a GPU machine (no device visible?)"
+    fi
+  done
+  # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel.
+  ATTN_CUDA_SIMT_ATTENTION=1 timeout 240 "$bundle/bin/test_cuda_attention" --gtest_color=no \
+    --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_simt.log" 2>&1
+  local rc_simt=$?
+  cat "$out/attention_simt.log" >>"$out/tests.log"
+  summary+=$(printf '%-24s rc %-3s (every bf16 case through the SIMT kernel)' "attention, SIMT only" "$rc_simt")$'\n'
+  if [ "$rc_simt" -ne 0 ]; then
+    failed=1
+    grep -B1 -A6 'Failure$' "$out/attention_simt.log" | head -60
+  fi
+  printf '%s' "$summary"
+  # The largest errors of every comparison (all cases, passing or not).
+  grep -h 'max err' "$out/tests.log" >"$out/errors.txt"
+  echo "($(wc -l <"$out/errors.txt") comparisons; each with its largest error in $out/errors.txt)"
+  echo "   ($((SECONDS - start)) s so far)"
+
+  echo "== 2. compute-sanitizer memcheck on a small subset"
+  local sanitizer=""
+  for s in compute-sanitizer /usr/local/cuda/bin/compute-sanitizer; do
+    command -v "$s" >/dev/null 2>&1 && { sanitizer=$s; break; }
+  done
+  if [ -z "$sanitizer" ]; then
+    echo "compute-sanitizer not found: skipped"
+  else
+    ATTN_CUDA_SMALL=1 timeout 180 "$sanitizer" --tool memcheck --error-exitcode 3 \
+      "$bundle/bin/test_cuda_attention" --gtest_color=no >"$out/memcheck.log" 2>&1
+    local rc=$?
+    ATTN_CUDA_SMALL=1 timeout 60 "$sanitizer" --tool memcheck --error-exitcode 3 \
+      "$bundle/bin/test_cuda_kernels" --gtest_color=no \
+      --gtest_filter='CudaOps.Dropout*:CudaOps.LayerNorm*:CudaOps.MaskedSoftmax*' \
+      >>"$out/memcheck.log" 2>&1
+    local rc2=$?
+    tail -n 3 "$out/memcheck.log"
+    if [ "$rc" -ne 0 ] || [ "$rc2" -ne 0 ]; then
+      echo "memcheck: exit codes $rc, $rc2 (3: errors found; 124: timeout); see $out/memcheck.log"
+      grep -m 20 -E '^=========  *(Invalid|Program hit|Error)' "$out/memcheck.log"
+      failed=1
+    else
+      echo "memcheck: no errors"
+    fi
+  fi
+  echo "   ($((SECONDS - start)) s so far)"
+
+  echo "== 3. benchmarks: attn beside PyTorch $(LD_LIBRARY_PATH="$orig_ld" python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  timeout 150 "$bundle/bin/bench_cuda" $quick >"$out/bench_attn.jsonl" || {
+    echo "bench_cuda failed (rc $?)"
+    failed=1
+  }
+  # PyTorch with the machine's own library path, not the bundle's.
+  LD_LIBRARY_PATH="$orig_ld" PYTHONUNBUFFERED=1 timeout 150 python3 bench/torch_cuda.py $quick >"$out/bench_torch.jsonl" || {
+    echo "bench/torch_cuda.py failed (rc $?)"
+  }
+  python3 bench/gpu_table.py "$out/bench_attn.jsonl" "$out/bench_torch.jsonl" | tee "$out/table.txt"
+  echo
+  echo "== summary ($((SECONDS - start)) s)"
+  printf '%s' "$summary"
+  if [ "$failed" -eq 0 ]; then
+    echo "gpu-check: PASS"
+  else
+    echo "gpu-check: FAIL (details above and in $out)"
+  fi
+  return "$failed"
+}
+
+case "$mode" in
+  build) build ;;
+  run) shift; run "$@" ;;
+  *)
+    echo "usage: scripts/gpu-check.sh build | run [--quick]" >&2
+    exit 2
+    ;;
+esac
