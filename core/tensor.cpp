@@ -9,6 +9,12 @@
 
 namespace attn {
 
+namespace detail {
+void throw_error(const char* op, fmt::string_view format, fmt::format_args args) {
+  throw Error(op, fmt::vformat(format, args));
+}
+}  // namespace detail
+
 std::string shape_str(const Shape& shape) {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) {
@@ -21,9 +27,9 @@ std::string shape_str(const Shape& shape) {
 int64_t shape_numel(const Shape& shape, const char* op) {
   int64_t n = 1;
   for (int64_t d : shape) {
-    check(d >= 0, op, "negative dimension in shape {}", shape_str(shape));
+    check(d >= 0, op, "negative dimension in shape {}", shape_arg(shape));
     check(d == 0 || n <= std::numeric_limits<int64_t>::max() / d, op,
-          "shape {} has more elements than fit in int64", shape_str(shape));
+          "shape {} has more elements than fit in int64", shape_arg(shape));
     n *= d;
   }
   return n;
@@ -47,7 +53,7 @@ std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
   size_t size = 0;
   void* p = detail::acquire_block(nbytes, &size);
   check(p != nullptr, "Tensor::empty", "cannot allocate {} bytes for shape {}", nbytes,
-        shape_str(shape));
+        shape_arg(shape));
   return std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
                                     [size](std::byte* q) { detail::release_block(q, size); });
 }
@@ -103,7 +109,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype) {
   Tensor t;
   t.numel_ = shape_numel(shape, "Tensor::empty");
   check(static_cast<uint64_t>(t.numel_) <= kMaxTensorBytes / dtype_size(dtype), "Tensor::empty",
-        "shape {} of {} needs more memory than this machine can address", shape_str(shape),
+        "shape {} of {} needs more memory than this machine can address", shape_arg(shape),
         dtype_name(dtype));
   t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), shape);
   t.data_ = t.storage_.get();
@@ -129,7 +135,7 @@ Tensor Tensor::full(const Shape& shape, double value, DType dtype) {
 Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& shape, DType dtype) {
   Tensor t = empty(shape, dtype);
   check(static_cast<int64_t>(values.size()) == t.numel_, "Tensor::from_vector",
-        "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
+        "{} values given for shape {} ({} elements)", values.size(), shape_arg(shape), t.numel_);
   for (int64_t i = 0; i < t.numel_; ++i)
     store(static_cast<std::byte*>(t.data_) + i * dtype_size(dtype), dtype, values[i]);
   return t;
@@ -142,7 +148,7 @@ Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape)
 Tensor Tensor::from_vector(const std::vector<int64_t>& values, const Shape& shape, DType dtype) {
   Tensor t = empty(shape, dtype);
   check(static_cast<int64_t>(values.size()) == t.numel_, "Tensor::from_vector",
-        "{} values given for shape {} ({} elements)", values.size(), shape_str(shape), t.numel_);
+        "{} values given for shape {} ({} elements)", values.size(), shape_arg(shape), t.numel_);
   for (int64_t i = 0; i < t.numel_; ++i) {
     auto* p = static_cast<std::byte*>(t.data_) + i * dtype_size(dtype);
     if (dtype == DType::I64)
@@ -157,9 +163,9 @@ Tensor Tensor::wrap(void* data, const Shape& shape, DType dtype, Strides strides
   Tensor t;
   t.numel_ = shape_numel(shape, "Tensor::wrap");
   check(strides.empty() || strides.size() == shape.size(), "Tensor::wrap",
-        "{} strides given for shape {}", strides.size(), shape_str(shape));
+        "{} strides given for shape {}", strides.size(), shape_arg(shape));
   check(data != nullptr || t.numel_ == 0, "Tensor::wrap", "null data for shape {}",
-        shape_str(shape));
+        shape_arg(shape));
   t.data_ = data;
   t.shape_ = shape;
   t.strides_ = strides.empty() ? contiguous_strides(shape) : std::move(strides);
@@ -186,20 +192,20 @@ Tensor Tensor::adopt(std::shared_ptr<std::byte> storage, const Shape& shape, DTy
 
 void Tensor::require_host(const char* op) const {
   check(device_ == Device::kCpu, op, "tensor of shape {} lives on {}; copy it to the host first",
-        shape_str(shape_), device_name(device_));
+        shape_arg(shape_), device_name(device_));
 }
 
 int64_t Tensor::dim(int i) const {
   int n = ndim();
   check(i >= -n && i < n, "Tensor::dim", "dimension {} out of range for shape {}", i,
-        shape_str(shape_));
+        shape_arg(shape_));
   return shape_[i < 0 ? i + n : i];
 }
 
 int64_t Tensor::stride(int i) const {
   int n = ndim();
   check(i >= -n && i < n, "Tensor::stride", "dimension {} out of range for shape {}", i,
-        shape_str(shape_));
+        shape_arg(shape_));
   return strides_[i < 0 ? i + n : i];
 }
 
@@ -214,14 +220,26 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
-int64_t Tensor::offset_of(const std::vector<int64_t>& index) const {
+namespace {
+// The throwing branch of offset_of, out of line so that the accessor itself formats nothing.
+[[noreturn, gnu::cold, gnu::noinline]] void throw_bad_index(const int64_t* index, size_t n,
+                                                            const Shape& shape) {
+  if (n != shape.size())
+    throw Error("Tensor::at", fmt::format("{}-d index for shape {}", n, shape_str(shape)));
+  for (size_t i = 0; i < n; ++i)
+    if (index[i] < 0 || index[i] >= shape[i])
+      throw Error("Tensor::at", fmt::format("index {} out of range in dimension {} of shape {}",
+                                            index[i], i, shape_str(shape)));
+  throw Error("Tensor::at", "bad index");
+}
+}  // namespace
+
+int64_t Tensor::offset_of(const int64_t* index, size_t n) const {
   require_host("Tensor::at");
-  check(index.size() == shape_.size(), "Tensor::at", "{}-d index for shape {}", index.size(),
-        shape_str(shape_));
+  if (n != shape_.size()) throw_bad_index(index, n, shape_);
   int64_t off = 0;
-  for (size_t i = 0; i < index.size(); ++i) {
-    check(index[i] >= 0 && index[i] < shape_[i], "Tensor::at",
-          "index {} out of range in dimension {} of shape {}", index[i], i, shape_str(shape_));
+  for (size_t i = 0; i < n; ++i) {
+    if (index[i] < 0 || index[i] >= shape_[i]) throw_bad_index(index, n, shape_);
     off += index[i] * strides_[i];
   }
   return off;
@@ -237,15 +255,25 @@ int64_t Tensor::offset_of_flat(int64_t i) const {
 }
 
 double Tensor::at(std::initializer_list<int64_t> index) const {
-  return at(std::vector<int64_t>(index));
+  return load(static_cast<std::byte*>(data_) +
+                  offset_of(index.begin(), index.size()) * dtype_size(dtype_),
+              dtype_);
 }
 
 double Tensor::at(const std::vector<int64_t>& index) const {
-  return load(static_cast<std::byte*>(data_) + offset_of(index) * dtype_size(dtype_), dtype_);
+  return load(static_cast<std::byte*>(data_) +
+                  offset_of(index.data(), index.size()) * dtype_size(dtype_),
+              dtype_);
+}
+
+void Tensor::set(std::initializer_list<int64_t> index, double value) {
+  store(static_cast<std::byte*>(data_) + offset_of(index.begin(), index.size()) * dtype_size(dtype_),
+        dtype_, value);
 }
 
 void Tensor::set(const std::vector<int64_t>& index, double value) {
-  store(static_cast<std::byte*>(data_) + offset_of(index) * dtype_size(dtype_), dtype_, value);
+  store(static_cast<std::byte*>(data_) + offset_of(index.data(), index.size()) * dtype_size(dtype_),
+        dtype_, value);
 }
 
 double Tensor::flat(int64_t i) const {
@@ -293,20 +321,20 @@ Tensor Tensor::reshape(const Shape& shape) const {
   int64_t known = 1;
   for (size_t i = 0; i < s.size(); ++i) {
     if (s[i] == -1) {
-      check(infer < 0, "Tensor::reshape", "more than one -1 in {}", shape_str(shape));
+      check(infer < 0, "Tensor::reshape", "more than one -1 in {}", shape_arg(shape));
       infer = static_cast<int>(i);
     } else {
-      check(s[i] >= 0, "Tensor::reshape", "negative dimension in {}", shape_str(shape));
+      check(s[i] >= 0, "Tensor::reshape", "negative dimension in {}", shape_arg(shape));
       known *= s[i];
     }
   }
   if (infer >= 0) {
     check(known > 0 && numel_ % known == 0, "Tensor::reshape",
-          "cannot reshape {} ({} elements) to {}", shape_str(shape_), numel_, shape_str(shape));
+          "cannot reshape {} ({} elements) to {}", shape_arg(shape_), numel_, shape_arg(shape));
     s[infer] = numel_ / known;
   }
   check(shape_numel(s, "Tensor::reshape") == numel_, "Tensor::reshape",
-        "cannot reshape {} ({} elements) to {}", shape_str(shape_), numel_, shape_str(shape));
+        "cannot reshape {} ({} elements) to {}", shape_arg(shape_), numel_, shape_arg(shape));
   Tensor t = contiguous();
   t.shape_ = s;
   t.strides_ = contiguous_strides(s);
@@ -315,7 +343,7 @@ Tensor Tensor::reshape(const Shape& shape) const {
 
 Tensor Tensor::permute(const std::vector<int>& order) const {
   check(order.size() == shape_.size(), "Tensor::permute", "order of {} dims for shape {}",
-        order.size(), shape_str(shape_));
+        order.size(), shape_arg(shape_));
   std::vector<bool> seen(order.size(), false);
   Tensor t = *this;
   for (size_t i = 0; i < order.size(); ++i) {
@@ -332,7 +360,7 @@ Tensor Tensor::permute(const std::vector<int>& order) const {
 Tensor Tensor::transpose(int a, int b) const {
   int n = ndim();
   check(a >= -n && a < n && b >= -n && b < n, "Tensor::transpose",
-        "dimensions {} and {} out of range for shape {}", a, b, shape_str(shape_));
+        "dimensions {} and {} out of range for shape {}", a, b, shape_arg(shape_));
   if (a < 0) a += n;
   if (b < 0) b += n;
   std::vector<int> order(n);
@@ -345,11 +373,11 @@ Tensor Tensor::transpose(int a, int b) const {
 Tensor Tensor::slice(int d, int64_t start, int64_t stop) const {
   int n = ndim();
   check(d >= -n && d < n, "Tensor::slice", "dimension {} out of range for shape {}", d,
-        shape_str(shape_));
+        shape_arg(shape_));
   if (d < 0) d += n;
   check(0 <= start && start <= stop && stop <= shape_[d], "Tensor::slice",
         "range [{}, {}) out of bounds for dimension {} of shape {}", start, stop, d,
-        shape_str(shape_));
+        shape_arg(shape_));
   Tensor t = *this;
   t.data_ = static_cast<std::byte*>(data_) + start * strides_[d] * dtype_size(dtype_);
   t.shape_[d] = stop - start;
@@ -360,7 +388,7 @@ Tensor Tensor::slice(int d, int64_t start, int64_t stop) const {
 Tensor Tensor::select(int d, int64_t index) const {
   int n = ndim();
   check(d >= -n && d < n, "Tensor::select", "dimension {} out of range for shape {}", d,
-        shape_str(shape_));
+        shape_arg(shape_));
   if (d < 0) d += n;
   Tensor t = slice(d, index, index + 1);
   t.shape_.erase(t.shape_.begin() + d);
@@ -411,7 +439,7 @@ void Tensor::copy_from(const Tensor& src) {
   require_host("Tensor::copy_from");
   src.require_host("Tensor::copy_from");
   check(src.shape_ == shape_, "Tensor::copy_from", "source shape {} differs from destination {}",
-        shape_str(src.shape_), shape_str(shape_));
+        shape_arg(src.shape_), shape_arg(shape_));
   if (is_contiguous() && src.is_contiguous()) {
     if (src.dtype_ == dtype_) {
       if (nbytes()) std::memmove(data_, src.data_, nbytes());
@@ -440,8 +468,8 @@ void Tensor::fill(double value) {
 }
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
-  check(a.shape() == b.shape(), "max_abs_diff", "shapes {} and {} differ", shape_str(a.shape()),
-        shape_str(b.shape()));
+  check(a.shape() == b.shape(), "max_abs_diff", "shapes {} and {} differ", shape_arg(a.shape()),
+        shape_arg(b.shape()));
   double m = 0;
   for (int64_t i = 0; i < a.numel(); ++i) {
     double d = std::abs(a.flat(i) - b.flat(i));

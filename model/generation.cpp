@@ -130,10 +130,10 @@ struct Checked {
 Checked check_generation(const char* op, nn::EncoderDecoder& model, const Tensor& src,
                          const Tensor& src_valid_lens, const GenerationOptions& o) {
   check(src.defined() && src.ndim() == 2, op, "src has shape {}, expected (B, S) token ids",
-        src.defined() ? shape_str(src.shape()) : std::string("undefined"));
+        shape_arg(src));
   check(!src_valid_lens.defined() ||
             (src_valid_lens.ndim() == 1 && src_valid_lens.dim(0) == src.dim(0)),
-        op, "src_valid_lens has shape {}, expected (B) = ({})", shape_str(src_valid_lens.shape()),
+        op, "src_valid_lens has shape {}, expected (B) = ({})", shape_arg(src_valid_lens.shape()),
         src.dim(0));
   const int64_t V = model.decoder.vocab_size();
   check(o.bos >= 0 && o.bos < V && o.eos >= 0 && o.eos < V, op,

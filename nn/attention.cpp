@@ -28,7 +28,7 @@ void check_qkv(const char* op, const Tensor& q, const Tensor& k, const Tensor& v
   check(q.dim(0) == k.dim(0) && k.dim(0) == v.dim(0) && k.dim(1) == v.dim(1), op,
         "queries {}, keys {} and values {} do not agree: expected (B, T, Dq), (B, S, Dk), "
         "(B, S, Dv)",
-        shape_str(q.shape()), shape_str(k.shape()), shape_str(v.shape()));
+        shape_arg(q.shape()), shape_arg(k.shape()), shape_arg(v.shape()));
 }
 
 }  // namespace
@@ -65,12 +65,12 @@ Tensor DotProductAttention::forward(Context& ctx, const Tensor& queries, const T
   const char* op = "DotProductAttention";
   check_qkv(op, queries, keys, values, dtype_);
   check(queries.dim(2) == keys.dim(2), op, "queries {} and keys {} need the same last dimension",
-        shape_str(queries.shape()), shape_str(keys.shape()));
+        shape_arg(queries.shape()), shape_arg(keys.shape()));
   check_dropout(op, dropout);
   check(!rotary || queries.dim(2) % 2 == 0, op,
         "rotary is set but queries {} have an odd width: RoPE rotates pairs of features (inside "
         "MultiHeadAttention: num_hiddens / num_heads must be even)",
-        shape_str(queries.shape()));
+        shape_arg(queries.shape()));
   rotary_used_ = rotary;
   alibi_used_ = alibi_slopes;
   // RoPE: the scores see queries rotated by their positions t and keys by theirs s, so q . k
@@ -88,8 +88,8 @@ Tensor DotProductAttention::forward(Context& ctx, const Tensor& queries, const T
 AttentionInputGrads DotProductAttention::backward(Context& ctx, const Tensor& dout) {
   check(result_.output.defined(), "DotProductAttention::backward", "called before forward");
   check(dout.shape() == result_.output.shape(), "DotProductAttention::backward",
-        "dout has shape {}, expected the output's {}", shape_str(dout.shape()),
-        shape_str(result_.output.shape()));
+        "dout has shape {}, expected the output's {}", shape_arg(dout.shape()),
+        shape_arg(result_.output.shape()));
   // The mask and the dropout pattern are redrawn from the options and result_.dropout_offset;
   // switching train/eval between forward and backward is not supported.
   AttentionGrads g =
@@ -149,8 +149,8 @@ Tensor AdditiveAttention::forward(Context& ctx, const Tensor& queries, const Ten
 AttentionInputGrads AdditiveAttention::backward(Context& ctx, const Tensor& dout) {
   check(result_.output.defined(), "AdditiveAttention::backward", "called before forward");
   check(dout.shape() == result_.output.shape(), "AdditiveAttention::backward",
-        "dout has shape {}, expected the output's {}", shape_str(dout.shape()),
-        shape_str(result_.output.shape()));
+        "dout has shape {}, expected the output's {}", shape_arg(dout.shape()),
+        shape_arg(result_.output.shape()));
   AttentionOptions o;
   o.mask.valid_lens = valid_lens_;
   o.dropout = dropout;

@@ -109,7 +109,7 @@ Tensor TransformerDecoderBlock::forward(Context& ctx, const Tensor& X, const Ten
   detail::check_input(op, "enc_outputs", enc_outputs, 3, dtype_);
   check(X.dim(2) == E && enc_outputs.dim(2) == E && enc_outputs.dim(0) == X.dim(0), op,
         "X {} and enc_outputs {} do not agree: expected (B, T, {}) and (B, S, {})",
-        shape_str(X.shape()), shape_str(enc_outputs.shape()), E, E);
+        shape_arg(X.shape()), shape_arg(enc_outputs.shape()), E, E);
   // Dropout order (d2l's): attention1's weights, addnorm1, attention2's weights, addnorm2,
   // addnorm3.
   Tensor Y = addnorm1.forward(ctx, X, attention1.forward(ctx, X, X, X));
@@ -202,11 +202,11 @@ Tensor TransformerDecoder::forward(Context& ctx, const Tensor& ids, const Tensor
                                    const Tensor& enc_valid_lens) {
   const char* op = "TransformerDecoder";
   check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)",
-        ids.defined() ? shape_str(ids.shape()) : std::string("undefined"));
+        shape_arg(ids));
   detail::check_input(op, "enc_outputs", enc_outputs, 3, dtype_);
   check(enc_outputs.dim(0) == ids.dim(0) && enc_outputs.dim(2) == num_hiddens_, op,
         "enc_outputs has shape {}, expected (B, S, E) = ({}, S, {}) for ids {}",
-        shape_str(enc_outputs.shape()), ids.dim(0), num_hiddens_, shape_str(ids.shape()));
+        shape_arg(enc_outputs.shape()), ids.dim(0), num_hiddens_, shape_arg(ids.shape()));
   // d2l: self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
   Tensor X =
       detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)));
@@ -307,8 +307,8 @@ Tensor EncoderDecoder::forward(Context& ctx, const Tensor& enc_X, const Tensor& 
   check(enc_X.defined() && dec_X.defined() && enc_X.ndim() == 2 && dec_X.ndim() == 2 &&
             enc_X.dim(0) == dec_X.dim(0),
         op, "enc_X {} and dec_X {} must be (B, S) and (B, T) token ids",
-        enc_X.defined() ? shape_str(enc_X.shape()) : std::string("undefined"),
-        dec_X.defined() ? shape_str(dec_X.shape()) : std::string("undefined"));
+        shape_arg(enc_X),
+        shape_arg(dec_X));
   // d2l: enc_all_outputs = self.encoder(enc_X, *args)
   //      dec_state = self.decoder.init_state(enc_all_outputs, *args)
   //      return self.decoder(dec_X, dec_state)[0]

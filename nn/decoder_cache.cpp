@@ -165,7 +165,7 @@ DecoderState TransformerDecoder::init_state(Context& ctx, const Tensor& enc_outp
   detail::check_input(op, "enc_outputs", enc_outputs, 3, dtype_);
   const int64_t B = enc_outputs.dim(0), E = num_hiddens_;
   check(enc_outputs.dim(2) == E, op, "enc_outputs has shape {}, expected (B, S, {})",
-        shape_str(enc_outputs.shape()), E);
+        shape_arg(enc_outputs.shape()), E);
   check(capacity >= 0, op, "capacity must be >= 0, got {}", capacity);
   // The float64 decoder keeps its float64 cache (DType::F32 is the parameter's default).
   const DType cache = dtype_ == DType::F64 && cache_dtype == DType::F32 ? dtype_ : cache_dtype;
@@ -177,7 +177,7 @@ DecoderState TransformerDecoder::init_state(Context& ctx, const Tensor& enc_outp
   state.capacity = std::max<int64_t>(capacity, 1);
   if (enc_valid_lens.defined()) {
     check(enc_valid_lens.ndim() == 1 && enc_valid_lens.dim(0) == B, op,
-          "enc_valid_lens has shape {}, expected (B) = ({})", shape_str(enc_valid_lens.shape()), B);
+          "enc_valid_lens has shape {}, expected (B) = ({})", shape_arg(enc_valid_lens.shape()), B);
     // float64 holds every integer length exactly and keeps d2l's float lengths.
     state.enc_valid_lens = enc_valid_lens.to(DType::F64).clone();
   }
@@ -202,7 +202,7 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
   const char* op = "TransformerDecoder::step";
   check(ids.defined() && ids.ndim() == 2 && ids.dim(0) == state.batch && ids.dim(1) >= 1, op,
         "ids has shape {}, expected (B, T_new) = ({}, >= 1)",
-        ids.defined() ? shape_str(ids.shape()) : std::string("undefined"), state.batch);
+        shape_arg(ids), state.batch);
   check(state.blocks.size() == blks.size(), op,
         "the state has {} blocks, the decoder {}: it comes from another decoder",
         state.blocks.size(), blks.size());

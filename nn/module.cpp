@@ -99,8 +99,8 @@ bool autocasts(const Context& ctx, DType module_dtype) {
 
 void accumulate(Tensor& grad, const Tensor& g) {
   check(grad.defined() && g.defined() && grad.numel() == g.numel(), "accumulate",
-        "gradient of shape {} cannot accumulate into {}", shape_str(g.shape()),
-        shape_str(grad.shape()));
+        "gradient of shape {} cannot accumulate into {}", shape_arg(g.shape()),
+        shape_arg(grad.shape()));
   // Parameter gradients are always allocated contiguous (zeros with the value).
   if (grad.dtype() == DType::F32 && grad.is_contiguous()) {
     accumulate_typed(grad.data<float>(), g);
@@ -122,7 +122,7 @@ void accumulate(Tensor& grad, const Tensor& g) {
 void check_input(const char* op, const char* what, const Tensor& x, int ndim, DType dtype) {
   check(x.defined(), op, "{} is undefined", what);
   check(ndim <= 0 || x.ndim() == ndim, op, "{} has shape {}, expected {} dimensions", what,
-        shape_str(x.shape()), ndim);
+        shape_arg(x.shape()), ndim);
   check(ndim > 0 || x.ndim() >= 1, op, "{} is a scalar, expected at least 1 dimension", what);
   check(x.dtype() == dtype, op, "{} has dtype {}, expected {} (the module's dtype)", what,
         dtype_name(x.dtype()), dtype_name(dtype));
@@ -189,8 +189,8 @@ Tensor merge_heads(const Tensor& Y, int64_t num_heads) {
 void merge_heads_into(const Tensor& Y, int64_t num_heads, Tensor& out) {
   const int64_t B = Y.dim(0) / num_heads, L = Y.dim(1), D = Y.dim(2);
   check(out.shape() == Shape({B, L, num_heads * D}) && out.dtype() == Y.dtype(), "merge_heads",
-        "destination {} {} does not fit heads {} {} (H = {})", shape_str(out.shape()),
-        dtype_name(out.dtype()), shape_str(Y.shape()), dtype_name(Y.dtype()), num_heads);
+        "destination {} {} does not fit heads {} {} (H = {})", shape_arg(out.shape()),
+        dtype_name(out.dtype()), shape_arg(Y.shape()), dtype_name(Y.dtype()), num_heads);
   if (Y.dtype() == DType::F32)
     permute_heads<float, false>(Y, out, B, L, num_heads, D);
   else if (Y.dtype() == DType::BF16)
@@ -281,7 +281,7 @@ void Module::load_state_dict(const StateDict& dict, bool strict) {
     check(is_floating(t.dtype()), op.c_str(), "'{}' has dtype {}, expected a float tensor", key,
           dtype_name(t.dtype()));
     check(shape_fits(*p, t.shape()), op.c_str(), "'{}' has shape {}, expected {}", key,
-          shape_str(t.shape()), expected_shape_str(*p));
+          shape_arg(t.shape()), expected_shape_str(*p));
     const DType target = p->value.defined() ? p->value.dtype() : dtype_;
     staged.emplace_back(p, t.to(target));
   }
@@ -375,7 +375,7 @@ void Linear::materialize(int64_t in_features, const char* op) {
   if (weight.value.defined()) {
     check(weight.value.dim(1) == in_features, op,
           "input has {} features, but the Linear layer's weight is {} (out, in)", in_features,
-          shape_str(weight.value.shape()));
+          shape_arg(weight.value.shape()));
   } else {
     Parameter w = make_uniform({out_features_, in_features}, bound, dtype_, seed_, "weight");
     weight.value = w.value;
@@ -405,8 +405,8 @@ Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
     detail::check_input("Linear", "input", x, 0, dtype_);
   }
   check(!weight.value.defined() || x.dim(-1) == weight.value.dim(1), "Linear",
-        "input has shape {}, expected last dimension {} (weight {})", shape_str(x.shape()),
-        weight.value.defined() ? weight.value.dim(1) : 0, shape_str(weight.value.shape()));
+        "input has shape {}, expected last dimension {} (weight {})", shape_arg(x.shape()),
+        weight.value.defined() ? weight.value.dim(1) : 0, shape_arg(weight.value.shape()));
   materialize(x.dim(-1), "Linear");
   if (autocast_) {
     x_dtype_ = x.dtype();
@@ -430,7 +430,7 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
     check(dy.shape() == expected && (dy.dtype() == DType::F32 || dy.dtype() == DType::BF16),
           "Linear::backward",
           "dy has shape {} and dtype {}, expected {} and F32 or BF16 (autocast)",
-          shape_str(dy.shape()), dtype_name(dy.dtype()), shape_str(expected));
+          shape_arg(dy.shape()), dtype_name(dy.dtype()), shape_arg(expected));
     // forward: y = bf16(x) bf16(W)^T + bf16(b) in bf16; the products of the backward likewise.
     LinearGrads g =
         linear_backward(ctx, detail::convert(ctx, dy, DType::BF16), x_, w_bf16_, has_bias_);
@@ -439,8 +439,8 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
     return x_dtype_ == DType::BF16 ? g.dx : detail::convert(ctx, g.dx, x_dtype_);
   }
   check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
-        "dy has shape {} and dtype {}, expected {} and {}", shape_str(dy.shape()),
-        dtype_name(dy.dtype()), shape_str(expected), dtype_name(dtype_));
+        "dy has shape {} and dtype {}, expected {} and {}", shape_arg(dy.shape()),
+        dtype_name(dy.dtype()), shape_arg(expected), dtype_name(dtype_));
   // forward: y = x W^T + b, so dx = dy W, dW += dy^T x, db += sum over rows of dy.
   LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_);
   detail::accumulate(weight.grad, g.dW);

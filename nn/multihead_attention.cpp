@@ -56,19 +56,55 @@ double checked_dropout(int64_t num_hiddens, int64_t num_heads, double dropout_p)
 //   keys:   row s of batch b is read iff s < max_t kept(b, t)
 //   values: the same, except that a query row that keeps no key under the uniform policy (d2l)
 //           averages every value, padding included, so then all of its batch's values are read.
+// True when every element of rows [s0, S) of batch row b of the (B, S, E) tensor X is finite.
+// A strided scan over the raw rows (the padded positions of every batch, every forward): per
+// element only a load and a compare, no index checks or conversions through double.
+template <class E, class Finite>
+bool rows_finite(const Tensor& X, int64_t b, int64_t s0, Finite finite) {
+  const E* base = static_cast<const E*>(X.raw_data());
+  const auto& st = X.strides();
+  const int64_t S = X.dim(1), width = X.dim(2);
+  for (int64_t s = s0; s < S; ++s) {
+    const E* row = base + b * st[0] + s * st[1];
+    bool ok = true;
+    for (int64_t e = 0; e < width; ++e)
+      ok &= finite(row[e * st[2]]);
+    if (!ok) return false;
+  }
+  return true;
+}
+
+bool unread_rows_finite(const Tensor& X, const std::vector<int64_t>& read) {
+  const int64_t B = X.dim(0);
+  for (int64_t b = 0; b < B; ++b) {
+    bool ok = true;
+    switch (X.dtype()) {
+      case DType::F32:
+        ok = rows_finite<float>(X, b, read[b], [](float v) { return std::isfinite(v); });
+        break;
+      case DType::F64:
+        ok = rows_finite<double>(X, b, read[b], [](double v) { return std::isfinite(v); });
+        break;
+      case DType::BF16:  // exponent bits all ones: Inf or NaN
+        ok = rows_finite<uint16_t>(X, b, read[b],
+                                   [](uint16_t v) { return (v & 0x7f80u) != 0x7f80u; });
+        break;
+      default:
+        for (int64_t s = read[b]; s < X.dim(1) && ok; ++s)
+          for (int64_t e = 0; e < X.dim(2) && ok; ++e)
+            ok = std::isfinite(X.at({b, s, e}));
+    }
+    if (!ok) return false;
+  }
+  return true;
+}
+
 Tensor zero_unread_padding(const Tensor& X, const Tensor& valid_lens, bool causal, int64_t T,
                            bool uniform_reads_all) {
-  const int64_t B = X.dim(0), S = X.dim(1), E = X.dim(2);
+  const int64_t B = X.dim(0), S = X.dim(1);
   const std::vector<int64_t> read =
       attn::detail::keys_read(valid_lens, causal, B, T, S, uniform_reads_all);
-  auto unread_rows_finite = [&] {
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t s = read[b]; s < S; ++s)
-        for (int64_t e = 0; e < E; ++e)
-          if (!std::isfinite(X.at({b, s, e}))) return false;
-    return true;
-  };
-  if (unread_rows_finite()) return X;
+  if (unread_rows_finite(X, read)) return X;
   Tensor clean = X.clone();
   for (int64_t b = 0; b < B; ++b)
     if (read[b] < S) clean.select(0, b).slice(0, read[b], S).fill(0.0);
@@ -125,7 +161,7 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
       op,
       "queries {}, keys {} and values {} do not agree: expected (B, T, Dq), (B, S, Dk), "
       "(B, S, Dv)",
-      shape_str(queries.shape()), shape_str(keys.shape()), shape_str(values.shape()));
+      shape_arg(queries.shape()), shape_arg(keys.shape()), shape_arg(values.shape()));
   B_ = queries.dim(0);
   T_ = queries.dim(1);
   S_ = keys.dim(1);
@@ -219,8 +255,8 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   const char* op = "MultiHeadAttention::backward";
   check(B_ > 0 || T_ > 0, op, "called before forward");
   check(dout.shape() == Shape({B_, T_, num_hiddens_}) && dout.dtype() == dtype_, op,
-        "dout has shape {} and dtype {}, expected {} and {}", shape_str(dout.shape()),
-        dtype_name(dout.dtype()), shape_str({B_, T_, num_hiddens_}), dtype_name(dtype_));
+        "dout has shape {} and dtype {}, expected {} and {}", shape_arg(dout.shape()),
+        dtype_name(dout.dtype()), shape_arg({B_, T_, num_hiddens_}), dtype_name(dtype_));
   const int64_t H = num_heads_;
   // forward: out = W_o(concat)
   Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E), in the compute dtype
@@ -368,7 +404,7 @@ void MultiHeadAttention::load_state_dict(const StateDict& dict, bool strict) {
   if (const Tensor* w = get("in_proj_weight")) {
     check(w->ndim() == 2 && w->dim(0) == 3 * E, op.c_str(),
           "'in_proj_weight' has shape {}, expected (3E, in) = ({}, in): W_q, W_k, W_v stacked",
-          shape_str(w->shape()), 3 * E);
+          shape_arg(w->shape()), 3 * E);
     put("W_q.weight", w->slice(0, 0, E), "in_proj_weight");
     put("W_k.weight", w->slice(0, E, 2 * E), "in_proj_weight");
     put("W_v.weight", w->slice(0, 2 * E, 3 * E), "in_proj_weight");
@@ -378,7 +414,7 @@ void MultiHeadAttention::load_state_dict(const StateDict& dict, bool strict) {
   if (const Tensor* w = get("v_proj_weight")) put("W_v.weight", *w, "v_proj_weight");
   if (const Tensor* b = get("in_proj_bias")) {
     check(b->ndim() == 1 && b->dim(0) == 3 * E, op.c_str(),
-          "'in_proj_bias' has shape {}, expected (3E) = ({})", shape_str(b->shape()), 3 * E);
+          "'in_proj_bias' has shape {}, expected (3E) = ({})", shape_arg(b->shape()), 3 * E);
     put("W_q.bias", b->slice(0, 0, E), "in_proj_bias");
     put("W_k.bias", b->slice(0, E, 2 * E), "in_proj_bias");
     put("W_v.bias", b->slice(0, 2 * E, 3 * E), "in_proj_bias");

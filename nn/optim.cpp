@@ -122,7 +122,7 @@ void Optimizer::load_state_dict(const StateDict& dict) {
       // "step" is a one-element counter; every other buffer has the parameter's shape.
       const Shape want = buf == "step" ? Shape{1} : p.value.shape();
       check(t.shape() == want, op.c_str(), "'{}' has shape {}, expected {}", key,
-            shape_str(t.shape()), shape_str(want));
+            shape_arg(t.shape()), shape_arg(want));
       staged[i].emplace(buf, t.to(buf == "step" ? DType::F64 : p.value.dtype()).clone());
     }
   }

@@ -73,7 +73,7 @@ void check_module_args(const char* op, int64_t num_hiddens, double p, DType dtyp
 
 void check_sequence(const char* op, const Tensor& X, int64_t num_hiddens, DType dtype) {
   detail::check_input(op, "X", X, 3, dtype);
-  check(X.dim(2) == num_hiddens, op, "X has shape {}, expected (B, T, {})", shape_str(X.shape()),
+  check(X.dim(2) == num_hiddens, op, "X has shape {}, expected (B, T, {})", shape_arg(X.shape()),
         num_hiddens);
 }
 
@@ -121,7 +121,7 @@ Tensor PositionalEncoding::backward(Context& ctx, const Tensor& dout) {
   // forward: out = dropout(X + P), P constant, so dX = dropout_backward(dout) (same mask).
   check(dout.defined() && dout.ndim() == 3 && dout.dim(2) == num_hiddens_ && dout.dtype() == dtype_,
         "PositionalEncoding::backward", "dout has shape {}, expected (B, T, {}) of {}",
-        shape_str(dout.shape()), num_hiddens_, dtype_name(dtype_));
+        shape_arg(dout.shape()), num_hiddens_, dtype_name(dtype_));
   if (dropped_) return dropout_backward(ctx, dout, dropout, ctx.seed, dropout_offset_);
   return dout.clone();
 }
@@ -152,7 +152,7 @@ Tensor LearnedPositionalEmbedding::forward(Context& ctx, const Tensor& X) {
   check(X.dim(1) <= max_len, op,
         "X has shape {}: {} positions, but the table holds max_len = {} (a learned table cannot "
         "extrapolate; use PositionalEncoding or a larger max_len)",
-        shape_str(X.shape()), X.dim(1), max_len);
+        shape_arg(X.shape()), X.dim(1), max_len);
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   T_ = X.dim(1);
   Tensor Y = add_positions(X, weight.value, ctx.resolved_threads());
@@ -169,7 +169,7 @@ Tensor LearnedPositionalEmbedding::backward(Context& ctx, const Tensor& dout) {
   const int64_t E = weight.value.dim(1);
   check(dout.defined() && dout.ndim() == 3 && dout.dim(1) == T_ && dout.dim(2) == E &&
             dout.dtype() == dtype_,
-        op, "dout has shape {}, expected (B, {}, {}) of {}", shape_str(dout.shape()), T_, E,
+        op, "dout has shape {}, expected (B, {}, {}) of {}", shape_arg(dout.shape()), T_, E,
         dtype_name(dtype_));
   // forward: Y = X + W[:T]; out = dropout(Y). So dY = dropout_backward(dout), dX = dY and
   // W.grad[t] += sum over b of dY[b, t].

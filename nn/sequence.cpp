@@ -32,8 +32,8 @@ void init_uniform(Parameter& p, const Shape& shape, DType dtype, double bound, u
 void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType dtype) {
   check(dout.defined() && dout.shape() == expected && dout.dtype() == dtype, op,
         "dout has shape {} and dtype {}, expected {} and {}",
-        dout.defined() ? shape_str(dout.shape()) : std::string("undefined"),
-        dout.defined() ? dtype_name(dout.dtype()) : "none", shape_str(expected), dtype_name(dtype));
+        shape_arg(dout),
+        dout.defined() ? dtype_name(dout.dtype()) : "none", shape_arg(expected), dtype_name(dtype));
 }
 
 }  // namespace

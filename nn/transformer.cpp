@@ -52,7 +52,7 @@ Tensor TransformerEncoderBlock::forward(Context& ctx, const Tensor& X, const Ten
   const char* op = "TransformerEncoderBlock";
   detail::check_input(op, "X", X, 3, dtype_);
   check(X.dim(2) == attention.num_hiddens(), op, "X has shape {}, expected (B, T, {})",
-        shape_str(X.shape()), attention.num_hiddens());
+        shape_arg(X.shape()), attention.num_hiddens());
   // Self-attention: queries, keys and values are all X. Dropout order: attention weights, then
   // addnorm1's Y, then addnorm2's Y.
   Tensor Y = addnorm1.forward(ctx, X, attention.forward(ctx, X, X, X, valid_lens));
@@ -191,7 +191,7 @@ void TransformerEncoder::train(bool on) {
 Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens) {
   const char* op = "TransformerEncoder";
   check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)",
-        ids.defined() ? shape_str(ids.shape()) : std::string("undefined"));
+        shape_arg(ids));
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   // Since positional encoding values are between -1 and 1, the embedding values are multiplied
   // by sqrt(E) to rescale before they are summed up (d2l).

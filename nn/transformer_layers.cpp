@@ -33,8 +33,8 @@ void check_dropout(const char* op, double p) {
 void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType dtype) {
   check(dout.defined() && dout.shape() == expected && dout.dtype() == dtype, op,
         "dout has shape {} and dtype {}, expected {} and {}",
-        dout.defined() ? shape_str(dout.shape()) : std::string("undefined"),
-        dout.defined() ? dtype_name(dout.dtype()) : "none", shape_str(expected), dtype_name(dtype));
+        shape_arg(dout),
+        dout.defined() ? dtype_name(dout.dtype()) : "none", shape_arg(expected), dtype_name(dtype));
 }
 
 // AddNorm's dropout of Y as ops::dropout draws it: the outermost axis is the sample axis
@@ -111,7 +111,7 @@ Tensor LayerNorm::forward(Context& ctx, const Tensor& X) {
   const char* op = "LayerNorm";
   detail::check_input(op, "X", X, 0, dtype_);
   check(X.dim(-1) == weight.value.dim(0), op, "X has shape {}, expected (..., {})",
-        shape_str(X.shape()), weight.value.dim(0));
+        shape_arg(X.shape()), weight.value.dim(0));
   x_ = X;
   saved_ = layer_norm(ctx, X, weight.value, bias.value, eps);
   return saved_.y;
@@ -192,8 +192,8 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   const char* op = "AddNorm";
   detail::check_input(op, "X", X, 0, dtype_);
   detail::check_input(op, "Y", Y, 0, dtype_);
-  check(X.shape() == Y.shape(), op, "X {} and Y {} must have the same shape", shape_str(X.shape()),
-        shape_str(Y.shape()));
+  check(X.shape() == Y.shape(), op, "X {} and Y {} must have the same shape", shape_arg(X.shape()),
+        shape_arg(Y.shape()));
   check_dropout(op, dropout);
   // Dropout acts on the sublayer output Y only, never on the residual X (d2l).
   dropped_ = training_ && dropout > 0.0;
@@ -289,8 +289,8 @@ Tensor ClassificationHead::forward(Context& ctx, const Tensor& X, const Tensor& 
   counts_.assign(static_cast<size_t>(B), T);
   if (valid_lens.defined()) {
     check(valid_lens.ndim() == 1 && valid_lens.dim(0) == B, op,
-          "valid_lens has shape {}, expected (B) = ({}) for X {}", shape_str(valid_lens.shape()), B,
-          shape_str(X.shape()));
+          "valid_lens has shape {}, expected (B) = ({}) for X {}", shape_arg(valid_lens.shape()), B,
+          shape_arg(X.shape()));
     for (int64_t b = 0; b < B; ++b)
       counts_[static_cast<size_t>(b)] = positions_kept(valid_lens.flat(b), T);
   }

@@ -13,7 +13,7 @@ namespace {
 void check_activation_dtype(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
   check(t.dtype() == DType::F32 || t.dtype() == DType::F64 || t.dtype() == DType::BF16, op,
-        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_str(t.shape()),
+        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_arg(t.shape()),
         dtype_name(t.dtype()));
 }
 
@@ -54,7 +54,7 @@ Tensor relu_backward(Context& ctx, const Tensor& dy, const Tensor& x) {
   check_activation_dtype(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == x.shape(), op, "dy has shape {}, expected x's shape {}",
-        shape_str(dy.shape()), shape_str(x.shape()));
+        shape_arg(dy.shape()), shape_arg(x.shape()));
   const Tensor dyc = dy.contiguous(), xc = x.contiguous();
   Tensor dx = Tensor::empty(x.shape(), x.dtype());
   if (x.dtype() == DType::BF16) {

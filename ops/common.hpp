@@ -12,13 +12,13 @@ namespace attn::detail {
 inline void check_float_tensor(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32 or float64 tensor", name);
   check(t.dtype() == DType::F32 || t.dtype() == DType::F64, op,
-        "{} {} has dtype {}, expected F32 or F64", name, shape_str(t.shape()),
+        "{} {} has dtype {}, expected F32 or F64", name, shape_arg(t.shape()),
         dtype_name(t.dtype()));
 }
 
 inline void check_ndim(const char* op, const char* name, const Tensor& t, int ndim,
                        const char* layout) {
-  check(t.ndim() == ndim, op, "{} has shape {}, expected {}-D {}", name, shape_str(t.shape()), ndim,
+  check(t.ndim() == ndim, op, "{} has shape {}, expected {}-D {}", name, shape_arg(t.shape()), ndim,
         layout);
 }
 

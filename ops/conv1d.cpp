@@ -15,9 +15,9 @@ Shape check_conv1d(const char* op, const Tensor& x, const Tensor& W) {
   detail::check_ndim(op, "W", W, 3, "(d_out, d_in, k)");
   detail::check_same_dtype(op, "W", W, "x", x);
   check(x.dim(2) == W.dim(1), op, "x {} and W {} do not match, expected x (B, n, {})",
-        shape_str(x.shape()), shape_str(W.shape()), W.dim(1));
+        shape_arg(x.shape()), shape_arg(W.shape()), W.dim(1));
   check(W.dim(2) % 2 == 1, op, "W {} has kernel size {}, expected an odd k ('same' padding)",
-        shape_str(W.shape()), W.dim(2));
+        shape_arg(W.shape()), W.dim(2));
   return {x.dim(0), x.dim(1), W.dim(0)};
 }
 
@@ -30,7 +30,7 @@ Tensor conv1d(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b, i
     detail::check_float_tensor(op, "b", b);
     detail::check_same_dtype(op, "b", b, "x", x);
     check(b.ndim() == 1 && b.dim(0) == W.dim(0), op, "b has shape {}, expected (d_out) = ({})",
-          shape_str(b.shape()), W.dim(0));
+          shape_arg(b.shape()), W.dim(0));
   }
   (void)ctx;
   const Tensor xc = x.contiguous(), wc = W.contiguous();
@@ -52,7 +52,7 @@ Conv1dGrads conv1d_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   detail::check_float_tensor(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == y_shape, op, "dy has shape {}, expected (B, n, d_out) = {}",
-        shape_str(dy.shape()), shape_str(y_shape));
+        shape_arg(dy.shape()), shape_arg(y_shape));
   (void)ctx;
   const Tensor dyc = dy.contiguous(), xc = x.contiguous(), wc = W.contiguous();
   Conv1dGrads grads;

@@ -22,7 +22,7 @@ void check_ids_in_range(const char* op, const Id* ids, int64_t N, int64_t V, con
     if (id >= 0 && id < V) continue;
     check(false, op,
           "ids {} holds {} at flat position {}, expected ids in [0, {}) (the vocabulary size)",
-          shape_str(shape), id, n, V);
+          shape_arg(shape), id, n, V);
   }
 }
 
@@ -38,7 +38,7 @@ void dispatch_ids(DType dtype, F&& f) {
 void check_ids(const char* op, const Tensor& ids) {
   check(ids.defined(), op, "ids is undefined, expected an I32 or I64 tensor");
   check(ids.dtype() == DType::I32 || ids.dtype() == DType::I64, op,
-        "ids {} has dtype {}, expected I32 or I64", shape_str(ids.shape()),
+        "ids {} has dtype {}, expected I32 or I64", shape_arg(ids.shape()),
         dtype_name(ids.dtype()));
 }
 
@@ -114,10 +114,10 @@ Tensor embedding_backward(Context& ctx, const Tensor& dout, const Tensor& ids, i
   detail::check_float_tensor(op, "dout", dout);
   check(vocab_size >= 1, op, "vocab_size is {}, expected >= 1", vocab_size);
   check(dout.ndim() == ids.ndim() + 1, op, "dout has shape {}, expected ids' shape {} + (E)",
-        shape_str(dout.shape()), shape_str(ids.shape()));
+        shape_arg(dout.shape()), shape_arg(ids.shape()));
   for (int i = 0; i < ids.ndim(); ++i)
     check(dout.dim(i) == ids.dim(i), op, "dout has shape {}, expected ids' shape {} + (E)",
-          shape_str(dout.shape()), shape_str(ids.shape()));
+          shape_arg(dout.shape()), shape_arg(ids.shape()));
   const int64_t E = dout.dim(-1), N = ids.numel();
   const Tensor ic = ids.contiguous(), dc = dout.contiguous();
   Tensor dweight = Tensor::empty({vocab_size, E}, dout.dtype());

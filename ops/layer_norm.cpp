@@ -16,7 +16,7 @@ namespace {
 int64_t check_layer_norm(const char* op, const Tensor& x, const Tensor& gamma, const Tensor& beta) {
   detail::check_float_tensor(op, "x", x);
   check(x.ndim() >= 1 && x.dim(-1) >= 1, op, "x has shape {}, expected (..., E) with E >= 1",
-        shape_str(x.shape()));
+        shape_arg(x.shape()));
   const int64_t E = x.dim(-1);
   check(gamma.defined() == beta.defined(), op,
         "gamma is {} but beta is {}: give both (affine) or neither",
@@ -27,7 +27,7 @@ int64_t check_layer_norm(const char* op, const Tensor& x, const Tensor& gamma, c
     detail::check_float_tensor(op, name, *t);
     detail::check_same_dtype(op, name, *t, "x", x);
     check(t->ndim() == 1 && t->dim(0) == E, op, "{} has shape {}, expected (E) = ({}) for x {}",
-          name, shape_str(t->shape()), E, shape_str(x.shape()));
+          name, shape_arg(t->shape()), E, shape_arg(x.shape()));
   }
   return E;
 }
@@ -73,13 +73,13 @@ LayerNormGrads layer_norm_backward(Context& ctx, const Tensor& dy, const Tensor&
   detail::check_float_tensor(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == x.shape(), op, "dy has shape {}, expected x's shape {}",
-        shape_str(dy.shape()), shape_str(x.shape()));
+        shape_arg(dy.shape()), shape_arg(x.shape()));
   for (const auto& [name, t] :
        {std::pair<const char*, const Tensor*>{"mean", &forward.mean}, {"rstd", &forward.rstd}}) {
     detail::check_float_tensor(op, name, *t);
     detail::check_same_dtype(op, name, *t, "x", x);
     check(t->shape() == row_shape(x), op, "saved {} has shape {}, expected {} (x without E)", name,
-          shape_str(t->shape()), shape_str(row_shape(x)));
+          shape_arg(t->shape()), shape_arg(row_shape(x)));
   }
   const int64_t R = x.numel() / E;
   const Tensor dyc = dy.contiguous(), xc = x.contiguous();

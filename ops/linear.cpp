@@ -27,7 +27,7 @@ bool use_fast_path(const Context& ctx, DType dtype) {
 void check_linear_dtype(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
   check(t.dtype() == DType::F32 || t.dtype() == DType::F64 || t.dtype() == DType::BF16, op,
-        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_str(t.shape()),
+        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_arg(t.shape()),
         dtype_name(t.dtype()));
 }
 
@@ -83,11 +83,11 @@ RowMatrix row_matrix(const Tensor& t, Tensor& storage) {
 Shape check_linear(const char* op, const Tensor& x, const Tensor& W) {
   check_linear_dtype(op, "x", x);
   check_linear_dtype(op, "W", W);
-  check(x.ndim() >= 1, op, "x has shape {}, expected (..., in)", shape_str(x.shape()));
+  check(x.ndim() >= 1, op, "x has shape {}, expected (..., in)", shape_arg(x.shape()));
   detail::check_ndim(op, "W", W, 2, "(out, in)");
   detail::check_same_dtype(op, "W", W, "x", x);
   check(x.dim(-1) == W.dim(1), op, "x {} and W {} do not match, expected x (..., {})",
-        shape_str(x.shape()), shape_str(W.shape()), W.dim(1));
+        shape_arg(x.shape()), shape_arg(W.shape()), W.dim(1));
   Shape y_shape = x.shape();
   y_shape.back() = W.dim(0);
   return y_shape;
@@ -102,7 +102,7 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
     check_linear_dtype(op, "b", b);
     detail::check_same_dtype(op, "b", b, "x", x);
     check(b.ndim() == 1 && b.dim(0) == W.dim(0), op, "b has shape {}, expected (out) = ({})",
-          shape_str(b.shape()), W.dim(0));
+          shape_arg(b.shape()), W.dim(0));
   }
   const int64_t I = W.dim(1), O = W.dim(0);
   // Rows = product of x's leading dims (x.numel() / I fails when I == 0).
@@ -151,7 +151,7 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   check_linear_dtype(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == y_shape, op, "dy has shape {}, expected (..., out) = {}",
-        shape_str(dy.shape()), shape_str(y_shape));
+        shape_arg(dy.shape()), shape_arg(y_shape));
   const int64_t I = W.dim(1), O = W.dim(0);
   // Rows = product of x's leading dims (x.numel() / I fails when I == 0).
   int64_t rows = 1;

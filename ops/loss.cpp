@@ -25,25 +25,25 @@ std::vector<uint8_t> keep_mask(const char* op, const Tensor& logits, const Tenso
                                const CrossEntropyOptions& opts) {
   detail::check_float_tensor(op, "logits", logits);
   check(logits.ndim() >= 1 && logits.dim(-1) >= 1, op,
-        "logits has shape {}, expected (..., C) with C >= 1", shape_str(logits.shape()));
+        "logits has shape {}, expected (..., C) with C >= 1", shape_arg(logits.shape()));
   check(targets.defined(), op, "targets is undefined, expected an I32 or I64 tensor");
   check(targets.dtype() == DType::I32 || targets.dtype() == DType::I64, op,
-        "targets {} has dtype {}, expected I32 or I64", shape_str(targets.shape()),
+        "targets {} has dtype {}, expected I32 or I64", shape_arg(targets.shape()),
         dtype_name(targets.dtype()));
   const Shape lead(logits.shape().begin(), logits.shape().end() - 1);
   check(targets.shape() == lead, op, "targets has shape {}, expected logits {} without C: {}",
-        shape_str(targets.shape()), shape_str(logits.shape()), shape_str(lead));
+        shape_arg(targets.shape()), shape_arg(logits.shape()), shape_arg(lead));
   const int64_t C = logits.dim(-1), N = targets.numel();
   std::vector<uint8_t> keep(static_cast<size_t>(N), 1);
   if (opts.valid_lens.defined()) {
     check(logits.ndim() == 3, op, "valid_lens needs logits (B, T, C), got {}",
-          shape_str(logits.shape()));
+          shape_arg(logits.shape()));
     const int64_t B = logits.dim(0), T = logits.dim(1);
     const Tensor& vl = opts.valid_lens;
     check(is_floating(vl.dtype()) || vl.dtype() == DType::I32 || vl.dtype() == DType::I64, op,
           "valid_lens has dtype {}", dtype_name(vl.dtype()));
     check(vl.ndim() == 1 && vl.dim(0) == B, op, "valid_lens has shape {}, expected (B) = ({})",
-          shape_str(vl.shape()), B);
+          shape_arg(vl.shape()), B);
     // d2l's sequence mask: t counts iff float(t) < len (as masked_softmax's keys).
     for (int64_t b = 0; b < B; ++b) {
       const int64_t kept = detail::keys_kept_by_length(vl.flat(b), T);
@@ -65,7 +65,7 @@ std::vector<uint8_t> keep_mask(const char* op, const Tensor& logits, const Tenso
       check(id >= 0 && id < C, op,
             "targets {} holds {} at flat position {}, expected a class in [0, {}) or "
             "ignore_index {}",
-            shape_str(targets.shape()), id, n, C, opts.ignore_index);
+            shape_arg(targets.shape()), id, n, C, opts.ignore_index);
     }
   });
   return keep;

@@ -21,7 +21,7 @@ void check_valid_lens(const char* op, const Tensor& valid_lens, int64_t B, int64
                   (valid_lens.ndim() == 2 && valid_lens.dim(0) == Bl && valid_lens.dim(1) == T);
   check(ok, op,
         "valid_lens has shape {}, expected (B) = ({}) or (B, T) = ({}, {}) (lens_repeat {})",
-        shape_str(valid_lens.shape()), Bl, Bl, T, lens_repeat);
+        shape_arg(valid_lens.shape()), Bl, Bl, T, lens_repeat);
 }
 
 namespace {
@@ -41,7 +41,7 @@ Tensor masked_softmax(Context& ctx, const Tensor& X, const MaskOptions& mask) {
   (void)ctx;  // one backend so far: every Backend value runs the reference
   const Tensor x = X.contiguous();
   Tensor y = Tensor::empty(X.shape(), X.dtype());
-  check(S < (int64_t{1} << 31), op, "X {} has more than 2^31 keys", shape_str(X.shape()));
+  check(S < (int64_t{1} << 31), op, "X {} has more than 2^31 keys", shape_arg(X.shape()));
   const std::vector<int32_t> kept = detail::kept_key_counts(mask, B, T, S);
   detail::dispatch_float(X.dtype(), [&](auto zero) {
     using F = decltype(zero);
@@ -64,14 +64,14 @@ Tensor masked_softmax_backward(Context& ctx, const Tensor& dY, const Tensor& Y,
   check_scores(op, "Y", Y);
   detail::check_float_tensor(op, "dY", dY);
   check(dY.shape() == Y.shape(), op, "dY has shape {}, expected Y's shape {}",
-        shape_str(dY.shape()), shape_str(Y.shape()));
+        shape_arg(dY.shape()), shape_arg(Y.shape()));
   detail::check_same_dtype(op, "dY", dY, "Y", Y);
   const int64_t B = Y.dim(0), T = Y.dim(1), S = Y.dim(2);
   check_valid_lens(op, mask.valid_lens, B, T, mask.lens_repeat);
   (void)ctx;
   const Tensor dy = dY.contiguous(), y = Y.contiguous();
   Tensor dx = Tensor::empty(Y.shape(), Y.dtype());
-  check(S < (int64_t{1} << 31), op, "Y {} has more than 2^31 keys", shape_str(Y.shape()));
+  check(S < (int64_t{1} << 31), op, "Y {} has more than 2^31 keys", shape_arg(Y.shape()));
   const std::vector<int32_t> kept = detail::kept_key_counts(mask, B, T, S);
   detail::dispatch_float(Y.dtype(), [&](auto zero) {
     using F = decltype(zero);

@@ -16,7 +16,7 @@ Tensor rotate(const char* op, const Tensor& x, const RotaryOptions& opts, double
   check(x.dim(2) % 2 == 0, op,
         "x has shape {}: D = {} is odd, RoPE rotates pairs and needs an "
         "even width",
-        shape_str(x.shape()), x.dim(2));
+        shape_arg(x.shape()), x.dim(2));
   check(std::isfinite(opts.base) && opts.base > 0.0, op, "base is {}, expected a positive number",
         opts.base);
   check(opts.position_offset >= 0, op, "position_offset is {}, expected >= 0",

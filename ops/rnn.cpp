@@ -36,18 +36,18 @@ RnnDims check_rnn(const char* op, const Tensor& x, const Tensor& h0, const Tenso
   detail::check_same_dtype(op, "W_hh", W_hh, "x", x);
   check(W_ih.dim(0) % gates.count == 0, op,
         "W_ih has shape {}, expected ({}, I): {} gates (r, z, n) of H rows each",
-        shape_str(W_ih.shape()), gates.rows, gates.count);
+        shape_arg(W_ih.shape()), gates.rows, gates.count);
   const RnnDims d{x.dim(0), x.dim(1), x.dim(2), W_ih.dim(0) / gates.count};
   check(W_ih.dim(1) == d.I, op, "x {} and W_ih {} do not match, expected W_ih ({}, {})",
-        shape_str(x.shape()), shape_str(W_ih.shape()), gates.rows, d.I);
+        shape_arg(x.shape()), shape_arg(W_ih.shape()), gates.rows, d.I);
   check(W_hh.dim(0) == gates.count * d.H && W_hh.dim(1) == d.H, op,
-        "W_hh has shape {}, expected ({}, H) = ({}, {}) from W_ih {}", shape_str(W_hh.shape()),
-        gates.rows, gates.count * d.H, d.H, shape_str(W_ih.shape()));
+        "W_hh has shape {}, expected ({}, H) = ({}, {}) from W_ih {}", shape_arg(W_hh.shape()),
+        gates.rows, gates.count * d.H, d.H, shape_arg(W_ih.shape()));
   if (h0.defined()) {
     detail::check_float_tensor(op, "h0", h0);
     detail::check_same_dtype(op, "h0", h0, "x", x);
     check(h0.shape() == Shape{d.B, d.H}, op, "h0 has shape {}, expected (B, H) = ({}, {})",
-          shape_str(h0.shape()), d.B, d.H);
+          shape_arg(h0.shape()), d.B, d.H);
   }
   return d;
 }
@@ -63,7 +63,7 @@ void check_biases(const char* op, const Tensor& b_ih, const Tensor& b_hh, const 
     detail::check_float_tensor(op, name, *bias);
     detail::check_same_dtype(op, name, *bias, "x", x);
     check(bias->ndim() == 1 && bias->dim(0) == gates.count * d.H, op,
-          "{} has shape {}, expected ({}) = ({})", name, shape_str(bias->shape()), gates.rows,
+          "{} has shape {}, expected ({}) = ({})", name, shape_arg(bias->shape()), gates.rows,
           gates.count * d.H);
   }
 }
@@ -76,13 +76,13 @@ void check_backward_inputs(const char* op, const Tensor& dout, const Tensor& dh_
     detail::check_float_tensor(op, name, *t);
     detail::check_same_dtype(op, name, *t, "x", x);
     check(t->shape() == out_shape, op, "{} has shape {}, expected (B, n, H) = {}", name,
-          shape_str(t->shape()), shape_str(out_shape));
+          shape_arg(t->shape()), shape_arg(out_shape));
   }
   if (dh_n.defined()) {
     detail::check_float_tensor(op, "dh_n", dh_n);
     detail::check_same_dtype(op, "dh_n", dh_n, "x", x);
     check(dh_n.shape() == Shape{d.B, d.H}, op, "dh_n has shape {}, expected (B, H) = ({}, {})",
-          shape_str(dh_n.shape()), d.B, d.H);
+          shape_arg(dh_n.shape()), d.B, d.H);
   }
 }
 

@@ -23,13 +23,21 @@ class Error : public std::invalid_argument {
   std::string op_;
 };
 
+namespace detail {
+// Formats and throws Error(op, message): kept out of line and marked cold so that a check on a hot
+// path compiles to one compare and a branch to here, and no text exists until an error is thrown.
+[[noreturn, gnu::cold, gnu::noinline]] void throw_error(const char* op, fmt::string_view format,
+                                                        fmt::format_args args);
+}  // namespace detail
+
 // Throws Error(op, formatted message) unless `condition` holds. The message is only formatted on
-// failure, so checks on hot-but-not-inner paths cost a branch.
+// failure, but the arguments are evaluated on every call: pass values and cheap views
+// (shape_arg(t) from tensor.hpp, dtype_name), never a std::string built for the message.
 template <typename... Args>
 inline void check(bool condition, const char* op, fmt::format_string<Args...> format,
                   Args&&... args) {
   if (!condition) [[unlikely]] {
-    throw Error(op, fmt::format(format, std::forward<Args>(args)...));
+    detail::throw_error(op, format, fmt::make_format_args(args...));
   }
 }
 

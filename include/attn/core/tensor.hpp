@@ -26,6 +26,13 @@ using Strides = std::vector<int64_t>;
 
 // "(2, 4, 100)"; "()" for a scalar.
 std::string shape_str(const Shape& shape);
+// A shape for check()'s message, formatted as shape_str only when the check fails ("undefined" for
+// an undefined tensor). Arguments of check() are evaluated on every call, so hot checks pass this
+// rather than shape_str(...). It refers to the shape: use it within the call's expression only.
+struct ShapeArg {
+  const Shape* shape = nullptr;
+};
+inline ShapeArg shape_arg(const Shape& shape) { return ShapeArg{&shape}; }
 // Number of elements; throws Error(op) when the product overflows int64 or a dim is negative.
 int64_t shape_numel(const Shape& shape, const char* op = "Tensor");
 Strides contiguous_strides(const Shape& shape);
@@ -79,6 +86,7 @@ class Tensor {
   // plumbing, not for inner loops.
   double at(std::initializer_list<int64_t> index) const;
   double at(const std::vector<int64_t>& index) const;
+  void set(std::initializer_list<int64_t> index, double value);
   void set(const std::vector<int64_t>& index, double value);
   // Element at row-major logical position i (honours strides).
   double flat(int64_t i) const;
@@ -113,9 +121,11 @@ class Tensor {
 
   void require_host(const char* op) const;
 
-  int64_t offset_of(const std::vector<int64_t>& index) const;
+  int64_t offset_of(const int64_t* index, size_t n) const;
   int64_t offset_of_flat(int64_t i) const;
 };
+
+inline ShapeArg shape_arg(const Tensor& t) { return ShapeArg{t.defined() ? &t.shape() : nullptr}; }
 
 // Max |a - b| over all elements (shapes must match); NaN if either holds NaN.
 double max_abs_diff(const Tensor& a, const Tensor& b);
@@ -125,3 +135,12 @@ bool allclose(const Tensor& a, const Tensor& b, double rtol, double atol,
               std::string* detail = nullptr);
 
 }  // namespace attn
+
+template <>
+struct fmt::formatter<attn::ShapeArg> {
+  constexpr auto parse(fmt::format_parse_context& ctx) { return ctx.begin(); }
+  template <typename FormatContext>
+  auto format(const attn::ShapeArg& a, FormatContext& ctx) const {
+    return fmt::format_to(ctx.out(), "{}", a.shape ? attn::shape_str(*a.shape) : "undefined");
+  }
+};
