@@ -348,16 +348,18 @@ void check_against_oracle(const Impl& impl, const Case& c, const Result& got, co
 // The sweep: sizes straddle every tile (fp32 query block 192 / key tile 64 on AVX-512, 96 / 32
 // on AVX2, scalar 4-key tiles; bf16 query block 192, key tile 64, backward key block 64 and
 // query tile 96) from 1 to 2x, T != S, odd T and S (a padded pair in bf16), odd and large head
-// widths, Dv != D; {2, 131, 520} has B < 4 and S > 512 (the backward splits each row's keys and
-// sums dQ shares); S % 4 == 0 cases take the vectorized dropout draw and record its decisions.
-// Every size runs with no lengths, 1-D and 2-D lengths (zeros included), causal or not, dropout 0
-// and 0.3, both masked-row policies and the three view layouts, in turns.
+// widths, Dv != D. The schedule (kernels/cpu/flash_driver.hpp) halves the forward's query
+// blocks and splits each row's keys over several backward items (dQ shares summed in order)
+// when B is small, as it is in every size but {16, 200, 64}, which keeps whole blocks and one
+// backward item per row. S % 4 == 0 cases take the vectorized dropout draw and record its
+// decisions. Every size runs with no lengths, 1-D and 2-D lengths (zeros included), causal or
+// not, dropout 0 and 0.3, both masked-row policies and the three view layouts, in turns.
 std::vector<Case> cases() {
   const int64_t sizes[][5] = {
       {1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},      {1, 97, 65, 33, 33},     {2, 64, 64, 64, 64},
       {1, 200, 130, 64, 48}, {1, 96, 193, 128, 128}, {1, 193, 129, 128, 128}, {1, 33, 17, 256, 256},
       {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32},  {1, 385, 70, 80, 80},    {2, 131, 520, 24, 40},
-      {1, 250, 96, 40, 24}};
+      {1, 250, 96, 40, 24},  {16, 200, 64, 16, 16}};
   std::vector<Case> out;
   int layout = 0;
   for (const auto& sz : sizes)
