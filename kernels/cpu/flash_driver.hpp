@@ -29,14 +29,17 @@
 
 namespace attn::cpu {
 
-// How many work items the schedules aim for, where the shape allows, so that a machine of up to
-// 16 cores has work for every thread. Constants of the shape, never the thread count: the items
-// fix the arithmetic, so results stay bitwise identical for any number of threads.
-//   forward: 2 items per thread of 16 (a smaller query block costs only re-reading K and V);
-//   backward: 1 per thread of 16 (more key splits cost a dQ share of T x D floats per item and
-//   their merge, a few percent at one thread).
+// How many work items the schedules aim for, where the shape allows. Constants of the shape,
+// never the thread count: the items fix the arithmetic, so results stay bitwise identical for
+// any number of threads.
+//   forward: 2 items per thread of a 16-core machine; a half-size query block costs only
+//     re-reading K and V.
+//   backward: 4. Every extra key split packs all T rows of q and dO again and adds a T x D dQ
+//     share to zero and merge, which costs more at one thread than more items gain on two
+//     (measured: docs/kernels-cpu.md), so more splits wait for a cheaper split (dQ by query
+//     blocks in a second pass) measured on a machine with more cores.
 constexpr int64_t kForwardItems = 32;
-constexpr int64_t kBackwardItems = 16;
+constexpr int64_t kBackwardItems = 4;
 
 // Query rows per forward item: the kernel's block, or half of it when whole blocks would give
 // fewer than kForwardItems items (few heads of a short or medium sequence).
