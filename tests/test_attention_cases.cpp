@@ -278,6 +278,7 @@ std::vector<Impl> implementations() {
 void expect_same_bits(const char* what, const std::vector<double>& a,
                       const std::vector<double>& b) {
   ASSERT_EQ(a.size(), b.size()) << what;
+  if (a.empty()) return;  // not computed by this row (memcmp takes no null pointers)
   EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(double))) << what;
 }
 
