@@ -1,9 +1,11 @@
-// The kernel interface of attention: what every fused attention kernel takes
-// (kernels/cpu/flash_attention, kernels/cpu/flash_bf16, and kernels/cpu/decode_attention through
-// DecodeArgs; the ring step of ops/ring_attention.cpp calls the flash kernels per key block).
-// Internal to the library. Plain numbers and pointers only: no Tensor, no public op header.
-// The ops layer validates the user's tensors, lowers the mask to kept-key counts (ops/mask.hpp) and
-// fills these structs in one place (ops/attention_kernel.hpp).
+// The kernel interface of attention: what every fused attention kernel (kernels/cpu/
+// flash_attention, kernels/cpu/flash_bf16, kernels/cpu/decode_attention; the ring step calls the
+// flash kernels per block) and the oracle (kernels/ref/attention.hpp) take. Internal to the
+// library. Plain numbers and pointers only: no Tensor, no public op header. The ops layer
+// validates the user's tensors, lowers the mask to kept-key counts (ops/mask.hpp) and fills these
+// structs in one place (ops/attention_kernel.hpp); the tests build them from a case
+// (tests/attention_harness.hpp) and run every case on every kernel
+// (tests/test_attention_cases.cpp).
 //
 // Glossary: B rows of (batch, head) pairs, T queries, S keys, D head dim of q and k, Dv of v.
 //

@@ -1,9 +1,12 @@
 // Scaled dot-product and additive attention: validation, mask lowering (ops/mask.hpp), then one
-// dispatch per op. Scaled dot-product attention runs the fused CPU kernels (float32:
-// kernels/cpu/flash_attention, bfloat16: kernels/cpu/flash_bf16; arguments built in
-// ops/attention_kernel.hpp) where use_flash says so, else the reference loops
-// (kernels/ref/attention.cpp); additive attention always runs the reference
-// (kernels/ref/additive.cpp). The math is in docs/ops.md.
+// dispatch per op. Scaled dot-product attention asks the one dispatch rule of
+// ops/attention_kernel.hpp (fused_attention_serves) and builds its arguments there
+// (attention_problem / attention_args): the fused CPU kernels (float32:
+// kernels/cpu/flash_attention, bfloat16: kernels/cpu/flash_bf16) or the oracle on the same
+// problem description (kernels/ref/attention.hpp). Additive attention always runs the reference
+// (kernels/ref/additive.cpp). The math is in docs/ops.md; the tests are
+// tests/test_attention_cases.cpp (every implementation against the oracle) and
+// tests/test_ops_attention.cpp (the op: errors, finite differences, PyTorch parity).
 #include "attn/ops/attention.hpp"
 
 #include "kernels/ref/additive.hpp"

@@ -208,6 +208,18 @@ inline E from_f(float x) {
   }
 }
 
+// A float32 accumulator for the zero-filled tensor t of element type E: t itself for float32,
+// else `buf`, zero-filled to t's size (the caller rounds it into t at the end).
+template <class E>
+float* float_accumulator(Tensor& t, std::vector<float>& buf) {
+  if constexpr (std::is_same_v<E, float>) {
+    return t.data<float>();
+  } else {
+    buf.assign(static_cast<size_t>(t.numel()), 0.0f);
+    return buf.data();
+  }
+}
+
 // The dropout stream of one ring op, over the gathered problem (Tg, Sg): the single-process
 // kernel's mask (kernels/attention_problem.hpp).
 struct RingDropout {
@@ -373,13 +385,7 @@ AttentionResult forward_impl(Context& ctx, Communicator& comm, const Tensor& q, 
   result.logsumexp = Tensor::full({B, T}, -std::numeric_limits<double>::infinity(), DType::F32);
   // The float32 accumulator of the output: the output itself for float32.
   std::vector<float> o_buf;
-  float* o_acc = nullptr;
-  if constexpr (std::is_same_v<E, float>) {
-    o_acc = result.output.data<float>();
-  } else {
-    o_buf.assign(static_cast<size_t>(B * T * Dv), 0.0f);
-    o_acc = o_buf.data();
-  }
+  float* o_acc = float_accumulator<E>(result.output, o_buf);
   float* l_acc = result.logsumexp.data<float>();
   // The kUniform rows' sum of (dropped) values: per batch row, or per row with dropout.
   const bool drop_uniform = uniform && drop.active;
@@ -521,13 +527,7 @@ AttentionGrads backward_impl(Context& ctx, Communicator& comm, const Tensor& dou
   grads.dq = Tensor::zeros({B, T, D}, dt);
   // dq's float32 accumulator: dq itself for float32.
   std::vector<float> dq_buf;
-  float* dq_acc = nullptr;
-  if constexpr (std::is_same_v<E, float>) {
-    dq_acc = grads.dq.data<float>();
-  } else {
-    dq_buf.assign(static_cast<size_t>(B * T * D), 0.0f);
-    dq_acc = dq_buf.data();
-  }
+  float* dq_acc = float_accumulator<E>(grads.dq, dq_buf);
 
   // The travelling block's dk (B, S, D) then dv (B, S, Dv) in float32: this step's sum (acc),
   // the sum received from the previous rank (acc_in) and the one being sent on (acc_send).

@@ -1,19 +1,24 @@
-// The one attention test harness. Kernel level (test_kernels_flash_cpu.cpp for float32,
-// test_kernels_flash_bf16.cpp for bfloat16): strided views inside sentinel-filled buffers
+// The one attention test harness. Kernel level: strided views inside sentinel-filled buffers
 // (misaligned and non-unit strides, out-of-bounds writes detected), the case struct with its
 // printable name, the valid lengths of a case and the per-row key limits that the ops layer would
-// pass (kernels/attention_problem.hpp). Op and module level (test_nn_mha_heads.cpp): the same cases
-// and lengths as Tensors, d2l's head split and merge, bitwise Tensor equality. A new kernel
-// (decode, ring step, CUDA) joins by building its arguments from these.
+// pass, the kernel arguments of a case (KernelProblem: the tests' one builder of
+// kernels/attention_problem.hpp's structs) and the oracle on them (oracle(): kernels/ref on the
+// same problem description). The case table that runs every case on every implementation is
+// test_attention_cases.cpp; kernel-specific tests are test_kernels_flash_cpu.cpp (float32),
+// test_kernels_flash_bf16.cpp (bfloat16) and test_kernels_decode_attention.cpp. Op and module level
+// (test_nn_mha_heads.cpp): the same cases and lengths as Tensors, d2l's head split and merge,
+// bitwise Tensor equality.
 #pragma once
 
 #include "kernels/attention_problem.hpp"
+#include "kernels/ref/attention.hpp"
 
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/core/tensor.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -172,6 +177,112 @@ inline int64_t case_row_limit(const KernelCase& c, const std::vector<int32_t>& l
   int64_t lim = limit.empty() ? c.S : limit[b * c.T + t];
   if (c.causal) lim = std::min(lim, t + 1);
   return std::clamp<int64_t>(lim, 0, c.S);
+}
+
+// The kernel arguments of a case (the tests' one builder): q, k, v, dout filled (seeds 1..4, in
+// [-qk_range, qk_range) for q and k), out, dq, dk, dv (and the float32 weights, unit stride along
+// S, after with_weights()) in sentinel-filled buffers, the layouts rotated over the tensors, key
+// limits from the case, scale 1/sqrt(D), dropout stream (seed 1234, offset 5), one thread. p and g
+// point into this object: do not copy it after changing them (build it in place).
+template <class E>
+struct KernelProblem {
+  KernelCase cs;
+  HarnessView<E> q, k, v, out, dout, dq, dk, dv;
+  HarnessView<float> weights;
+  std::vector<float> lse;
+  std::vector<int32_t> key_limit;
+  kernels::AttentionArgs<E> p;
+  kernels::AttentionGradArgs<E> g;
+
+  explicit KernelProblem(const KernelCase& c, double qk_range = 1.0) : cs(c) {
+    const int L = c.layout;
+    q = make_harness_view<E>(c.B, c.T, c.D, L, 1, true, qk_range);
+    k = make_harness_view<E>(c.B, c.S, c.D, (L + 1) % 3, 2, true, qk_range);
+    v = make_harness_view<E>(c.B, c.S, c.Dv, (L + 2) % 3, 3, true);
+    dout = make_harness_view<E>(c.B, c.T, c.Dv, L, 4, true);
+    out = make_harness_view<E>(c.B, c.T, c.Dv, L, 0, false);
+    dq = make_harness_view<E>(c.B, c.T, c.D, (L + 1) % 3, 0, false);
+    dk = make_harness_view<E>(c.B, c.S, c.D, L, 0, false);
+    dv = make_harness_view<E>(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
+    lse.assign(c.B * c.T, 0.0f);
+    key_limit = case_key_limits(c);
+    p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
+    p.q = q.input_view();
+    p.k = k.input_view();
+    p.v = v.input_view();
+    p.out = out.kernel_view();
+    p.lse = lse.data();
+    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
+    p.causal = c.causal;
+    p.masked_rows = c.masked_rows();
+    p.scale = float(1.0 / std::sqrt(double(c.D)));
+    p.dropout = c.dropout;
+    p.seed = 1234;
+    p.offset = 5;
+    p.threads = 1;
+    g.dout = dout.input_view();
+    g.dq = dq.kernel_view();
+    g.dk = dk.kernel_view();
+    g.dv = dv.kernel_view();
+  }
+  // Asks the forward for the weights too (float32 kernel), into a fresh sentinel-filled view.
+  void with_weights() {
+    weights = make_harness_view<float>(cs.B, cs.T, cs.S, cs.layout % 2, 0, false);
+    p.weights = weights.ptr(), p.w_sb = weights.sb, p.w_st = weights.sn;
+  }
+};
+
+// A view's elements as a contiguous (B, N, C) double array.
+template <class E>
+std::vector<double> contiguous_values(const HarnessView<E>& v) {
+  std::vector<double> x(static_cast<size_t>(v.B * v.N * v.C));
+  for (int64_t b = 0; b < v.B; ++b)
+    for (int64_t n = 0; n < v.N; ++n)
+      for (int64_t c = 0; c < v.C; ++c)
+        x[(b * v.N + n) * v.C + c] = static_cast<double>(v.at(b, n, c));
+  return x;
+}
+
+// What the oracle gives for a problem: contiguous (B, T, Dv), (B, T), (B, T, S) weights and the
+// gradients (B, T, D), (B, S, D), (B, S, Dv).
+struct Expected {
+  std::vector<double> out, lse, weights, dq, dk, dv;
+};
+
+// The oracle (kernels/ref/attention.hpp) on the problem's own description and input values, in
+// double: scale and dropout p as the kernels take them (float, widened).
+template <class E>
+Expected oracle(const KernelProblem<E>& pr, bool backward) {
+  const KernelCase& c = pr.cs;
+  const std::vector<double> q = contiguous_values(pr.q), k = contiguous_values(pr.k),
+                            v = contiguous_values(pr.v), dout = contiguous_values(pr.dout);
+  Expected r;
+  r.out.assign(c.B * c.T * c.Dv, 0.0);
+  r.lse.assign(c.B * c.T, 0.0);
+  r.weights.assign(c.B * c.T * c.S, 0.0);
+  ref::AttentionCall<double> call;
+  call.problem = pr.p;  // the AttentionProblem part: shapes, mask, dropout stream
+  call.scale = pr.p.scale;
+  call.dropout = pr.p.dropout;
+  call.q = q.data(), call.k = k.data(), call.v = v.data();
+  call.out = r.out.data(), call.lse = r.lse.data(), call.weights = r.weights.data();
+  ref::sdpa_forward(call);
+  if (backward) {
+    r.dq.assign(c.B * c.T * c.D, 0.0);
+    r.dk.assign(c.B * c.S * c.D, 0.0);
+    r.dv.assign(c.B * c.S * c.Dv, 0.0);
+    call.dout = dout.data();
+    call.dq = r.dq.data(), call.dk = r.dk.data(), call.dv = r.dv.data();
+    ref::sdpa_backward(call);
+  }
+  return r;
+}
+
+inline double max_abs(const std::vector<double>& x) {
+  double m = 1e-30;
+  for (double e : x)
+    m = std::max(m, std::abs(e));
+  return m;
 }
 
 // ---------------------------------------------------------------------------------------------

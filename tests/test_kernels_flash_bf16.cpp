@@ -1,38 +1,12 @@
-// kernels/cpu flash attention with bfloat16 inputs (flash_bf16.hpp) against a float64 reference
-// written here as the formulas, run on the same bf16 values: every mask kind, dropout, odd and
-// large head dims, tails around the tiles (query block 192, key tile 64), strided and misaligned
-// views, 1 vs 2 threads bitwise, both the native AVX512-BF16 kernel (when this CPU has it) and
-// the fp32 fallback (forced), and the ops layer (Backend::kCpu against kReference).
-//
-// Tolerances, from bf16's unit roundoff u = 2^-8 (8 significant bits, round to nearest even).
-// The native forward computes each score from exact products (bf16 x bf16 fits in fp32) summed
-// in fp32 (error ~ D 2^-24 |q||k|, 1e-5 relative at D = 256), each weight by a degree-4 exp2
-// (4.2e-5 relative), then rounds every weight P_s Z_s to bf16 (relative error <= u) before the
-// P V product, and rounds the output to bf16. Per element (t, e), with A = sum_s P_s Z_s |v_s e|:
-//   |out - ref| <= u |ref| (final rounding) + u A (weights' rounding) + ~1e-4 A (the rest),
-// which is the bound checked (A computed by the reference), times 1.05 for the final rounding
-// of the perturbed value. The fp32 fallback meets it with room to spare. lse is fp32 throughout:
-// sum of weights with relative error 1e-4 at most -> 2e-4 absolute, plus the scores' fp32 error.
-// The backward runs the fp32 kernel on the bf16 values, except that D_t = dO_t . out_t uses the
-// bf16-rounded out, whose error (bounded above) enters dS = P (dP - D_t); grads are rounded to
-// bf16. Checked: |g - ref| <= u |ref| + 1.05 * scale * E_t * sum_s P |x| + 1e-4 * max|grad|, with
-// E_t = sum_e |dO_te| * bound(out_te) (computed in reference()). That is the fallback's bound.
-// The native backward (AVX512-BF16) also rounds the operands of its products to bf16: P Z for
-// dV (each term's relative error <= u) and dS for dK and dQ (<= u each). Its inputs carry errors
-// of their own, all relative to P: the degree-3 exp2 (7.5e-5), the forward's lse (<= 2e-4
-// absolute, so <= 2e-4 relative in P = exp(score - lse)) and the fp32 scores (~1e-5); 5e-4
-// covers their sum. With the reference's sums of absolute terms
-//   Adv_se = sum_t P Z |dO_te|,  Adq_td = scale sum_s |dS_ts| |k_sd|,  Adk_sd = scale sum_t
-//   |dS_ts| |q_td|
-// the native checks add (u + 5e-4) times them to the fallback's bounds:
-//   |dv - ref| <= u |ref| + 1.05 (u + 5e-4) Adv + 1e-4 max|grad|, and likewise dq (Adq), dk (Adk)
-// (u |ref| the final rounding, 1.05 for the rounding of the perturbed value). The fp32 sums
-// (exact bf16 products, fp32 accumulation over <= 256 features or 96-query tiles) add
-// ~1e-6 relative, far below. Observed (AVX512-BF16 machine, ATTN_BF16_VERBOSE=1 prints the worst
-// error / tolerance per check): out <= 0.69 of its bound (native) and <= 0.44 (fallback); dq, dk
-// <= 0.46 and dv <= 0.95 (fallback); native backward: see docs/notes/bf16-kernel.md.
+// The bfloat16 flash kernels (kernels/cpu/flash_bf16) beyond the case table
+// (test_attention_cases.cpp, which runs the sweep over sizes, masks, dropout, views and threads on
+// every implementation, native and fp32 fallback included): huge logits, long rows, a pack larger
+// than the kept buffer, jumping scores, fully masked rows, non-finite inputs, long queries, and the
+// ops layer (Backend::kCpu against kReference). The bf16 tolerance model (bounds derived from
+// bf16's unit roundoff, computed beside the exact values): tests/attention_bf16_bounds.hpp.
 #include "kernels/cpu/flash_bf16.hpp"
 
+#include "attention_bf16_bounds.hpp"
 #include "attention_harness.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
@@ -53,242 +27,28 @@
 namespace attn::cpu {
 namespace {
 
-constexpr double kU = 1.0 / 256;                                     // bf16 unit roundoff 2^-8
 constexpr uint16_t kSentinel = testing::kHarnessSentinel<uint16_t>;  // a NaN payload
 
-// Views, guards, cases and key limits: tests/attention_harness.hpp.
+// Views, guards, cases and key limits: tests/attention_harness.hpp; the bounds:
+// tests/attention_bf16_bounds.hpp.
 using View = testing::HarnessView<uint16_t>;
 using Case = testing::KernelCase;
 using testing::guard_damage;
 using testing::Lens;
-
-View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
-               double range = 1.0) {
-  return testing::make_harness_view<uint16_t>(B, N, C, layout, seed, fill, range);
-}
-
-struct Problem {
-  Case cs;
-  View q, k, v, out, dout, dq, dk, dv;
-  std::vector<float> lse;
-  std::vector<int32_t> key_limit;
-  FlashBf16Params p;
-  FlashBf16Grads g;
-
-  explicit Problem(const Case& c, double qk_range = 1.0) : cs(c) {
-    const int L = c.layout;
-    q = make_view(c.B, c.T, c.D, L, 1, true, qk_range);
-    k = make_view(c.B, c.S, c.D, (L + 1) % 3, 2, true, qk_range);
-    v = make_view(c.B, c.S, c.Dv, (L + 2) % 3, 3, true);
-    dout = make_view(c.B, c.T, c.Dv, L, 4, true);
-    out = make_view(c.B, c.T, c.Dv, L, 0, false);
-    dq = make_view(c.B, c.T, c.D, (L + 1) % 3, 0, false);
-    dk = make_view(c.B, c.S, c.D, L, 0, false);
-    dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
-    lse.assign(c.B * c.T, 0.0f);
-    key_limit = testing::case_key_limits(c);
-    p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.input_view();
-    p.k = k.input_view();
-    p.v = v.input_view();
-    p.out = out.kernel_view();
-    p.lse = lse.data();
-    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
-    p.causal = c.causal;
-    p.masked_rows = c.masked_rows();
-    p.scale = float(1.0 / std::sqrt(double(c.D)));
-    p.dropout = c.dropout;
-    p.seed = 1234;
-    p.offset = 5;
-    p.threads = 1;
-    g.dout = dout.input_view();
-    g.dq = dq.kernel_view();
-    g.dk = dk.kernel_view();
-    g.dv = dv.kernel_view();
-  }
-};
-
-int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
-  return testing::case_row_limit(pr.cs, pr.key_limit, b, t);
-}
-
-// The formulas in double on the bf16 values, with the error bounds of the header comment.
-struct Reference {
-  std::vector<double> out, out_bound, lse, dq, dk, dv, dq_bound, dk_bound;
-  std::vector<double> dq_abs, dk_abs, dv_abs;  // Adq, Adk, Adv of the header
-};
-
-Reference reference(const Problem& pr) {
-  const Case& c = pr.cs;
-  const double scale = pr.p.scale;
-  Reference r;
-  r.out.assign(c.B * c.T * c.Dv, 0.0);
-  r.out_bound.assign(c.B * c.T * c.Dv, 0.0);
-  r.lse.assign(c.B * c.T, -std::numeric_limits<double>::infinity());
-  r.dq.assign(c.B * c.T * c.D, 0.0);
-  r.dk.assign(c.B * c.S * c.D, 0.0);
-  r.dv.assign(c.B * c.S * c.Dv, 0.0);
-  r.dq_bound.assign(c.B * c.T * c.D, 0.0);
-  r.dk_bound.assign(c.B * c.S * c.D, 0.0);
-  r.dq_abs.assign(c.B * c.T * c.D, 0.0);
-  r.dk_abs.assign(c.B * c.S * c.D, 0.0);
-  r.dv_abs.assign(c.B * c.S * c.Dv, 0.0);
-  const double keep_scale = c.dropout < 1 ? 1.0 / (1.0 - c.dropout) : 0.0;
-  std::vector<double> P(c.S), Z(c.S), dP(c.S);
-  for (int64_t b = 0; b < c.B; ++b) {
-    for (int64_t t = 0; t < c.T; ++t) {
-      const int64_t lim = row_limit(pr, b, t);
-      for (int64_t s = 0; s < c.S; ++s) {
-        const uint64_t i = uint64_t((b * c.T + t) * c.S + s);
-        Z[s] = c.dropout > 0 ? (dropout_keep(pr.p.seed, pr.p.offset, i, c.dropout) ? keep_scale : 0)
-                             : 1.0;
-      }
-      if (lim == 0) {
-        for (int64_t s = 0; s < c.S; ++s)
-          P[s] = c.zero_rows ? 0.0 : 1.0 / double(c.S);
-      } else {
-        double mx = -INFINITY;
-        for (int64_t s = 0; s < lim; ++s) {
-          double x = 0;
-          for (int64_t d = 0; d < c.D; ++d)
-            x += pr.q.at(b, t, d) * pr.k.at(b, s, d);
-          P[s] = x * scale;
-          mx = std::max(mx, P[s]);
-        }
-        double sum = 0;
-        for (int64_t s = 0; s < lim; ++s)
-          sum += std::exp(P[s] - mx);
-        for (int64_t s = 0; s < c.S; ++s)
-          P[s] = s < lim ? std::exp(P[s] - mx) / sum : 0.0;
-        r.lse[b * c.T + t] = mx + std::log(sum);
-      }
-      const int64_t o = (b * c.T + t) * c.Dv;
-      for (int64_t s = 0; s < c.S; ++s)
-        for (int64_t e = 0; e < c.Dv && P[s] != 0; ++e) {  // masked keys take no part
-          r.out[o + e] += P[s] * Z[s] * pr.v.at(b, s, e);
-          r.out_bound[o + e] += P[s] * Z[s] * std::abs(pr.v.at(b, s, e));  // A
-        }
-      double Et = 0;  // bound on |dO . (out_kernel - out)|
-      for (int64_t e = 0; e < c.Dv; ++e) {
-        const double A = r.out_bound[o + e];
-        r.out_bound[o + e] = 1.05 * (kU * std::abs(r.out[o + e]) + (kU + 1e-4) * A) + 1e-7;
-        Et += std::abs(pr.dout.at(b, t, e)) * r.out_bound[o + e];
-      }
-      double Dt = 0;
-      for (int64_t s = 0; s < c.S; ++s) {
-        double x = 0;
-        for (int64_t e = 0; e < c.Dv; ++e) {
-          const double go = pr.dout.at(b, t, e);
-          if (P[s] != 0) {  // masked keys take no part (a NaN in dO stays out of them)
-            r.dv[(b * c.S + s) * c.Dv + e] += P[s] * Z[s] * go;
-            if (lim > 0) r.dv_abs[(b * c.S + s) * c.Dv + e] += P[s] * Z[s] * std::abs(go);
-          }
-          x += go * pr.v.at(b, s, e);
-        }
-        dP[s] = Z[s] * x;
-        if (P[s] != 0) Dt += P[s] * dP[s];
-      }
-      if (lim == 0) continue;
-      for (int64_t s = 0; s < lim; ++s) {
-        const double dS = P[s] * (dP[s] - Dt) * scale;
-        for (int64_t d = 0; d < c.D; ++d) {
-          r.dq[(b * c.T + t) * c.D + d] += dS * pr.k.at(b, s, d);
-          r.dk[(b * c.S + s) * c.D + d] += dS * pr.q.at(b, t, d);
-          r.dq_bound[(b * c.T + t) * c.D + d] += P[s] * Et * scale * std::abs(pr.k.at(b, s, d));
-          r.dk_bound[(b * c.S + s) * c.D + d] += P[s] * Et * scale * std::abs(pr.q.at(b, t, d));
-          r.dq_abs[(b * c.T + t) * c.D + d] += std::abs(dS * pr.k.at(b, s, d));
-          r.dk_abs[(b * c.S + s) * c.D + d] += std::abs(dS * pr.q.at(b, t, d));
-        }
-      }
-    }
-  }
-  return r;
-}
-
-// |got - want| <= rel |want| + bound[i] + atol over a view; reports the first offender.
-::testing::AssertionResult close_view(const char* what, const View& got,
-                                      const std::vector<double>& want,
-                                      const std::vector<double>* bound, double rel, double atol) {
-  double worst = 0;
-  for (int64_t b = 0; b < got.B; ++b)
-    for (int64_t n = 0; n < got.N; ++n)
-      for (int64_t c = 0; c < got.C; ++c) {
-        const int64_t i = (b * got.N + n) * got.C + c;
-        const double w = want[i], x = got.at(b, n, c);
-        const double tol = rel * std::abs(w) + (bound ? 1.05 * (*bound)[i] : 0.0) + atol;
-        if (!(std::abs(x - w) <= tol))
-          return ::testing::AssertionFailure()
-                 << what << "[" << b << "," << n << "," << c << "] = " << x << ", want " << w
-                 << " (tol " << tol << ")";
-        worst = std::max(worst, std::abs(x - w) / tol);
-      }
-  if (int64_t bad = guard_damage(got))
-    return ::testing::AssertionFailure() << what << ": " << bad << " writes outside the tensor";
-  if (std::getenv("ATTN_BF16_VERBOSE"))
-    std::fprintf(stderr, "%s worst err/tol %.3f\n", what, worst);
-  return ::testing::AssertionSuccess();
-}
-
-// The native backward's bound: the fallback's (`base`, or none) plus (u + 5e-4) times the sum of
-// absolute terms (header).
-std::vector<double> native_bound(const std::vector<double>* base, const std::vector<double>& abs) {
-  std::vector<double> b(abs.size());
-  for (size_t i = 0; i < abs.size(); ++i)
-    b[i] = (base ? (*base)[i] : 0.0) + (kU + 5e-4) * abs[i];
-  return b;
-}
-
-// The backward's three checks, with the native bounds when `native`.
-void check_grads(const Problem& pr, const Reference& ref, bool native, double atol) {
-  if (native) {
-    const std::vector<double> bq = native_bound(&ref.dq_bound, ref.dq_abs);
-    const std::vector<double> bk = native_bound(&ref.dk_bound, ref.dk_abs);
-    const std::vector<double> bv = native_bound(nullptr, ref.dv_abs);
-    EXPECT_TRUE(close_view("dq (native)", pr.dq, ref.dq, &bq, kU, atol));
-    EXPECT_TRUE(close_view("dk (native)", pr.dk, ref.dk, &bk, kU, atol));
-    EXPECT_TRUE(close_view("dv (native)", pr.dv, ref.dv, &bv, kU, atol));
-  } else {
-    EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, &ref.dq_bound, kU, atol));
-    EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, &ref.dk_bound, kU, atol));
-    EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, nullptr, kU, atol));
-  }
-}
-
-double max_abs(const std::vector<double>& x) {
-  double m = 1e-30;
-  for (double e : x)
-    m = std::max(m, std::abs(e));
-  return m;
-}
+using Problem = testing::KernelProblem<uint16_t>;
+using testing::max_abs;
+using testing::bf16::check_grads;
+using testing::bf16::close_view;
+using testing::bf16::kU;
+using testing::bf16::native_bound;
+using testing::bf16::Reference;
+using testing::bf16::reference;
 
 // The paths to test: p.force_bf16_fallback (Context::force_bf16_fallback in the ops) false
 // (native, if this CPU has it) and true.
 std::vector<bool> modes() {
   if (flash_bf16_native()) return {false, true};
   return {true};
-}
-
-std::vector<Case> sweep() {
-  std::vector<Case> cases;
-  // Forward: query block 192 rows, key tile 64 keys (32 pairs); backward: key block 64, query
-  // tile 96 (48 pairs). Sizes 1..2x all of them, T != S, odd T and S (a pair with a padded
-  // second row or key), odd D (a padded pair), D in 16..256, Dv != D; {2, 131, 520} has B < 4 and
-  // S > 512, so the backward splits each batch row's keys over 2 items and sums the dQ shares;
-  // {1, 250, 96} has two query blocks and S % 4 == 0 (the recorded dropout decisions).
-  const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
-                              {2, 64, 64, 64, 64},   {1, 200, 131, 64, 48}, {1, 193, 129, 128, 128},
-                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32},
-                              {1, 385, 70, 80, 80},  {2, 131, 520, 24, 40}, {1, 250, 96, 40, 24}};
-  int layout = 0;
-  for (const auto& sz : sizes)
-    for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D})
-      for (bool causal : {false, true})
-        for (float p : {0.0f, 0.3f}) {
-          const bool zero = (layout % 2) == 1;
-          cases.push_back({sz[0], sz[1], sz[2], sz[3], sz[4], lens, causal, zero, p, layout % 3});
-          ++layout;
-        }
-  return cases;
 }
 
 // The forward's recorded dropout decisions (FlashBf16Params::dropout_keep), read by the backward
@@ -313,51 +73,6 @@ void ExpectKeptDropoutEqualsDrawn(const Case& c, bool fallback) {
       EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
     }
 }
-
-class FlashBf16Sweep : public ::testing::TestWithParam<Case> {};
-
-TEST_P(FlashBf16Sweep, MatchesReferenceNativeAndFallback) {
-  const Case c = GetParam();
-  const Problem ref_pr(c);
-  const Reference ref = reference(ref_pr);
-  const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
-  for (bool fallback : modes()) {
-    SCOPED_TRACE(fallback ? "fp32 fallback" : "native AVX512-BF16");
-    Problem pr(c);
-    pr.p.force_bf16_fallback = fallback;
-    flash_attention_forward_bf16(pr.p);
-    EXPECT_TRUE(close_view("out", pr.out, ref.out, &ref.out_bound, 0.0, 0.0));
-    for (int64_t i = 0; i < c.B * c.T; ++i) {
-      if (std::isinf(ref.lse[i])) {
-        EXPECT_TRUE(std::isinf(pr.lse[i]) && pr.lse[i] < 0) << "lse[" << i << "]";
-      } else {
-        EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-4 + 1e-5 * std::abs(ref.lse[i]))
-            << "lse[" << i << "]";
-      }
-    }
-    flash_attention_backward_bf16(pr.p, pr.g);
-    check_grads(pr, ref, !fallback, 1e-4 * gscale);
-
-    Problem pr2(c);  // two threads: the same bits
-    pr2.p.force_bf16_fallback = fallback;
-    pr2.p.threads = 2;
-    flash_attention_forward_bf16(pr2.p);
-    flash_attention_backward_bf16(pr2.p, pr2.g);
-    EXPECT_EQ(pr.out.buf, pr2.out.buf);
-    EXPECT_EQ(0, std::memcmp(pr.lse.data(), pr2.lse.data(), pr.lse.size() * sizeof(float)));
-    EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
-    EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
-    EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
-
-    // The forward's recorded dropout decisions, read by the backward instead of the stream.
-    if (flash_bf16_keeps_dropout(pr.p)) ExpectKeptDropoutEqualsDrawn(c, fallback);
-  }
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return info.param.name();
-}
-INSTANTIATE_TEST_SUITE_P(Cases, FlashBf16Sweep, ::testing::ValuesIn(sweep()), case_name);
 
 // Logits up to +-1e4 (q, k in [-100, 100], D = 16, scale 1/4): the online softmax subtracts the
 // running max, so nothing overflows and no NaN appears; the softmax is then nearly one-hot, so

@@ -1,7 +1,8 @@
-// kernels/cpu flash attention against a float64 reference written here as the formulas (and,
-// through the ops layer, against kernels/ref): every mask kind, dropout, odd head dims, tails
-// around the tiles, strided and misaligned views, every SIMD target this CPU runs, 1 vs 2 threads
-// bitwise, and finite differences through the fast path.
+// The float32 flash kernel (kernels/cpu/flash_attention) beyond the case table
+// (test_attention_cases.cpp, which runs the sweep over sizes, masks, dropout, views, targets and
+// threads on every implementation): finite differences of the oracle and of the kernel, dropout
+// p = 1, large and jumping scores, short rows with many items, and the ops dispatch against
+// Backend::kReference. Oracle: kernels/ref on the same problem (tests/attention_harness.hpp).
 //
 // Tolerances. The kernel accumulates in fp32 (unit roundoff u = 6e-8) over K = D (scores) or S
 // (weighted sum) terms; a dot product's error is bounded by K u sum|terms| and behaves like
@@ -29,140 +30,21 @@
 namespace attn::cpu {
 namespace {
 
-constexpr float kSentinel = testing::kHarnessSentinel<float>;  // every non-element slot
-
 // Views, guards, cases and key limits: tests/attention_harness.hpp.
 using View = testing::HarnessView<float>;
 using Case = testing::KernelCase;
 using testing::guard_damage;
 using testing::Lens;
 
-View make_view(int64_t B, int64_t N, int64_t C, int layout, uint64_t seed, bool fill,
-               double range = 1.0) {
-  return testing::make_harness_view<float>(B, N, C, layout, seed, fill, range);
-}
-
-struct Problem {
-  Case cs;
-  View q, k, v, out, dout, dq, dk, dv, weights;
-  std::vector<float> lse;
-  std::vector<int32_t> key_limit;
-  FlashParams p;
-  FlashGrads g;
-
-  explicit Problem(const Case& c) : cs(c) {
-    const int L = c.layout;
-    q = make_view(c.B, c.T, c.D, L, 1, true);
-    k = make_view(c.B, c.S, c.D, (L + 1) % 3, 2, true);
-    v = make_view(c.B, c.S, c.Dv, (L + 2) % 3, 3, true);
-    dout = make_view(c.B, c.T, c.Dv, L, 4, true);
-    out = make_view(c.B, c.T, c.Dv, L, 0, false);
-    dq = make_view(c.B, c.T, c.D, (L + 1) % 3, 0, false);
-    dk = make_view(c.B, c.S, c.D, L, 0, false);
-    dv = make_view(c.B, c.S, c.Dv, (L + 1) % 3, 0, false);
-    weights = make_view(c.B, c.T, c.S, L % 2, 0, false);  // unit stride along S
-    lse.assign(c.B * c.T, 0.0f);
-    key_limit = testing::case_key_limits(c);
-    p.B = c.B, p.T = c.T, p.S = c.S, p.D = c.D, p.Dv = c.Dv;
-    p.q = q.input_view();
-    p.k = k.input_view();
-    p.v = v.input_view();
-    p.out = out.kernel_view();
-    p.lse = lse.data();
-    p.weights = weights.ptr(), p.w_sb = weights.sb, p.w_st = weights.sn;
-    p.kept_keys = key_limit.empty() ? nullptr : key_limit.data();
-    p.causal = c.causal;
-    p.masked_rows = c.masked_rows();
-    p.scale = float(1.0 / std::sqrt(double(c.D)));
-    p.dropout = c.dropout;
-    p.seed = 1234;
-    p.offset = 5;
-    p.threads = 1;
-    g.dout = dout.input_view();
-    g.dq = dq.kernel_view();
-    g.dk = dk.kernel_view();
-    g.dv = dv.kernel_view();
-  }
+// A case's arguments (with the weights asked for) and the oracle: tests/attention_harness.hpp.
+struct Problem : testing::KernelProblem<float> {
+  explicit Problem(const Case& c) : KernelProblem(c) { with_weights(); }
 };
-
-int64_t row_limit(const Problem& pr, int64_t b, int64_t t) {
-  return testing::case_row_limit(pr.cs, pr.key_limit, b, t);
-}
-
-// The reference, in double, straight from the formulas (full T x S matrices).
-struct Reference {
-  std::vector<double> out, lse, weights, dq, dk, dv;  // contiguous (B, T, Dv), (B, T), ...
-};
-
+using Reference = testing::Expected;
 Reference reference(const Problem& pr, bool backward) {
-  const Case& c = pr.cs;
-  const double scale = pr.p.scale;
-  Reference r;
-  r.out.assign(c.B * c.T * c.Dv, 0.0);
-  r.lse.assign(c.B * c.T, -std::numeric_limits<double>::infinity());
-  r.weights.assign(c.B * c.T * c.S, 0.0);
-  r.dq.assign(c.B * c.T * c.D, 0.0);
-  r.dk.assign(c.B * c.S * c.D, 0.0);
-  r.dv.assign(c.B * c.S * c.Dv, 0.0);
-  const double keep_scale = c.dropout < 1 ? 1.0 / (1.0 - c.dropout) : 0.0;
-  std::vector<double> P(c.S), Z(c.S), dP(c.S);
-  for (int64_t b = 0; b < c.B; ++b) {
-    for (int64_t t = 0; t < c.T; ++t) {
-      const int64_t lim = row_limit(pr, b, t);
-      for (int64_t s = 0; s < c.S; ++s) {
-        const uint64_t i = uint64_t((b * c.T + t) * c.S + s);
-        Z[s] = c.dropout > 0 ? (dropout_keep(pr.p.seed, pr.p.offset, i, c.dropout) ? keep_scale : 0)
-                             : 1.0;
-      }
-      if (lim == 0) {  // masked row: uniform 1/S (d2l) or zero
-        for (int64_t s = 0; s < c.S; ++s)
-          P[s] = c.zero_rows ? 0.0 : 1.0 / double(c.S);
-      } else {
-        double mx = -INFINITY;
-        for (int64_t s = 0; s < lim; ++s) {
-          double x = 0;
-          for (int64_t d = 0; d < c.D; ++d)
-            x += double(pr.q.at(b, t, d)) * pr.k.at(b, s, d);
-          P[s] = x * scale;
-          mx = std::max(mx, P[s]);
-        }
-        double sum = 0;
-        for (int64_t s = 0; s < lim; ++s)
-          sum += std::exp(P[s] - mx);
-        for (int64_t s = 0; s < c.S; ++s)
-          P[s] = s < lim ? std::exp(P[s] - mx) / sum : 0.0;
-        r.lse[b * c.T + t] = mx + std::log(sum);
-      }
-      for (int64_t s = 0; s < c.S; ++s)
-        r.weights[(b * c.T + t) * c.S + s] = P[s];
-      for (int64_t s = 0; s < c.S; ++s)
-        for (int64_t e = 0; e < c.Dv; ++e)
-          r.out[(b * c.T + t) * c.Dv + e] += P[s] * Z[s] * pr.v.at(b, s, e);
-      if (!backward) continue;
-      // dV_s += P Z dO_t; dP = Z dO_t . V_s; dS = P (dP - sum_s P dP); dQ, dK = scale dS (K, Q).
-      double Dt = 0;
-      for (int64_t s = 0; s < c.S; ++s) {
-        double x = 0;
-        for (int64_t e = 0; e < c.Dv; ++e) {
-          const double go = pr.dout.at(b, t, e);
-          r.dv[(b * c.S + s) * c.Dv + e] += P[s] * Z[s] * go;
-          x += go * pr.v.at(b, s, e);
-        }
-        dP[s] = Z[s] * x;
-        Dt += P[s] * dP[s];
-      }
-      if (lim == 0) continue;  // constant weights: no gradient to q or k
-      for (int64_t s = 0; s < lim; ++s) {
-        const double dS = P[s] * (dP[s] - Dt) * scale;
-        for (int64_t d = 0; d < c.D; ++d) {
-          r.dq[(b * c.T + t) * c.D + d] += dS * pr.k.at(b, s, d);
-          r.dk[(b * c.S + s) * c.D + d] += dS * pr.q.at(b, t, d);
-        }
-      }
-    }
-  }
-  return r;
+  return testing::oracle(pr, backward);
 }
+using testing::max_abs;
 
 // max |got - want| <= atol + rtol |want| over a view; reports the first offender.
 ::testing::AssertionResult close_view(const char* what, const View& got,
@@ -180,106 +62,11 @@ Reference reference(const Problem& pr, bool backward) {
   return ::testing::AssertionSuccess();
 }
 
-double max_abs(const std::vector<double>& x) {
-  double m = 1e-30;
-  for (double e : x)
-    m = std::max(m, std::abs(e));
-  return m;
-}
+// The sweep over sizes, masks, dropout, layouts, targets and threads is the case table's
+// (test_attention_cases.cpp); what follows is specific to the float32 kernel.
 
-std::vector<Case> sweep() {
-  std::vector<Case> cases;
-  // Sizes straddle the tiles (query block 96 / 48 / 32 rows, key tile 64 / 32 / 4 keys on
-  // AVX-512 / AVX2 / scalar), T != S, odd and large head dims; S % 4 == 0 (64, 128, 140) takes
-  // the vectorized dropout draw, other S the scalar one.
-  const int64_t sizes[][5] = {{1, 1, 1, 16, 16},     {2, 7, 5, 17, 17},     {1, 97, 65, 33, 33},
-                              {2, 64, 64, 64, 64},   {1, 200, 130, 64, 48}, {1, 96, 193, 128, 128},
-                              {1, 33, 17, 256, 256}, {1, 5, 140, 3, 7},     {2, 100, 128, 32, 32}};
-  int layout = 0;
-  for (const auto& sz : sizes) {
-    for (Lens lens : {Lens::kNone, Lens::k1D, Lens::k2D}) {
-      for (bool causal : {false, true}) {
-        for (float p : {0.0f, 0.3f}) {
-          const bool zero = (layout % 2) == 1;
-          cases.push_back({sz[0], sz[1], sz[2], sz[3], sz[4], lens, causal, zero, p, layout % 3});
-          ++layout;
-        }
-      }
-    }
-  }
-  return cases;
-}
-
-class FlashSweep : public ::testing::TestWithParam<Case> {};
-
-TEST_P(FlashSweep, MatchesReferenceOnEveryTarget) {
-  const Case c = GetParam();
-  Problem ref_pr(c);
-  const Reference ref = reference(ref_pr, /*backward=*/true);
-  const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
-  for (int64_t target : flash_attention_targets()) {
-    SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
-    Problem pr(c);
-    pr.p.simd_targets = target;
-    flash_attention_forward(pr.p);
-    EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
-    EXPECT_TRUE(close_view("weights", pr.weights, ref.weights, 2e-6, 2e-6));
-    for (int64_t i = 0; i < c.B * c.T; ++i) {
-      if (std::isinf(ref.lse[i])) {
-        EXPECT_TRUE(std::isinf(pr.lse[i]) && pr.lse[i] < 0) << "lse[" << i << "]";
-      } else {
-        EXPECT_NEAR(pr.lse[i], ref.lse[i], 2e-6 * (1 + std::abs(ref.lse[i]))) << "lse[" << i << "]";
-      }
-    }
-    flash_attention_backward(pr.p, pr.g);
-    EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, 0, 1e-5 * gscale));
-    EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, 0, 1e-5 * gscale));
-    EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, 0, 1e-5 * gscale));
-
-    // Two threads give the same bits (work items do not depend on the thread count).
-    Problem pr2(c);
-    pr2.p.simd_targets = target;
-    pr2.p.threads = 2;
-    pr2.p.weights = nullptr;  // the output must not depend on whether weights are written
-    flash_attention_forward(pr2.p);
-    flash_attention_backward(pr2.p, pr2.g);
-    EXPECT_EQ(pr.out.buf, pr2.out.buf);
-    EXPECT_EQ(0, std::memcmp(pr.lse.data(), pr2.lse.data(), pr.lse.size() * sizeof(float)));
-    EXPECT_EQ(pr.dq.buf, pr2.dq.buf);
-    EXPECT_EQ(pr.dk.buf, pr2.dk.buf);
-    EXPECT_EQ(pr.dv.buf, pr2.dv.buf);
-
-    // The forward's recorded dropout decisions (AttentionArgs::dropout_keep), read by the
-    // backward instead of the stream: the same bits as drawing them again, 1 and 2 threads.
-    if (!flash_attention_keeps_dropout(pr.p)) continue;
-    for (const uint64_t base : {uint64_t{0}, uint64_t{12}})  // a data-parallel shard's base
-      for (const int threads : {1, 2}) {
-        Problem drawn(c), kept(c);
-        std::vector<uint16_t> keep(static_cast<size_t>(flash_dropout_keep_words(kept.p)), 0xdead);
-        kept.p.dropout_keep = keep.data();
-        for (Problem* x : {&drawn, &kept}) {
-          x->p.simd_targets = target;
-          x->p.threads = threads;
-          x->p.dropout_index_base = base;
-          flash_attention_forward(x->p);
-          flash_attention_backward(x->p, x->g);
-        }
-        SCOPED_TRACE("base " + std::to_string(base) + ", threads " + std::to_string(threads));
-        EXPECT_EQ(drawn.out.buf, kept.out.buf);
-        EXPECT_EQ(drawn.dq.buf, kept.dq.buf);
-        EXPECT_EQ(drawn.dk.buf, kept.dk.buf);
-        EXPECT_EQ(drawn.dv.buf, kept.dv.buf);
-      }
-  }
-}
-
-std::string case_name(const ::testing::TestParamInfo<Case>& param_info) {
-  return param_info.param.name();
-}
-INSTANTIATE_TEST_SUITE_P(Cases, FlashSweep, ::testing::ValuesIn(sweep()), case_name);
-
-// The reference backward above is itself checked by central differences of its forward, in
-// double, so the sweep's oracle for gradients is not just a second copy of the same algebra.
+// The oracle's backward (kernels/ref) is itself checked by central differences of its forward, in
+// double, on the kernels' problem description (masks, dropout stream).
 TEST(FlashReference, BackwardMatchesFiniteDifferences) {
   for (Case c : {Case{1, 5, 7, 3, 4, Lens::k2D, true, false, 0.3f, 0},
                  Case{2, 4, 6, 5, 3, Lens::k1D, false, false, 0.0f, 0}}) {

@@ -345,7 +345,7 @@ HWY_INLINE void SoftmaxColumns(int64_t nk, int64_t mqp, int64_t c, float* xt, fl
   }
 }
 
-// One work item: rows [t0, t0 + kBlockQ) of batch b.
+// One work item: rows [t0, t0 + rows) of batch b, rows <= kBlockQ (flash_driver.hpp).
 //
 // The block is computed transposed, queries along the vector lanes: X^T = K Q^T (keys x queries)
 // and O^T += V^T P^T. Then every softmax step is elementwise across the lanes (the running max
@@ -355,10 +355,10 @@ HWY_INLINE void SoftmaxColumns(int64_t nk, int64_t mqp, int64_t c, float* xt, fl
 //
 // (next_b, next_t0): the item this thread will probably run next (next_b < 0: none), whose q
 // rows are prefetched during this one.
-void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, int64_t next_b,
-                  int64_t next_t0) {
+void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, int64_t rows, float* scratch,
+                  int64_t next_b, int64_t next_t0) {
   const int64_t D = p.D, Dv = p.Dv;
-  const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = RoundUpLanes(mq);
+  const int64_t mq = std::min(rows, p.T - t0), mqp = RoundUpLanes(mq);
   float* qt = scratch;             // (D, mqp)       (scale log2 e) Q^T
   float* xt = qt + D * mqp;        // (kBlockK, mqp) X^T scores, then P^T weights
   float* ot = xt + kBlockK * mqp;  // (Dv, mqp)      O^T unnormalized output
@@ -371,13 +371,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
   float* tmp = z + kBlockK;        // (Dvp) masked-row output
 
   int64_t lim[kBlockQ];
-  int64_t max_lim = 0;
-  for (int64_t r = 0; r < mq; ++r) {
-    lim[r] = RowLimit(p, b, t0 + r);
-    max_lim = std::max(max_lim, lim[r]);
-    limv[r] = static_cast<float>(lim[r]);
-  }
-  std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: independent junk columns, never stored
+  const int64_t max_lim = block_row_limits(p, b, t0, mq, mqp, lim, limv);
   PackTransposed(p.q.data + QOff(p, b) + t0 * p.q.st, mq, D, p.q.st, p.q.sd, p.scale * kLog2e, qt,
                  mqp);
   std::memset(ot, 0, sizeof(float) * Dv * mqp);  // memset: GCC -O2 left std::fill scalar
@@ -395,7 +389,7 @@ void ForwardBlock(const FlashParams& p, int64_t b, int64_t t0, float* scratch, i
       whole ? RowPrefetch::Mode::kWholeItem : RowPrefetch::Mode::kLastSteps;
   RowPrefetch next_q(
       prefetch && next_b >= 0 ? p.q.data + QOff(p, next_b) + next_t0 * p.q.st : nullptr,
-      std::min(kBlockQ, p.T - next_t0), D, p.q.st, read);
+      std::min(rows, p.T - next_t0), D, p.q.st, read);
   RowPrefetch this_out(prefetch ? p.out.data + OOff(p, b) + t0 * p.out.st : nullptr, mq, Dv,
                        p.out.st, read);
   const bool next_kv = whole && next_b >= 0 && next_b != b && p.k.sd == 1 && p.v.sd == 1;
@@ -757,11 +751,12 @@ void flash_attention_forward(const FlashParams& p) {
   if (p.B == 0 || p.T == 0) return;
   const TargetScope targets(p.simd_targets);
   auto* block_fn = HWY_DYNAMIC_DISPATCH(ForwardBlock);
-  flash_forward_driver(p, "flash_attention_forward", HWY_DYNAMIC_DISPATCH(QueryBlockRows)(),
-                       HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p), NoPrepare{},
-                       [&](float* scratch, int64_t b, int64_t t0, int64_t next_b, int64_t next_t0) {
-                         block_fn(p, b, t0, scratch, next_b, next_t0);
-                       });
+  flash_forward_driver(
+      p, "flash_attention_forward", HWY_DYNAMIC_DISPATCH(QueryBlockRows)(),
+      HWY_DYNAMIC_DISPATCH(ForwardScratchFloats)(p), NoPrepare{},
+      [&](float* scratch, int64_t b, int64_t t0, int64_t rows, int64_t next_b, int64_t next_t0) {
+        block_fn(p, b, t0, rows, scratch, next_b, next_t0);
+      });
 }
 
 void flash_attention_backward(const FlashParams& p, const FlashGrads& g) {

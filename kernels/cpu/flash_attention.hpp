@@ -6,7 +6,7 @@
 //
 // Memory: never a T x S matrix. Per thread O(tile * (D + Dv)) scratch for the forward; the
 // backward adds an fp32 dQ accumulator of B * splits * T * D floats when B is too small to feed
-// the threads (splits > 1, see flash_attention.cpp), else T * D per thread, and T * (D + Dv)
+// the threads (splits > 1, see flash_driver.hpp), else T * D per thread, and T * (D + Dv)
 // per thread of packed q and dO when that is at most 2^20 floats. Scratch comes from attn's block
 // cache (kernels/cpu/scratch.hpp): fresh pages would cost a fault per 4 KiB on every call.
 //

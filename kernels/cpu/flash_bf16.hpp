@@ -24,8 +24,8 @@
 // accumulation. P Z and dS are rounded to bf16 once for the products that consume them; dq, dk, dv
 // accumulate in fp32 and are rounded to bf16 once. Extra memory per thread: q and dO packed as
 // pairs (4 T (D + Dv) bytes when that is <= 8 MiB, else per 96-query tile), kept between calls (up
-// to 16 MiB per thread), plus the fp32 dQ shares (T D floats per thread, or per item when B < 4
-// splits the keys); never a T x S matrix.
+// to 16 MiB per thread), plus the fp32 dQ shares (T D floats per thread, or per item when a small B
+// splits the keys: kernels/cpu/flash_driver.hpp); never a T x S matrix.
 // Without AVX512-BF16 or when forced: converts q, k, v, out, dout to fp32, runs the fp32 backward
 // (cpu::flash_attention_backward) and rounds dq, dk, dv to bf16 (O(B (T + S) D) extra fp32 memory,
 // from a per-thread arena kept between calls up to 64 MiB, as the fallback forward's copies).

@@ -207,15 +207,15 @@ size_t ForwardScratchFloats(const FlashBf16Params& p, const Packed& pk) {
                              p.Dv * kBlockQ + 5 * kBlockQ + kBlockK + p.Dv + kL);
 }
 
-// One work item: queries [t0, t0 + kBlockQ) of batch row b (the fp32 ForwardBlock's structure).
-// (next_b, next_t0): the item this thread will probably run next (next_b < 0: none). At short
-// sequences (ShortRows) its q rows and packed K and V, and this item's out rows, are prefetched
-// into L2 over the item's steps, as in the fp32 forward: an item lasts microseconds there, and
-// the packed K and V of all batch rows (written before the items) are no longer in L2.
-void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t t0, float* scratch,
-                  int64_t next_b = -1, int64_t next_t0 = 0) {
+// One work item: queries [t0, t0 + rows) of batch row b, rows <= kBlockQ (the fp32 ForwardBlock's
+// structure). (next_b, next_t0): the item this thread will probably run next (next_b < 0: none). At
+// short sequences (ShortRows) its q rows and packed K and V, and this item's out rows, are
+// prefetched into L2 over the item's steps, as in the fp32 forward: an item lasts microseconds
+// there, and the packed K and V of all batch rows (written before the items) are no longer in L2.
+void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t t0, int64_t rows,
+                  float* scratch, int64_t next_b = -1, int64_t next_t0 = 0) {
   const int64_t D = p.D, Dv = p.Dv, D2 = pk.D2;
-  const int64_t mq = std::min(kBlockQ, p.T - t0), mqp = (mq + kL - 1) / kL * kL;
+  const int64_t mq = std::min(rows, p.T - t0), mqp = (mq + kL - 1) / kL * kL;
   uint32_t* qt2 = reinterpret_cast<uint32_t*>(scratch);             // (D2, mqp) Q^T pairs
   float* xt = scratch + D2 * mqp;                                   // (kBlockK, mqp) X^T, P^T
   uint32_t* pt2 = reinterpret_cast<uint32_t*>(xt + kBlockK * mqp);  // (kBlockK/2, mqp) P^T pairs
@@ -231,13 +231,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
   const float c = p.scale * kLog2e;
 
   int64_t lim[kBlockQ];
-  int64_t max_lim = 0;
-  for (int64_t r = 0; r < mq; ++r) {
-    lim[r] = RowLimit(p, b, t0 + r);
-    max_lim = std::max(max_lim, lim[r]);
-    limv[r] = static_cast<float>(lim[r]);
-  }
-  std::fill(limv + mq, limv + mqp, 0.0f);  // padding lanes: junk columns, never stored
+  const int64_t max_lim = block_row_limits(p, b, t0, mq, mqp, lim, limv);
   PackPairsTransposed(p.q.data + p.row_offset(b, p.q.sb, p.q.sh) + t0 * p.q.st, mq, D, p.q.st,
                       p.q.sd, qt2, mqp);
   for (int64_t j = 0; j < D2; ++j)
@@ -254,7 +248,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
   constexpr auto kWhole = RowPrefetch::Mode::kWholeItem;
   RowPrefetch pf[4];
   if (short_rows) {
-    const int64_t next_mq = std::min(kBlockQ, p.T - next_t0);
+    const int64_t next_mq = std::min(rows, p.T - next_t0);
     pf[0] = RowPrefetch(p.q.data + p.row_offset(next_b, p.q.sb, p.q.sh) + next_t0 * p.q.st, next_mq,
                         D, p.q.st, kWhole);
     pf[1] = RowPrefetch(p.out.data + p.row_offset(b, p.out.sb, p.out.sh) + t0 * p.out.st, mq, Dv,
@@ -449,7 +443,7 @@ void ForwardNative(const FlashBf16Params& p) {
   flash_forward_driver(
       p, "flash_attention_bf16", kBlockQ, ForwardScratchFloats(p, pk),
       [&](int64_t b) { PackBatch(p, pk, b); },
-      [&](float* scratch, int64_t b, int64_t t0, int64_t next_b, int64_t next_t0) {
-        ForwardBlock(p, pk, b, t0, scratch, next_b, next_t0);
+      [&](float* scratch, int64_t b, int64_t t0, int64_t rows, int64_t next_b, int64_t next_t0) {
+        ForwardBlock(p, pk, b, t0, rows, scratch, next_b, next_t0);
       });
 }

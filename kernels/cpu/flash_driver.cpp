@@ -6,7 +6,7 @@ namespace attn::cpu {
 std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal) {
   constexpr int64_t kGrain = 64;
   const int64_t grains = (S + kGrain - 1) / kGrain;
-  int64_t splits = B >= 4 ? 1 : (4 + B - 1) / B;
+  int64_t splits = B >= kBackwardItems ? 1 : (kBackwardItems + B - 1) / B;
   splits = std::max<int64_t>(1, std::min(splits, grains / 4));
   std::vector<double> work(grains);
   double total = 0;

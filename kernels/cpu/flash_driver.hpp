@@ -29,10 +29,29 @@
 
 namespace attn::cpu {
 
+// How many work items the schedules aim for, where the shape allows. Constants of the shape,
+// never the thread count: the items fix the arithmetic, so results stay bitwise identical for
+// any number of threads.
+//   forward: 2 items per thread of a 16-core machine; a half-size query block costs only
+//     re-reading K and V.
+//   backward: 4. Every extra key split packs all T rows of q and dO again and adds a T x D dQ
+//     share to zero and merge, which costs more at one thread than more items gain on two
+//     (measured: docs/kernels-cpu.md), so more splits wait for a cheaper split (dQ by query
+//     blocks in a second pass) measured on a machine with more cores.
+constexpr int64_t kForwardItems = 32;
+constexpr int64_t kBackwardItems = 4;
+
+// Query rows per forward item: the kernel's block, or half of it when whole blocks would give
+// fewer than kForwardItems items (few heads of a short or medium sequence).
+inline int64_t forward_block_rows(int64_t B, int64_t T, int64_t block_rows) {
+  const int64_t items = B * ((T + block_rows - 1) / block_rows);
+  return items < kForwardItems ? block_rows / 2 : block_rows;
+}
+
 // Key ranges [bounds[j], bounds[j+1]) of the backward's work items for one batch row: enough
-// items to feed a few threads when B is small (a function of the shape only, never of the thread
-// count), each a multiple of 64 keys; with a causal mask the ranges hold equal work (key s is
-// seen by T - s queries), not equal keys.
+// splits that B * splits reaches kBackwardItems (a function of the shape only, never of the
+// thread count), at most S / 256 of them, each a multiple of 64 keys; with a causal mask the
+// ranges hold equal work (key s is seen by T - s queries), not equal keys.
 std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal);
 
 // No per-row preparation before a forward's items (flash_forward_driver's `prepare`).
@@ -40,14 +59,16 @@ struct NoPrepare {
   void operator()(int64_t) const {}
 };
 
-// The forward's items: B * ceil(T / block_rows) blocks of block_rows queries. `prepare(b)` runs
-// once per batch row before any item (e.g. packing K and V), split statically over the threads;
-// `block(scratch, b, t0, next_b, next_t0)` computes queries [t0, t0 + block_rows) of row b with
-// `scratch_floats` floats of per-thread scratch; (next_b, next_t0) is the item this thread will
-// probably run next (next_b < 0: none).
+// The forward's items: B * ceil(T / rows) blocks of rows = forward_block_rows(B, T, max_rows)
+// queries. `prepare(b)` runs once per batch row before any item (e.g. packing K and V), split
+// statically over the threads; `block(scratch, b, t0, rows, next_b, next_t0)` computes queries
+// [t0, min(t0 + rows, T)) of row b with `scratch_floats` floats of per-thread scratch (enough
+// for max_rows); (next_b, next_t0) is the item this thread will probably run next (next_b < 0:
+// none).
 template <class Prepare, class Block>
-void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, int64_t block_rows,
+void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, int64_t max_rows,
                           size_t scratch_floats, Prepare&& prepare, Block&& block) {
+  const int64_t block_rows = forward_block_rows(p.B, p.T, max_rows);
   const int64_t blocks = (p.T + block_rows - 1) / block_rows, items = p.B * blocks;
   const int threads = std::max(1, p.threads);
   const Scratch<float> scratch(op, scratch_floats, static_cast<size_t>(threads));
@@ -72,7 +93,8 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t next = it + stride < items ? it + stride : -1;
-      block(own, it / blocks, row0(it), next < 0 ? -1 : next / blocks, next < 0 ? 0 : row0(next));
+      block(own, it / blocks, row0(it), block_rows, next < 0 ? -1 : next / blocks,
+            next < 0 ? 0 : row0(next));
     }
   }
 }
@@ -143,14 +165,30 @@ void flash_backward_driver(const kernels::AttentionProblem& p, const char* op, i
   }
 }
 
+// Kept-key limits of queries [t0, t0 + mq) of row b for a forward block: lim[r] and its float
+// copy limv[r] (padding lanes [mq, mqp) get 0: junk columns, never stored). Returns the largest:
+// keys past it are read by no query of the block.
+inline int64_t block_row_limits(const kernels::AttentionProblem& p, int64_t b, int64_t t0,
+                                int64_t mq, int64_t mqp, int64_t* lim, float* limv) {
+  int64_t max_lim = 0;
+  for (int64_t r = 0; r < mq; ++r) {
+    lim[r] = p.row_limit(b, t0 + r);
+    max_lim = std::max(max_lim, lim[r]);
+    limv[r] = static_cast<float>(lim[r]);
+  }
+  std::fill(limv + mq, limv + mqp, 0.0f);
+  return max_lim;
+}
+
 // Output row of query (b, t) that keeps no key, in fp32 (acc: Dv floats; z: z_len floats of
 // scratch): the mean of v over all S keys (d2l's kUniform), dropout applied to the 1/S weights
 // (then not a mean), or zeros (kZero). E: float, or bf16 bits as uint16_t. Always inlined: it
 // then compiles for the caller's SIMD target, whose FMA contraction of acc += w * v gives each
 // kernel's bits on each target (a shared out-of-line copy would round twice where they fuse).
 template <class E>
-__attribute__((always_inline)) inline void masked_row_output(const kernels::AttentionArgs<E>& p, int64_t b, int64_t t, float* acc,
-                       float* z, int64_t z_len) {
+__attribute__((always_inline)) inline void masked_row_output(const kernels::AttentionArgs<E>& p,
+                                                             int64_t b, int64_t t, float* acc,
+                                                             float* z, int64_t z_len) {
   std::fill(acc, acc + p.Dv, 0.0f);
   if (p.zero_masked_rows()) return;
   const E* v = p.v.data + p.row_offset(b, p.v.sb, p.v.sh);

@@ -26,6 +26,7 @@
 // d2l: DotProductAttention(dropout)(q, k, v, valid_lens).
 // PyTorch: F.scaled_dot_product_attention(q, k, v, attn_mask=key_padding_mask, dropout_p,
 // is_causal).
+// Implementation: ops/attention.cpp (validation and dispatch), then ops/attention_kernel.hpp.
 #pragma once
 
 #include "attn/ops/masked_softmax.hpp"
