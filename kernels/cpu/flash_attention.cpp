@@ -153,9 +153,11 @@ void DropoutRow(const FlashParams& p, uint64_t i0, int64_t n, float* z) {
 #if HWY_TARGET == HWY_SCALAR
   DropoutMultipliers(p, i0, n, z);
 #else
-  if ((i0 & 3) != 0) {
-    DropoutMultipliers(p, i0, n, z);
-    return;
+  // A row that starts inside a Philox block (padded lengths that are not multiples of 4): its
+  // first 1-3 elements by the scalar draw, the rest from whole blocks.
+  if (const int64_t head = std::min<int64_t>(n, (4 - static_cast<int64_t>(i0 & 3)) & 3); head) {
+    DropoutMultipliers(p, i0, head, z);
+    i0 += static_cast<uint64_t>(head), z += head, n -= head;
   }
   const DF d;
   const DU du;

@@ -143,6 +143,22 @@ void DropoutRow64(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
   _mm512_storeu_ps(z + 48, _mm512_shuffle_f32x4(t2, t3, 0xdd));
 }
 
+// DropoutRow64 for any i0 (n <= 64): the Philox blocks from the one holding element i0 are drawn
+// whole, as DropoutRow64 draws aligned rows, and the row is cut out of them. Padded batches have
+// lengths that are not multiples of 4, so most rows start inside a block; the scalar draw per
+// element cost more than the rest of the attention there.
+void DropoutRowAny(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z) {
+  const int64_t off = static_cast<int64_t>(i0 & 3);
+  if (off == 0) {
+    DropoutRow64(p, i0, n, z);  // stores 64 values: z must have room (every caller's z does)
+    return;
+  }
+  alignas(64) float tmp[128];
+  DropoutRow64(p, i0 - off, std::min<int64_t>(64, off + n), tmp);
+  if (off + n > 64) DropoutRow64(p, i0 - off + 64, off + n - 64, tmp + 64);
+  std::copy(tmp + off, tmp + off + n, z);
+}
+
 // The same multipliers z[0..n) of row t, keys s0 .. s0 + n - 1 (n <= 64), from the forward's
 // recorded decisions (FlashBf16Params::dropout_keep): bit t % 16 of each key's word.
 void DropoutRowKept(const FlashBf16Params& p, int64_t b, int64_t t, int64_t s0, int64_t n,
@@ -410,7 +426,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
             if (p.dropout_keep != nullptr) {
               DropoutRowKept(p, b, t, s0, n[h], w.z + h * kBwdK);
             } else {
-              DropoutRow64(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
+              DropoutRowAny(p, p.dropout_index(b, t, s0), n[h], w.z + h * kBwdK);
             }
           }
         }
@@ -492,7 +508,7 @@ void BackwardItem(const FlashBf16Params& p, const FlashBf16Grads& g, int64_t b, 
         if (w.lim[t] != 0) continue;
         float* z = w.z;
         if (dropout) {
-          DropoutMultipliers(p, p.dropout_index(b, t, s0), nk, z);
+          DropoutRowAny(p, p.dropout_index(b, t, s0), nk, z);
         } else {
           std::fill(z, z + nk, 1.0f);
         }

@@ -10,6 +10,9 @@ constexpr int64_t kBlockK = 64;       // keys per tile (32 pairs)
 constexpr int64_t kBlockQ = 12 * kL;  // queries per work item
 constexpr int kMR = 8, kNV = 3;       // micro-tile: 8 rows x 3 vectors = 24 accumulators
 
+// Dropout multipliers of one row of a key tile (n <= 64; flash_bf16_backward-inl.h).
+void DropoutRowAny(const FlashBf16Params& p, uint64_t i0, int64_t n, float* z);
+
 // One micro-tile C (rows x NV*16, fp32) = [alpha .*] C + A B with bf16 pairs:
 // A(i, k) = a[k*lda + i], a 32-bit word holding two bf16 (broadcast); row k of B is NV*16 words
 // at b + k*ldb, each two bf16. The rows of A are adjacent words, so one pointer and constant
@@ -334,7 +337,7 @@ void ForwardBlock(const FlashBf16Params& p, const Packed& pk, int64_t b, int64_t
     if (dropout && !DropoutTile(p, b, t0, s0, nk, c0, mqp, xt)) {
       for (int64_t r = r_first; r < mq; ++r) {
         const int64_t n = std::clamp<int64_t>(lim[r] - s0, 0, nk);
-        DropoutMultipliers(p, p.dropout_index(b, t0 + r, s0), n, z);
+        DropoutRowAny(p, p.dropout_index(b, t0 + r, s0), n, z);
         for (int64_t s = 0; s < n; ++s)
           xt[s * mqp + r] *= z[s];
       }
