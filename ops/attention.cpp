@@ -32,7 +32,7 @@ constexpr const char* kAdditiveBackward = "additive_attention_backward";
 void check_sdpa_tensor(const char* op, const char* name, const Tensor& t) {
   check(t.defined(), op, "{} is undefined, expected a float32, float64 or bfloat16 tensor", name);
   check(t.dtype() == DType::F32 || t.dtype() == DType::F64 || t.dtype() == DType::BF16, op,
-        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_str(t.shape()),
+        "{} {} has dtype {}, expected F32, F64 or BF16", name, shape_arg(t.shape()),
         dtype_name(t.dtype()));
 }
 
@@ -49,19 +49,19 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
   detail::check_same_dtype(op, "v", v, "q", q);
   ref::AttentionDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2)};
   check(k.dim(0) == d.B && v.dim(0) == d.B, op,
-        "batch sizes differ: q {}, k {}, v {}; expected the same B", shape_str(q.shape()),
-        shape_str(k.shape()), shape_str(v.shape()));
+        "batch sizes differ: q {}, k {}, v {}; expected the same B", shape_arg(q.shape()),
+        shape_arg(k.shape()), shape_arg(v.shape()));
   check(k.dim(2) == d.D, op, "q {} and k {} differ in width, expected k (B, S, D) with D = {}",
-        shape_str(q.shape()), shape_str(k.shape()), d.D);
+        shape_arg(q.shape()), shape_arg(k.shape()), d.D);
   check(v.dim(1) == d.S, op, "k {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
-        shape_str(k.shape()), shape_str(v.shape()), d.S);
-  check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_str(q.shape()));
+        shape_arg(k.shape()), shape_arg(v.shape()), d.S);
+  check(d.D >= 1, op, "q {} has width 0, expected D >= 1", shape_arg(q.shape()));
   detail::check_attention_options(op, opts.dropout, opts.scale);
   if (opts.alibi_slopes.defined()) {
     const Tensor& m = opts.alibi_slopes;
     check(is_floating(m.dtype()) && m.ndim() == 1 && m.dim(0) >= 1 && d.B % m.dim(0) == 0, op,
           "alibi_slopes has shape {} and dtype {}, expected float (H) with B = {} a multiple of H",
-          shape_str(m.shape()), dtype_name(m.dtype()), d.B);
+          shape_arg(m.shape()), dtype_name(m.dtype()), d.B);
   }
   check_valid_lens(op, opts.mask.valid_lens, d.B, d.T, opts.mask.lens_repeat);
   return d;
@@ -70,7 +70,7 @@ ref::AttentionDims check_qkv(const char* op, const Tensor& q, const Tensor& k, c
 void check_dout(const char* op, const Tensor& dout, const Tensor& q, const ref::AttentionDims& d) {
   check_sdpa_tensor(op, "dout", dout);
   check(dout.shape() == Shape{d.B, d.T, d.Dv}, op, "dout has shape {}, expected (B, T, Dv) = {}",
-        shape_str(dout.shape()), shape_str(Shape{d.B, d.T, d.Dv}));
+        shape_arg(dout.shape()), shape_arg(Shape{d.B, d.T, d.Dv}));
   detail::check_same_dtype(op, "dout", dout, "q", q);
 }
 
@@ -116,7 +116,7 @@ template <class E>
 void sdpa_fused_forward(Context& ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                         const ref::AttentionDims& d, const AttentionOptions& opts,
                         AttentionResult& result) {
-  check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_str(k.shape()));
+  check(d.S < (int64_t{1} << 31), kSdpa, "k {} has more than 2^31 keys", shape_arg(k.shape()));
   const std::vector<int32_t> kept = detail::length_key_counts(opts.mask, d.B, d.T, d.S);
   kernels::AttentionArgs<E> p =
       detail::attention_args<E>(ctx, q, k, v, 1, kept, opts, result.dropout_offset);
@@ -293,16 +293,16 @@ ref::AttentionDims check_additive(const char* op, const Tensor& qp, const Tensor
   detail::check_same_dtype(op, "v", v, "qp", qp);
   ref::AttentionDims d{qp.dim(0), qp.dim(1), kp.dim(1), qp.dim(2), v.dim(2)};
   check(kp.dim(0) == d.B && v.dim(0) == d.B, op,
-        "batch sizes differ: qp {}, kp {}, v {}; expected the same B", shape_str(qp.shape()),
-        shape_str(kp.shape()), shape_str(v.shape()));
+        "batch sizes differ: qp {}, kp {}, v {}; expected the same B", shape_arg(qp.shape()),
+        shape_arg(kp.shape()), shape_arg(v.shape()));
   check(kp.dim(2) == d.D, op, "qp {} and kp {} differ in width, expected kp (B, S, h) with h = {}",
-        shape_str(qp.shape()), shape_str(kp.shape()), d.D);
+        shape_arg(qp.shape()), shape_arg(kp.shape()), d.D);
   check(v.dim(1) == d.S, op, "kp {} and v {} differ in length, expected v (B, S, Dv) with S = {}",
-        shape_str(kp.shape()), shape_str(v.shape()), d.S);
+        shape_arg(kp.shape()), shape_arg(v.shape()), d.S);
   const bool wv_ok = (w_v.ndim() == 1 && w_v.dim(0) == d.D) ||
                      (w_v.ndim() == 2 && w_v.dim(0) == 1 && w_v.dim(1) == d.D);
   check(wv_ok, op, "w_v has shape {}, expected (h) = ({}) or (1, h) = (1, {})",
-        shape_str(w_v.shape()), d.D, d.D);
+        shape_arg(w_v.shape()), d.D, d.D);
   detail::check_attention_options(op, opts.dropout, opts.scale);
   check(!opts.alibi_slopes.defined(), op,
         "alibi_slopes is set, but ALiBi biases dot-product scores only (additive attention has "

@@ -19,10 +19,10 @@ void check_cache_tensor(const char* name, const Tensor& t, int64_t B, int64_t L,
                         DType dtype) {
   check(t.defined() && t.ndim() == 3 && t.dtype() == dtype, kOp,
         "{} must be a {} (B, L, H*D) tensor, got {} {}", name, dtype_name(dtype),
-        t.defined() ? dtype_name(t.dtype()) : "undefined", t.defined() ? shape_str(t.shape()) : "");
+        t.defined() ? dtype_name(t.dtype()) : "undefined", shape_arg(t));
   check(t.dim(0) == B && (L < 0 || t.dim(1) == L) && t.dim(2) == width && t.stride(2) == 1, kOp,
         "{} has shape {} and strides ({}, {}, {}), expected ({}, {}, {}) with unit feature stride",
-        name, shape_str(t.shape()), t.stride(0), t.stride(1), t.stride(2), B, L < 0 ? t.dim(1) : L,
+        name, shape_arg(t.shape()), t.stride(0), t.stride(1), t.stride(2), B, L < 0 ? t.dim(1) : L,
         width);
 }
 
@@ -52,8 +52,8 @@ AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const
       q.defined() && k.defined() && v.defined() && q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3,
       kOp, "q, k, v must be defined 3-D tensors");
   check(heads >= 1 && q.dim(2) > 0 && q.dim(2) % heads == 0 && v.dim(2) % heads == 0, kOp,
-        "q {} and v {} widths must be positive multiples of heads = {}", shape_str(q.shape()),
-        shape_str(v.shape()), heads);
+        "q {} and v {} widths must be positive multiples of heads = {}", shape_arg(q.shape()),
+        shape_arg(v.shape()), heads);
   const int64_t B = q.dim(0), T = q.dim(1), S = k.dim(1), D = q.dim(2) / heads,
                 Dv = v.dim(2) / heads;
   check(q.dtype() == DType::F32, kOp, "q has dtype {}, expected float32", dtype_name(q.dtype()));
@@ -72,7 +72,7 @@ AttentionResult multi_head_decode_attention(Context& ctx, const Tensor& q, const
         "k has dtype {}, expected float32 or bfloat16", dtype_name(k.dtype()));
   check_cache_tensor("k", k, B, -1, heads * D, k.dtype());
   check_cache_tensor("v", v, B, S, heads * Dv, k.dtype());
-  check(S < (int64_t{1} << 31), kOp, "k {} has more than 2^31 keys", shape_str(k.shape()));
+  check(S < (int64_t{1} << 31), kOp, "k {} has more than 2^31 keys", shape_arg(k.shape()));
   check_valid_lens(kOp, opts.mask.valid_lens, B, T, 1);
 
   // Kept keys of the (B*H) rows: row b*H + h reads the lengths of batch b.

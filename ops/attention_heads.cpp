@@ -28,10 +28,10 @@ void check_heads_tensor(const char* op, const char* name, const Tensor& t, int64
                         int64_t width, DType dtype) {
   check(t.defined() && t.dtype() == dtype && t.ndim() == 3, op,
         "{} must be a {} (B, L, H*D) tensor like q, got {} {}", name, dtype_name(dtype),
-        t.defined() ? dtype_name(t.dtype()) : "undefined", t.defined() ? shape_str(t.shape()) : "");
+        t.defined() ? dtype_name(t.dtype()) : "undefined", shape_arg(t));
   check(t.dim(0) == B && (L < 0 || t.dim(1) == L) && t.dim(2) == width && t.stride(2) == 1, op,
         "{} has shape {} and strides ({}, {}, {}), expected ({}, {}, {}) with unit feature stride",
-        name, shape_str(t.shape()), t.stride(0), t.stride(1), t.stride(2), B, L, width);
+        name, shape_arg(t.shape()), t.stride(0), t.stride(1), t.stride(2), B, L, width);
 }
 
 HeadDims check_heads(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -40,15 +40,15 @@ HeadDims check_heads(const char* op, const Tensor& q, const Tensor& k, const Ten
       q.defined() && k.defined() && v.defined() && q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3,
       op, "q, k, v must be defined 3-D tensors");
   check(heads >= 1 && q.dim(2) % heads == 0 && v.dim(2) % heads == 0 && q.dim(2) > 0, op,
-        "q {} and v {} widths must be positive multiples of heads = {}", shape_str(q.shape()),
-        shape_str(v.shape()), heads);
+        "q {} and v {} widths must be positive multiples of heads = {}", shape_arg(q.shape()),
+        shape_arg(v.shape()), heads);
   HeadDims d{q.dim(0), q.dim(1), k.dim(1), heads, q.dim(2) / heads, v.dim(2) / heads};
   check(q.dtype() == DType::F32 || q.dtype() == DType::BF16, op,
         "q has dtype {}, expected float32 or bfloat16", dtype_name(q.dtype()));
   check_heads_tensor(op, "q", q, d.B, d.T, d.H * d.D, q.dtype());
   check_heads_tensor(op, "k", k, d.B, d.S, d.H * d.D, q.dtype());
   check_heads_tensor(op, "v", v, d.B, d.S, d.H * d.Dv, q.dtype());
-  check(d.S < (int64_t{1} << 31), op, "k {} has more than 2^31 keys", shape_str(k.shape()));
+  check(d.S < (int64_t{1} << 31), op, "k {} has more than 2^31 keys", shape_arg(k.shape()));
   check(opts.mask.lens_repeat == 1, op,
         "mask.lens_repeat is {}, expected 1: valid_lens are per batch row here",
         opts.mask.lens_repeat);

@@ -70,7 +70,7 @@ struct RingDims {
 void check_tensor(const char* op, const char* name, const Tensor& t, const char* layout) {
   check(t.defined(), op, "{} is undefined, expected a float32 or bfloat16 {} tensor", name, layout);
   check(t.dtype() == DType::F32 || t.dtype() == DType::BF16, op,
-        "{} {} has dtype {}, expected F32 or BF16", name, shape_str(t.shape()),
+        "{} {} has dtype {}, expected F32 or BF16", name, shape_arg(t.shape()),
         dtype_name(t.dtype()));
   detail::check_ndim(op, name, t, 3, layout);
 }
@@ -86,14 +86,14 @@ RingDims check_local(const char* op, const Tensor& q, const Tensor& k, const Ten
   RingDims d;
   d.B = q.dim(0), d.T = q.dim(1), d.S = k.dim(1), d.D = q.dim(2), d.Dv = v.dim(2);
   check(k.dim(0) == d.B && v.dim(0) == d.B, op,
-        "batch sizes differ: q {}, k {}, v {}; expected the same B", shape_str(q.shape()),
-        shape_str(k.shape()), shape_str(v.shape()));
+        "batch sizes differ: q {}, k {}, v {}; expected the same B", shape_arg(q.shape()),
+        shape_arg(k.shape()), shape_arg(v.shape()));
   check(k.dim(2) == d.D && d.D >= 1, op,
         "q {} and k {} differ in width (or it is 0), expected k (B, S_local, D) with D = {} >= 1",
-        shape_str(q.shape()), shape_str(k.shape()), d.D);
+        shape_arg(q.shape()), shape_arg(k.shape()), d.D);
   check(v.dim(1) == d.S, op,
         "k {} and v {} differ in length, expected v (B, S_local, Dv) with S_local = {}",
-        shape_str(k.shape()), shape_str(v.shape()), d.S);
+        shape_arg(k.shape()), shape_arg(v.shape()), d.S);
   detail::check_attention_options(op, opts.dropout, opts.scale);
   check(opts.lens_repeat >= 1, op, "lens_repeat is {}, expected >= 1", opts.lens_repeat);
   d.layout = opts.resolved_layout();
@@ -101,11 +101,11 @@ RingDims check_local(const char* op, const Tensor& q, const Tensor& k, const Ten
     check(d.T % 2 == 0 && d.S % 2 == 0, op,
           "q {} and k {}: the zigzag layout needs even local lengths (the global length a "
           "multiple of 2N: two chunks per rank)",
-          shape_str(q.shape()), shape_str(k.shape()));
+          shape_arg(q.shape()), shape_arg(k.shape()));
   if (opts.causal)
     check(d.T == d.S, op,
           "causal ring attention needs q {} and k {} sharded alike (T_local == S_local)",
-          shape_str(q.shape()), shape_str(k.shape()));
+          shape_arg(q.shape()), shape_arg(k.shape()));
   check_valid_lens(op, valid_lens, d.B, d.T, opts.lens_repeat);
   return d;
 }
@@ -124,8 +124,8 @@ RingDims check_ring(const char* op, const Context& ctx, Communicator& comm, cons
     if (dout) {
       check_tensor(op, "dout", *dout, "(B, T_local, Dv)");
       check(dout->shape() == Shape{d.B, d.T, d.Dv}, op,
-            "dout has shape {}, expected (B, T_local, Dv) = {}", shape_str(dout->shape()),
-            shape_str(Shape{d.B, d.T, d.Dv}));
+            "dout has shape {}, expected (B, T_local, Dv) = {}", shape_arg(dout->shape()),
+            shape_arg(Shape{d.B, d.T, d.Dv}));
       detail::check_same_dtype(op, "dout", *dout, "q", q);
     }
   } catch (...) {
@@ -703,9 +703,9 @@ AttentionGrads ring_attention_backward(Context& ctx, Communicator& comm, const T
         kRingBackward,
         "forward result has output {} and logsumexp {}, expected ring_attention's: output "
         "(B, T_local, Dv) = {} of q's dtype and float32 logsumexp {}",
-        fo.defined() ? shape_str(fo.shape()) : "undefined",
-        fl.defined() ? shape_str(fl.shape()) : "undefined", shape_str(Shape{d.B, d.T, d.Dv}),
-        shape_str(Shape{d.B, d.T}));
+        shape_arg(fo),
+        shape_arg(fl), shape_arg(Shape{d.B, d.T, d.Dv}),
+        shape_arg(Shape{d.B, d.T}));
   const Tensor lse = fl.contiguous();
   if (q.dtype() == DType::BF16)
     return backward_impl<uint16_t>(ctx, comm, dout, q, k, v, valid_lens, fo, lse,
@@ -724,7 +724,7 @@ int norm_dim(const char* op, const Tensor& t, int dim) {
   check(t.defined(), op, "tensor is undefined");
   const int nd = t.ndim();
   const int dd = dim < 0 ? dim + nd : dim;
-  check(dd >= 0 && dd < nd, op, "dim {} is out of range for shape {}", dim, shape_str(t.shape()));
+  check(dd >= 0 && dd < nd, op, "dim {} is out of range for shape {}", dim, shape_arg(t.shape()));
   return dd;
 }
 
@@ -742,7 +742,7 @@ Tensor ring_shard(const Tensor& global, int rank, int size, RingLayout layout, i
   check(L % n == 0, kShard,
         "length {} along dim {} of {} does not divide into {} equal parts ({} layout, {} ranks): "
         "expected a multiple of {}",
-        L, dd, shape_str(global.shape()), n, ring_layout_name(layout), size, n);
+        L, dd, shape_arg(global.shape()), n, ring_layout_name(layout), size, n);
   Shape shape = global.shape();
   shape[dd] = L / size;
   Tensor out = Tensor::empty(shape, global.dtype());
@@ -759,8 +759,8 @@ Tensor ring_unshard(const std::vector<Tensor>& shards, RingLayout layout, int di
   for (const Tensor& s : shards)
     check(s.defined() && s.shape() == shards[0].shape() && s.dtype() == shards[0].dtype(), op,
           "shards differ: {} {} and {} {}, expected one shape and dtype",
-          s.defined() ? shape_str(s.shape()) : "undefined", dtype_name(s.dtype()),
-          shape_str(shards[0].shape()), dtype_name(shards[0].dtype()));
+          shape_arg(s), dtype_name(s.dtype()),
+          shape_arg(shards[0].shape()), dtype_name(shards[0].dtype()));
   const int64_t L = shards[0].dim(dd);
   check(layout == RingLayout::kContiguous || L % 2 == 0, op,
         "shard length {} is odd, the zigzag layout holds two equal chunks per rank", L);
