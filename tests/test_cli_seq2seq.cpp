@@ -239,5 +239,33 @@ TEST_F(CliSeq2Seq, BadInputExitsTwoWithOneLineAndNothingWritten) {
   expect_refused("train --task translate --steps 1", {"--data"}, 2);
 }
 
+
+// --bucket (generated encoder tasks): batches drawn from a length-sorted pool are still a function
+// of the step, so a resumed run repeats the uninterrupted one bit for bit; it changes the data
+// (another run than without it), and it is refused where it has no meaning.
+TEST_F(CliSeq2Seq, BucketByLengthResumesBitForBit) {
+  const std::string common =
+      std::string("train --task shift --symbols 4 --length 12 --dropout 0.1 --eval-every 3 "
+                  "--bucket 3 ") +
+      kTiny;
+  ASSERT_EQ(run(common + " --steps 7 --checkpoint " + path("straight.safetensors")).status, 0);
+  ASSERT_EQ(run(common + " --steps 4 --checkpoint " + path("half.safetensors")).status, 0);
+  const Result r = run("train --resume " + path("half.safetensors") +
+                       " --steps 7 --threads 2 --checkpoint " + path("resumed.safetensors"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const SafetensorsFile s = load_safetensors((out / "straight.safetensors").string());
+  const SafetensorsFile m = load_safetensors((out / "resumed.safetensors").string());
+  ASSERT_EQ(s.tensors.size(), m.tensors.size());
+  for (const auto& [name, t] : s.tensors) {
+    ASSERT_TRUE(m.tensors.count(name)) << name;
+    const Tensor& u = m.tensors.at(name);
+    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
+  }
+  const size_t files = static_cast<size_t>(std::distance(fs::directory_iterator(out), {}));
+  expect_refused("train --task reverse --steps 1 --bucket 4", {"--bucket", "reverse"}, files);
+  expect_refused("train --task shift --steps 1 --bucket 0", {"--bucket"}, files);
+}
+
 }  // namespace
 }  // namespace attn

@@ -15,6 +15,7 @@
 // The encoder-decoder tasks (translate, dates, copy, reverse) run in cmd_train_seq2seq.cpp.
 #include "attn/core/comm.hpp"
 #include "attn/core/error.hpp"
+#include "attn/core/rng.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/model/tasks.hpp"
 #include "attn/model/trainer.hpp"
@@ -26,6 +27,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -44,7 +46,7 @@ using nlohmann::json;
 // The arguments that decide the results, by option name (what a checkpoint stores and a resume
 // compares). Output paths, threads, --steps and the evaluation cadence are not among them.
 json result_args(const TrainArgs& a) {
-  return {{"task", a.task},
+  json j = {{"task", a.task},
           {"data", a.data},
           {"eval-data", a.eval_data},
           {"tag-column", a.tag_column},
@@ -64,6 +66,8 @@ json result_args(const TrainArgs& a) {
           {"clip", a.clip},
           {"seed", std::to_string(a.seed)},
           {"eval-examples", a.eval_examples}};
+  if (a.bucket != 1) j["bucket"] = a.bucket;  // absent when off: older checkpoints compare equal
+  return j;
 }
 
 void set_result_args(TrainArgs& a, const json& j) {
@@ -87,6 +91,7 @@ void set_result_args(TrainArgs& a, const json& j) {
   a.clip = j.at("clip");
   a.seed = std::stoull(j.at("seed").get<std::string>());
   a.eval_examples = j.at("eval-examples");
+  a.bucket = j.value("bucket", int64_t{1});  // checkpoints from before --bucket: off
 }
 
 void validate(const TrainArgs& a) {
@@ -101,6 +106,9 @@ void validate(const TrainArgs& a) {
         "--data is for --task tsv|conllu|translate, not the generated '{}'", a.task);
   check(a.steps >= 0 && a.batch_size >= 1, kOp, "--steps ({}) must be >= 0, --batch-size ({}) >= 1",
         a.steps, a.batch_size);
+  check(a.bucket >= 1 && a.bucket <= 4096, kOp, "--bucket must be in [1, 4096], got {}", a.bucket);
+  check(a.bucket == 1 || a.task == "shift" || a.task == "sorted", kOp,
+        "--bucket is for the generated encoder tasks (shift, sorted), not '{}'", a.task);
   check(a.eval_every >= 0 && a.checkpoint_every >= 0 && a.eval_examples >= 1, kOp,
         "--eval-every and --checkpoint-every must be >= 0, --eval-examples >= 1");
   check(a.length >= 2 && a.symbols >= 2 && a.max_len >= 1, kOp,
@@ -138,11 +146,37 @@ DataSource generated_source(const TrainArgs& a) {
   s.num_classes = model::task_num_classes(t);
   const int64_t B = a.batch_size;
   const uint64_t seed = a.seed;
-  s.batch = [t, B, seed](int64_t step) {
-    std::vector<int64_t> idx(static_cast<size_t>(B));
-    std::iota(idx.begin(), idx.end(), 0);
-    return model::make_batch(model::generate_task(t, B, seed, static_cast<uint64_t>(step)), idx);
-  };
+  const int64_t k = a.bucket;
+  if (k == 1) {
+    s.batch = [t, B, seed](int64_t step) {
+      std::vector<int64_t> idx(static_cast<size_t>(B));
+      std::iota(idx.begin(), idx.end(), 0);
+      return model::make_batch(model::generate_task(t, B, seed, static_cast<uint64_t>(step)), idx);
+    };
+  } else {
+    // Bucketing by length: steps [g k, (g + 1) k) share one pool of k B sequences (its own stream,
+    // apart from the per-step and evaluation streams), sorted by length (ties by position) and cut
+    // into k batches, which the group's steps take in a seeded random order so that lengths do not
+    // rise step by step. Every batch is a function of the step alone: --resume stays bit-identical.
+    s.batch = [t, B, seed, k](int64_t step) {
+      const uint64_t group = static_cast<uint64_t>(step / k);
+      const model::Dataset pool =
+          model::generate_task(t, k * B, seed, (uint64_t{1} << 61) + group);
+      std::vector<int64_t> order(static_cast<size_t>(k * B));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&pool](int64_t x, int64_t y) {
+        return pool.inputs[static_cast<size_t>(x)].size() < pool.inputs[static_cast<size_t>(y)].size();
+      });
+      std::vector<int64_t> slot(static_cast<size_t>(k));
+      std::iota(slot.begin(), slot.end(), 0);
+      Rng rng(seed, (uint64_t{1} << 61) + (uint64_t{1} << 60) + group);
+      for (int64_t i = k - 1; i > 0; --i)  // Fisher-Yates
+        std::swap(slot[static_cast<size_t>(i)],
+                  slot[static_cast<size_t>(rng.below(static_cast<uint64_t>(i + 1)))]);
+      const auto first = order.begin() + slot[static_cast<size_t>(step % k)] * B;
+      return model::make_batch(pool, std::vector<int64_t>(first, first + B));
+    };
+  }
   // A fixed evaluation set of the training lengths, the same for every seed.
   s.eval = model::make_batches(
       model::generate_task(t, a.eval_examples, 0, model::eval_stream(a.length)), 64);
@@ -387,6 +421,9 @@ std::vector<Command> add_train_command(CLI::App& app) {
   add("clip", a.clip, "clip the global gradient norm to this (0: off)");
   add("seed", a.seed, "seeds the parameters, the data order and dropout");
   add("eval-examples", a.eval_examples, "generated tasks: size of the evaluation set");
+  add("bucket", a.bucket,
+      "generated encoder tasks: sort N batches' worth of sequences by length and hand them out "
+      "as N batches of similar lengths, less padding (1: off)");
   sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
       ->capture_default_str();
   add_device_option(sub, "train");

@@ -144,6 +144,9 @@ struct TrainArgs {
   uint64_t seed = 0;
   int threads = 0;
   int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
+  // Generated encoder tasks: draw `bucket` batches' worth of sequences at once and hand them out
+  // sorted by length, so that each batch pads to little more than its own lengths (1: off).
+  int64_t bucket = 1;
   std::string metrics, curve, checkpoint, resume;
   // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
   // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
