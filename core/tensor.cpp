@@ -255,20 +255,21 @@ int64_t Tensor::offset_of_flat(int64_t i) const {
 }
 
 double Tensor::at(std::initializer_list<int64_t> index) const {
-  return load(static_cast<std::byte*>(data_) +
-                  offset_of(index.begin(), index.size()) * dtype_size(dtype_),
-              dtype_);
+  return load(
+      static_cast<std::byte*>(data_) + offset_of(index.begin(), index.size()) * dtype_size(dtype_),
+      dtype_);
 }
 
 double Tensor::at(const std::vector<int64_t>& index) const {
-  return load(static_cast<std::byte*>(data_) +
-                  offset_of(index.data(), index.size()) * dtype_size(dtype_),
-              dtype_);
+  return load(
+      static_cast<std::byte*>(data_) + offset_of(index.data(), index.size()) * dtype_size(dtype_),
+      dtype_);
 }
 
 void Tensor::set(std::initializer_list<int64_t> index, double value) {
-  store(static_cast<std::byte*>(data_) + offset_of(index.begin(), index.size()) * dtype_size(dtype_),
-        dtype_, value);
+  store(
+      static_cast<std::byte*>(data_) + offset_of(index.begin(), index.size()) * dtype_size(dtype_),
+      dtype_, value);
 }
 
 void Tensor::set(const std::vector<int64_t>& index, double value) {

@@ -165,9 +165,8 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   B_ = queries.dim(0);
   T_ = queries.dim(1);
   S_ = keys.dim(1);
-  const int64_t H = num_heads_;
-  ring_ = sequence_parallel != nullptr;
-  if (ring_) return ring_forward(ctx, queries, keys, values, valid_lens);
+  saved_ = {};
+  if (sequence_parallel != nullptr) return ring_forward(ctx, queries, keys, values, valid_lens);
 
   // Padding that no query reads stays out of the projections (and so of their gradients).
   Tensor keys_read = keys, values_read = values;
@@ -178,7 +177,13 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
     values_read = zero_unread_padding(values, valid_lens, attention.causal, T_, uniform);
   }
 
-  // The fused path: no head copies, no (B*H, T, S) weights (attention_weights() is undefined).
+  // The path, chosen once. Fused: no head copies, no (B*H, T, S) weights (attention_weights() is
+  // undefined); it serves float32 and bfloat16 without need_weights, RoPE or ALiBi. Under
+  // autocast (float32 module, Context::autocast_bf16) the projections and the fused core run in
+  // bf16; off the fused path the module's own dtype. Packed: self-attention (one tensor for
+  // queries, keys and values, no padding copy) projects once with the stacked weights
+  // [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM; on the fused path, and
+  // for bfloat16 also when its attention runs on head copies.
   AttentionOptions o;
   o.mask.valid_lens = valid_lens;
   o.mask.causal = attention.causal;
@@ -186,68 +191,80 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   o.dropout = attention.dropout;
   o.training = attention.training();
   o.need_weights = attention.need_weights;
-  // Under autocast (float32 module, Context::autocast_bf16) the projections and the fused core
-  // run in bf16; off the fused path (weights asked for, RoPE, ALiBi) the module's own dtype.
   const DType cdt = detail::autocasts(ctx, dtype_) ? DType::BF16 : dtype_;
-  fused_ = !attention.rotary && !attention.alibi_slopes.defined() &&
-           attn::detail::multi_head_fused_supported(ctx, cdt, o);
-  compute_dtype_ = fused_ ? cdt : dtype_;
-  // Self-attention (one tensor for queries, keys and values, no padding copy): one projection
-  // with the stacked weights [W_q; W_k; W_v] (3E, in), which reads X once and is one larger GEMM.
-  // On the fused path, and for bfloat16 also when its attention runs on head copies.
-  packed_ = (fused_ || dtype_ == DType::BF16) && same_tensor(queries, keys) &&
-            same_tensor(queries, values) && same_tensor(keys, keys_read) &&
-            same_tensor(values, values_read);
-  core_ = {};
-  Q_ = K_ = V_ = X_ = Tensor();
-  if (packed_) {
-    const int64_t E = num_hiddens_;
-    for (Linear* l : {&W_q, &W_k, &W_v})
-      l->materialize(queries.dim(2), op);
-    // Repacked every forward: the optimizer updates the three weights in place.
-    // (In bf16 under autocast: copy_from rounds the float32 weights.)
-    const DType wdt = compute_dtype_;
-    if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, queries.dim(2)}) ||
-        W_qkv_.dtype() != wdt)
-      W_qkv_ = Tensor::empty({3 * E, queries.dim(2)}, wdt);
-    const bool bias = W_q.has_bias();
-    if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != wdt)) b_qkv_ = Tensor::empty({3 * E}, wdt);
-    int64_t i = 0;
-    for (Linear* l : {&W_q, &W_k, &W_v}) {
-      W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
-      if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
-      ++i;
-    }
-    X_ = detail::convert(ctx, queries, wdt);
-    const Tensor QKV = linear(ctx, X_, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
-    Q_ = QKV.slice(2, 0, E);                                               // views, row stride 3E
-    K_ = QKV.slice(2, E, 2 * E);
-    V_ = QKV.slice(2, 2 * E, 3 * E);
+  const bool fused = !attention.rotary && !attention.alibi_slopes.defined() &&
+                     attn::detail::multi_head_fused_supported(ctx, cdt, o);
+  const bool packed = (fused || dtype_ == DType::BF16) && same_tensor(queries, keys) &&
+                      same_tensor(queries, values) && same_tensor(keys, keys_read) &&
+                      same_tensor(values, values_read);
+  saved_.path = fused ? (packed ? Path::kPackedFused : Path::kFused)
+                      : (packed ? Path::kPackedHeads : Path::kHeads);
+  saved_.compute_dtype = fused ? cdt : dtype_;
+  if (fused) return forward_fused(ctx, queries, keys_read, values_read, o);
+  return forward_heads(ctx, queries, keys_read, values_read, valid_lens);
+}
+
+// [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E) in dtype wdt; saved_.Q, K, V become its slices
+// (views with row stride 3E) and saved_.X the input in wdt.
+Tensor MultiHeadAttention::pack_projection(Context& ctx, const Tensor& X, DType wdt) {
+  const int64_t E = num_hiddens_;
+  for (Linear* l : {&W_q, &W_k, &W_v})
+    l->materialize(X.dim(2), "MultiHeadAttention");
+  // Repacked every forward: the optimizer updates the three weights in place.
+  // (In bf16 under autocast: copy_from rounds the float32 weights.)
+  if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, X.dim(2)}) || W_qkv_.dtype() != wdt)
+    W_qkv_ = Tensor::empty({3 * E, X.dim(2)}, wdt);
+  const bool bias = W_q.has_bias();
+  if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != wdt)) b_qkv_ = Tensor::empty({3 * E}, wdt);
+  int64_t i = 0;
+  for (Linear* l : {&W_q, &W_k, &W_v}) {
+    W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
+    if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
+    ++i;
   }
-  if (fused_) {
-    core_options_ = o;
-    if (!packed_) {
-      // (B, T, E): head h in features [h*D, (h+1)*D). Under autocast the inputs go in as bf16,
-      // so the projections come out bf16 for the bf16 core.
-      Q_ = W_q.forward(ctx, queries.to(compute_dtype_));
-      K_ = W_k.forward(ctx, keys_read.to(compute_dtype_));
-      V_ = W_v.forward(ctx, values_read.to(compute_dtype_));
-    }
-    core_ = attn::detail::multi_head_attention_forward(ctx, Q_, K_, V_, H, o);  // O (B, T, E)
-    return detail::convert(ctx, W_o.forward(ctx, core_.output), dtype_);
+  saved_.X = detail::convert(ctx, X, wdt);
+  const Tensor QKV = linear(ctx, saved_.X, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
+  saved_.Q = QKV.slice(2, 0, E);
+  saved_.K = QKV.slice(2, E, 2 * E);
+  saved_.V = QKV.slice(2, 2 * E, 3 * E);
+  return QKV;
+}
+
+// kFused, kPackedFused: the projections (B, T|S, E), head h in features [h*D, (h+1)*D), go to the
+// fused core as they are. Under autocast the inputs go in as bf16, so the projections come out
+// bf16 for the bf16 core.
+Tensor MultiHeadAttention::forward_fused(Context& ctx, const Tensor& queries, const Tensor& keys,
+                                         const Tensor& values, const AttentionOptions& o) {
+  const DType cdt = saved_.compute_dtype;
+  if (saved_.path == Path::kPackedFused) {
+    pack_projection(ctx, queries, cdt);
+  } else {
+    saved_.Q = W_q.forward(ctx, queries.to(cdt));
+    saved_.K = W_k.forward(ctx, keys.to(cdt));
+    saved_.V = W_v.forward(ctx, values.to(cdt));
   }
+  saved_.core_options = o;
+  saved_.core = attn::detail::multi_head_attention_forward(ctx, saved_.Q, saved_.K, saved_.V,
+                                                           num_heads_, o);  // O (B, T, E)
+  return detail::convert(ctx, W_o.forward(ctx, saved_.core.output), dtype_);
+}
 
-  // Projections (B, T|S, E), then d2l's transpose_qkv to (B*H, T|S, D).
-  Tensor Qh = detail::split_heads(packed_ ? Q_ : W_q.forward(ctx, queries), H);
-  Tensor Kh = detail::split_heads(packed_ ? K_ : W_k.forward(ctx, keys_read), H);
-  Tensor Vh = detail::split_heads(packed_ ? V_ : W_v.forward(ctx, values_read), H);
-  Q_ = K_ = V_ = Tensor();  // the head copies live on in `attention`
-
-  // Per-(b, h) scaled dot-product attention with D = E / H; the mask of batch b serves its H
-  // rows (lens_repeat = H, set at construction).
-  Tensor Oh = attention.forward(ctx, Qh, Kh, Vh, valid_lens);  // (B*H, T, D)
-
-  // transpose_output: (B*H, T, D) -> (B, T, E), heads concatenated along features.
+// kHeads, kPackedHeads: d2l's transpose_qkv to head copies (B*H, T|S, D), DotProductAttention
+// per (b, h) with D = E / H (the mask of batch b serves its H rows: lens_repeat = H, set at
+// construction), transpose_output back to (B, T, E).
+Tensor MultiHeadAttention::forward_heads(Context& ctx, const Tensor& queries, const Tensor& keys,
+                                         const Tensor& values, const Tensor& valid_lens) {
+  const int64_t H = num_heads_;
+  Tensor Qp, Kp, Vp;
+  if (saved_.path == Path::kPackedHeads) {
+    pack_projection(ctx, queries, saved_.compute_dtype);
+    Qp = saved_.Q, Kp = saved_.K, Vp = saved_.V;
+    saved_.Q = saved_.K = saved_.V = Tensor();  // the head copies live on in `attention`
+  } else {
+    Qp = W_q.forward(ctx, queries), Kp = W_k.forward(ctx, keys), Vp = W_v.forward(ctx, values);
+  }
+  Tensor Oh = attention.forward(ctx, detail::split_heads(Qp, H), detail::split_heads(Kp, H),
+                                detail::split_heads(Vp, H), valid_lens);  // (B*H, T, D)
   return W_o.forward(ctx, detail::merge_heads(Oh, H));
 }
 
@@ -257,54 +274,71 @@ AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dou
   check(dout.shape() == Shape({B_, T_, num_hiddens_}) && dout.dtype() == dtype_, op,
         "dout has shape {} and dtype {}, expected {} and {}", shape_arg(dout.shape()),
         dtype_name(dout.dtype()), shape_arg({B_, T_, num_hiddens_}), dtype_name(dtype_));
-  const int64_t H = num_heads_;
   // forward: out = W_o(concat)
-  Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E), in the compute dtype
-  if (ring_) return ring_backward(ctx, dconcat);
-  const DType cdt = compute_dtype_;
-  if (packed_) {
-    // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
-    // attention gradients land in the slices of one (B, T, 3E) buffer, every element written.
-    const int64_t E = num_hiddens_;
-    const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, cdt);
-    Tensor dQ = dQKV.slice(2, 0, E), dK = dQKV.slice(2, E, 2 * E), dV = dQKV.slice(2, 2 * E, 3 * E);
-    if (fused_) {
-      attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
-                                                  dQ, dK, dV);
-    } else {
-      // bf16 off the fused path: the attention ran on head copies (B*H, T, D); its gradients
-      // are merged back into the slices (transpose_output into a strided destination).
-      AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
-      detail::merge_heads_into(gh.dqueries, H, dQ);
-      detail::merge_heads_into(gh.dkeys, H, dK);
-      detail::merge_heads_into(gh.dvalues, H, dV);
-    }
-    // dX = dQKV [W_q; W_k; W_v] (one GEMM over 3E), dW_qkv = dQKV^T X, db_qkv = column sums.
-    const bool bias = W_q.has_bias();
-    LinearGrads lg = linear_backward(ctx, dQKV, X_, W_qkv_, bias);
-    int64_t i = 0;
-    for (Linear* l : {&W_q, &W_k, &W_v}) {
-      detail::accumulate(l->weight.grad, lg.dW.slice(0, i * E, (i + 1) * E));
-      if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E));
-      ++i;
-    }
-    if (self_attention_input_grad) return {detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};
-    // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on, with
-    // the weights the forward used (W_qkv_'s rows).
-    auto input_grad = [&](const Tensor& dY, int64_t part) {
-      return linear(ctx, dY, W_qkv_.slice(0, part * E, (part + 1) * E).transpose(0, 1)).to(dtype_);
-    };
-    return {input_grad(dQ, 0), input_grad(dK, 1), input_grad(dV, 2)};
+  const Tensor dconcat = W_o.backward(ctx, dout);  // (B, T, E), in the compute dtype
+  switch (saved_.path) {
+    case Path::kRing:
+      return ring_backward(ctx, dconcat);
+    case Path::kPackedFused:
+    case Path::kPackedHeads:
+      return backward_packed(ctx, dconcat);
+    case Path::kFused:
+      return backward_fused(ctx, dconcat);
+    case Path::kHeads:
+      break;
   }
-  if (fused_) {
-    // forward: O = attention(Q, K, V) in the (B, T, E) layout; the gradients land there too.
-    Tensor dQ = Tensor::empty(Q_.shape(), cdt), dK = Tensor::empty(K_.shape(), cdt),
-           dV = Tensor::empty(V_.shape(), cdt);
-    attn::detail::multi_head_attention_backward(ctx, dconcat, Q_, K_, V_, core_, H, core_options_,
-                                                dQ, dK, dV);
-    return {W_q.backward(ctx, dQ).to(dtype_), W_k.backward(ctx, dK).to(dtype_),
-            W_v.backward(ctx, dV).to(dtype_)};
+  return backward_heads(ctx, dconcat);
+}
+
+AttentionInputGrads MultiHeadAttention::backward_packed(Context& ctx, const Tensor& dconcat) {
+  // forward: O = attention(Q, K, V) with [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E); the
+  // attention gradients land in the slices of one (B, T, 3E) buffer, every element written.
+  const int64_t H = num_heads_, E = num_hiddens_;
+  const Tensor dQKV = Tensor::empty({B_, T_, 3 * E}, saved_.compute_dtype);
+  Tensor dQ = dQKV.slice(2, 0, E), dK = dQKV.slice(2, E, 2 * E), dV = dQKV.slice(2, 2 * E, 3 * E);
+  if (saved_.path == Path::kPackedFused) {
+    attn::detail::multi_head_attention_backward(ctx, dconcat, saved_.Q, saved_.K, saved_.V,
+                                                saved_.core, H, saved_.core_options, dQ, dK, dV);
+  } else {
+    // bf16 off the fused path: the attention ran on head copies (B*H, T, D); its gradients
+    // are merged back into the slices (transpose_output into a strided destination).
+    AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
+    detail::merge_heads_into(gh.dqueries, H, dQ);
+    detail::merge_heads_into(gh.dkeys, H, dK);
+    detail::merge_heads_into(gh.dvalues, H, dV);
   }
+  // dX = dQKV [W_q; W_k; W_v] (one GEMM over 3E), dW_qkv = dQKV^T X, db_qkv = column sums.
+  const bool bias = W_q.has_bias();
+  LinearGrads lg = linear_backward(ctx, dQKV, saved_.X, W_qkv_, bias);
+  int64_t i = 0;
+  for (Linear* l : {&W_q, &W_k, &W_v}) {
+    detail::accumulate(l->weight.grad, lg.dW.slice(0, i * E, (i + 1) * E));
+    if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E));
+    ++i;
+  }
+  if (self_attention_input_grad) return {detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};
+  // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on, with
+  // the weights the forward used (W_qkv_'s rows).
+  auto input_grad = [&](const Tensor& dY, int64_t part) {
+    return linear(ctx, dY, W_qkv_.slice(0, part * E, (part + 1) * E).transpose(0, 1)).to(dtype_);
+  };
+  return {input_grad(dQ, 0), input_grad(dK, 1), input_grad(dV, 2)};
+}
+
+AttentionInputGrads MultiHeadAttention::backward_fused(Context& ctx, const Tensor& dconcat) {
+  // forward: O = attention(Q, K, V) in the (B, T, E) layout; the gradients land there too.
+  const DType cdt = saved_.compute_dtype;
+  Tensor dQ = Tensor::empty(saved_.Q.shape(), cdt), dK = Tensor::empty(saved_.K.shape(), cdt),
+         dV = Tensor::empty(saved_.V.shape(), cdt);
+  attn::detail::multi_head_attention_backward(ctx, dconcat, saved_.Q, saved_.K, saved_.V,
+                                              saved_.core, num_heads_, saved_.core_options, dQ, dK,
+                                              dV);
+  return {W_q.backward(ctx, dQ).to(dtype_), W_k.backward(ctx, dK).to(dtype_),
+          W_v.backward(ctx, dV).to(dtype_)};
+}
+
+AttentionInputGrads MultiHeadAttention::backward_heads(Context& ctx, const Tensor& dconcat) {
+  const int64_t H = num_heads_;
   // forward: concat = transpose_output(O_h); its adjoint is transpose_qkv.
   AttentionInputGrads gh = attention.backward(ctx, detail::split_heads(dconcat, H));
   // forward: Q_h = transpose_qkv(W_q(queries)), and the same for K and V.
@@ -326,29 +360,29 @@ Tensor MultiHeadAttention::ring_forward(Context& ctx, const Tensor& queries, con
         "sequence_parallel is set together with RoPE or ALiBi, which ring attention does not "
         "support; expected neither");
   const int64_t H = num_heads_;
-  ring_options_ = {};
-  ring_options_.causal = attention.causal;
-  ring_options_.masked_rows = attention.masked_rows;
-  ring_options_.lens_repeat = H;
-  ring_options_.layout = sequence_layout;
-  ring_options_.dropout = attention.dropout;
-  ring_options_.training = attention.training();
-  valid_lens_ = valid_lens;
-  compute_dtype_ = dtype_;
-  fused_ = true;  // so attention_weights() reads core_.weights: undefined, as on the fused path
-  packed_ = false;
-  Q_ = detail::split_heads(W_q.forward(ctx, queries), H);
-  K_ = detail::split_heads(W_k.forward(ctx, keys), H);
-  V_ = detail::split_heads(W_v.forward(ctx, values), H);
-  core_ = ring_attention(ctx, *sequence_parallel, Q_, K_, V_, valid_lens, ring_options_);
-  return W_o.forward(ctx, detail::merge_heads(core_.output, H));
+  saved_.path = Path::kRing;
+  saved_.compute_dtype = dtype_;
+  RingOptions& ro = saved_.ring_options;
+  ro.causal = attention.causal;
+  ro.masked_rows = attention.masked_rows;
+  ro.lens_repeat = H;
+  ro.layout = sequence_layout;
+  ro.dropout = attention.dropout;
+  ro.training = attention.training();
+  saved_.valid_lens = valid_lens;
+  saved_.Q = detail::split_heads(W_q.forward(ctx, queries), H);
+  saved_.K = detail::split_heads(W_k.forward(ctx, keys), H);
+  saved_.V = detail::split_heads(W_v.forward(ctx, values), H);
+  saved_.core =
+      ring_attention(ctx, *sequence_parallel, saved_.Q, saved_.K, saved_.V, valid_lens, ro);
+  return W_o.forward(ctx, detail::merge_heads(saved_.core.output, H));
 }
 
 AttentionInputGrads MultiHeadAttention::ring_backward(Context& ctx, const Tensor& dconcat) {
   const int64_t H = num_heads_;
-  const AttentionGrads gh =
-      ring_attention_backward(ctx, *sequence_parallel, detail::split_heads(dconcat, H), Q_, K_, V_,
-                              valid_lens_, core_, ring_options_);
+  const AttentionGrads gh = ring_attention_backward(
+      ctx, *sequence_parallel, detail::split_heads(dconcat, H), saved_.Q, saved_.K, saved_.V,
+      saved_.valid_lens, saved_.core, saved_.ring_options);
   AttentionInputGrads g;
   g.dqueries = W_q.backward(ctx, detail::merge_heads(gh.dq, H));
   g.dkeys = W_k.backward(ctx, detail::merge_heads(gh.dk, H));

@@ -190,8 +190,7 @@ void TransformerEncoder::train(bool on) {
 
 Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens) {
   const char* op = "TransformerEncoder";
-  check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)",
-        shape_arg(ids));
+  check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)", shape_arg(ids));
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   // Since positional encoding values are between -1 and 1, the embedding values are multiplied
   // by sqrt(E) to rescale before they are summed up (d2l).
@@ -238,6 +237,11 @@ void TransformerEncoder::backward(Context& ctx, const Tensor& dout,
   }
   // forward: X = embedding(ids) * sqrt(E)
   embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_))));
+}
+
+void TransformerEncoder::set_need_weights(bool on) {
+  for (auto& blk : blks)
+    blk->attention.attention.need_weights = on;
 }
 
 const Tensor& TransformerEncoder::attention_weights(int64_t i) const {

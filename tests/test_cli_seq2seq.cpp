@@ -239,14 +239,14 @@ TEST_F(CliSeq2Seq, BadInputExitsTwoWithOneLineAndNothingWritten) {
   expect_refused("train --task translate --steps 1", {"--data"}, 2);
 }
 
-
 // --bucket (generated encoder tasks): batches drawn from a length-sorted pool are still a function
 // of the step, so a resumed run repeats the uninterrupted one bit for bit; it changes the data
 // (another run than without it), and it is refused where it has no meaning.
 TEST_F(CliSeq2Seq, BucketByLengthResumesBitForBit) {
   const std::string common =
-      std::string("train --task shift --symbols 4 --length 12 --dropout 0.1 --eval-every 3 "
-                  "--bucket 3 ") +
+      std::string(
+          "train --task shift --symbols 4 --length 12 --dropout 0.1 --eval-every 3 "
+          "--bucket 3 ") +
       kTiny;
   ASSERT_EQ(run(common + " --steps 7 --checkpoint " + path("straight.safetensors")).status, 0);
   ASSERT_EQ(run(common + " --steps 4 --checkpoint " + path("half.safetensors")).status, 0);

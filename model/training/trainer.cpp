@@ -132,8 +132,7 @@ void SequenceModel::train(bool on) {
 }
 
 Tensor SequenceModel::forward(Context& ctx, const Tensor& ids, const Tensor& valid_lens) {
-  for (auto& blk : encoder.blks)
-    blk->attention.attention.need_weights = need_weights;
+  encoder.set_need_weights(need_weights);
   // X (B, T, E): every position attends to the valid keys of its sequence only.
   Tensor X = encoder.forward(ctx, ids, valid_lens);
   if (classifier) return classifier->forward(ctx, X, valid_lens);  // mean over valid positions

@@ -47,25 +47,25 @@ using nlohmann::json;
 // compares). Output paths, threads, --steps and the evaluation cadence are not among them.
 json result_args(const TrainArgs& a) {
   json j = {{"task", a.task},
-          {"data", a.data},
-          {"eval-data", a.eval_data},
-          {"tag-column", a.tag_column},
-          {"length", a.length},
-          {"symbols", a.symbols},
-          {"max-len", a.max_len},
-          {"min-freq", a.min_freq},
-          {"pe", a.pe},
-          {"num-hiddens", a.num_hiddens},
-          {"ffn-num-hiddens", a.ffn_num_hiddens},
-          {"num-heads", a.num_heads},
-          {"num-blks", a.num_blks},
-          {"dropout", a.dropout},
-          {"batch-size", a.batch_size},
-          {"lr", a.lr},
-          {"weight-decay", a.weight_decay},
-          {"clip", a.clip},
-          {"seed", std::to_string(a.seed)},
-          {"eval-examples", a.eval_examples}};
+            {"data", a.data},
+            {"eval-data", a.eval_data},
+            {"tag-column", a.tag_column},
+            {"length", a.length},
+            {"symbols", a.symbols},
+            {"max-len", a.max_len},
+            {"min-freq", a.min_freq},
+            {"pe", a.pe},
+            {"num-hiddens", a.num_hiddens},
+            {"ffn-num-hiddens", a.ffn_num_hiddens},
+            {"num-heads", a.num_heads},
+            {"num-blks", a.num_blks},
+            {"dropout", a.dropout},
+            {"batch-size", a.batch_size},
+            {"lr", a.lr},
+            {"weight-decay", a.weight_decay},
+            {"clip", a.clip},
+            {"seed", std::to_string(a.seed)},
+            {"eval-examples", a.eval_examples}};
   if (a.bucket != 1) j["bucket"] = a.bucket;  // absent when off: older checkpoints compare equal
   return j;
 }
@@ -160,12 +160,12 @@ DataSource generated_source(const TrainArgs& a) {
     // rise step by step. Every batch is a function of the step alone: --resume stays bit-identical.
     s.batch = [t, B, seed, k](int64_t step) {
       const uint64_t group = static_cast<uint64_t>(step / k);
-      const model::Dataset pool =
-          model::generate_task(t, k * B, seed, (uint64_t{1} << 61) + group);
+      const model::Dataset pool = model::generate_task(t, k * B, seed, (uint64_t{1} << 61) + group);
       std::vector<int64_t> order(static_cast<size_t>(k * B));
       std::iota(order.begin(), order.end(), 0);
       std::stable_sort(order.begin(), order.end(), [&pool](int64_t x, int64_t y) {
-        return pool.inputs[static_cast<size_t>(x)].size() < pool.inputs[static_cast<size_t>(y)].size();
+        return pool.inputs[static_cast<size_t>(x)].size() <
+               pool.inputs[static_cast<size_t>(y)].size();
       });
       std::vector<int64_t> slot(static_cast<size_t>(k));
       std::iota(slot.begin(), slot.end(), 0);

@@ -32,7 +32,9 @@ std::string shape_str(const Shape& shape);
 struct ShapeArg {
   const Shape* shape = nullptr;
 };
-inline ShapeArg shape_arg(const Shape& shape) { return ShapeArg{&shape}; }
+inline ShapeArg shape_arg(const Shape& shape) {
+  return ShapeArg{&shape};
+}
 // Number of elements; throws Error(op) when the product overflows int64 or a dim is negative.
 int64_t shape_numel(const Shape& shape, const char* op = "Tensor");
 Strides contiguous_strides(const Shape& shape);
@@ -125,7 +127,9 @@ class Tensor {
   int64_t offset_of_flat(int64_t i) const;
 };
 
-inline ShapeArg shape_arg(const Tensor& t) { return ShapeArg{t.defined() ? &t.shape() : nullptr}; }
+inline ShapeArg shape_arg(const Tensor& t) {
+  return ShapeArg{t.defined() ? &t.shape() : nullptr};
+}
 
 // Max |a - b| over all elements (shapes must match); NaN if either holds NaN.
 double max_abs_diff(const Tensor& a, const Tensor& b);

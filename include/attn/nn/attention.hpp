@@ -103,7 +103,9 @@ class MultiHeadAttention : public Module {
   AttentionInputGrads backward(Context& ctx, const Tensor& dout);
   // Undefined after a forward that took the fused path (need_weights = false).
   const Tensor& attention_weights() const {
-    return fused_ ? core_.weights : attention.attention_weights();
+    return saved_.path == Path::kHeads || saved_.path == Path::kPackedHeads
+               ? attention.attention_weights()
+               : saved_.core.weights;
   }
   void train(bool on = true) override;
 
@@ -136,22 +138,40 @@ class MultiHeadAttention : public Module {
  private:
   int64_t num_hiddens_, num_heads_;
   int64_t B_ = 0, T_ = 0, S_ = 0;
-  // Fast path (float32 or bfloat16, no need_weights, no RoPE/ALiBi, Backend kAuto or kCpu):
-  // attention runs on the (B, T, E) projections with head strides instead of d2l's (B*H, T, D)
-  // copies; see nn/multihead_attention.cpp.
-  bool fused_ = false;
-  bool packed_ = false;  // self-attention: Q, K, V are slices of one (B, T, 3E) projection
-  // The dtype the projections and the fused core computed in: the module's, or BF16 for a
-  // float32 module under Context::autocast_bf16.
-  DType compute_dtype_ = DType::F32;
-  Tensor Q_, K_, V_, X_;
+  // The path of the last forward, chosen once by forward (nn/multihead_attention.cpp says when
+  // each applies) and read by backward; each has one forward and one backward function.
+  enum class Path : uint8_t {
+    kHeads,        // d2l: three projections, head copies (B*H, T, D), DotProductAttention
+    kPackedHeads,  // bfloat16 self-attention off the fused path: one stacked projection, copies
+    kFused,        // three projections (B, T, E) read through head strides by the fused core
+    kPackedFused,  // self-attention: one stacked projection, the fused core on its slices
+    kRing,         // sequence_parallel: head copies, ring_attention over the communicator
+  };
+  // What backward needs of the forward, by path.
+  struct Saved {
+    Path path = Path::kHeads;
+    // The dtype the projections and the core computed in: the module's, or BF16 for a float32
+    // module under Context::autocast_bf16 (fused paths).
+    DType compute_dtype = DType::F32;
+    Tensor Q, K, V;        // fused: (B, T|S, E) projections (slices of one (B, T, 3E) when packed);
+                           // ring: head copies (B*H, T_local, D)
+    Tensor X;              // packed: the input in the compute dtype
+    AttentionResult core;  // fused and ring: the core's output, lse, dropout decisions
+    AttentionOptions core_options;  // fused
+    Tensor valid_lens;              // ring
+    RingOptions ring_options;       // ring
+  };
+  Saved saved_;
   Tensor W_qkv_, b_qkv_;  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v], packed per forward
-  AttentionResult core_;
-  AttentionOptions core_options_;
-  // Sequence-parallel core (sequence_parallel set): head copies (B*H, T_local, D) and options.
-  bool ring_ = false;
-  Tensor valid_lens_;
-  RingOptions ring_options_;
+
+  Tensor pack_projection(Context& ctx, const Tensor& X, DType wdt);
+  Tensor forward_heads(Context& ctx, const Tensor& queries, const Tensor& keys,
+                       const Tensor& values, const Tensor& valid_lens);
+  Tensor forward_fused(Context& ctx, const Tensor& queries, const Tensor& keys,
+                       const Tensor& values, const AttentionOptions& o);
+  AttentionInputGrads backward_heads(Context& ctx, const Tensor& dconcat);
+  AttentionInputGrads backward_fused(Context& ctx, const Tensor& dconcat);
+  AttentionInputGrads backward_packed(Context& ctx, const Tensor& dconcat);
   Tensor ring_forward(Context& ctx, const Tensor& queries, const Tensor& keys, const Tensor& values,
                       const Tensor& valid_lens);
   AttentionInputGrads ring_backward(Context& ctx, const Tensor& dconcat);

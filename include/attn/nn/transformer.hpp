@@ -175,6 +175,9 @@ class TransformerEncoder : public Module {
   // d2l's encoder.attention_weights[i]: block i's (B*H, T, T) pre-dropout weights of the last
   // forward.
   const Tensor& attention_weights(int64_t i) const;
+  // Whether the next forwards keep those weights (off: the fused attention path, no (B*H, T, T)
+  // tensor; attention_weights(i) is then undefined).
+  void set_need_weights(bool on);
   int64_t num_blks() const { return static_cast<int64_t>(blks.size()); }
   int64_t num_hiddens() const { return num_hiddens_; }
   PositionalKind positional() const { return positional_; }
