@@ -201,8 +201,7 @@ void TransformerDecoder::train(bool on) {
 Tensor TransformerDecoder::forward(Context& ctx, const Tensor& ids, const Tensor& enc_outputs,
                                    const Tensor& enc_valid_lens) {
   const char* op = "TransformerDecoder";
-  check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)",
-        shape_arg(ids));
+  check(ids.defined() && ids.ndim() == 2, op, "ids has shape {}, expected (B, T)", shape_arg(ids));
   detail::check_input(op, "enc_outputs", enc_outputs, 3, dtype_);
   check(enc_outputs.dim(0) == ids.dim(0) && enc_outputs.dim(2) == num_hiddens_, op,
         "enc_outputs has shape {}, expected (B, S, E) = ({}, S, {}) for ids {}",
@@ -306,8 +305,7 @@ Tensor EncoderDecoder::forward(Context& ctx, const Tensor& enc_X, const Tensor& 
   const char* op = "EncoderDecoder";
   check(enc_X.defined() && dec_X.defined() && enc_X.ndim() == 2 && dec_X.ndim() == 2 &&
             enc_X.dim(0) == dec_X.dim(0),
-        op, "enc_X {} and dec_X {} must be (B, S) and (B, T) token ids",
-        shape_arg(enc_X),
+        op, "enc_X {} and dec_X {} must be (B, S) and (B, T) token ids", shape_arg(enc_X),
         shape_arg(dec_X));
   // d2l: enc_all_outputs = self.encoder(enc_X, *args)
   //      dec_state = self.decoder.init_state(enc_all_outputs, *args)

@@ -201,8 +201,7 @@ DecoderState TransformerDecoder::init_state(Context& ctx, const Tensor& enc_outp
 Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& state) {
   const char* op = "TransformerDecoder::step";
   check(ids.defined() && ids.ndim() == 2 && ids.dim(0) == state.batch && ids.dim(1) >= 1, op,
-        "ids has shape {}, expected (B, T_new) = ({}, >= 1)",
-        shape_arg(ids), state.batch);
+        "ids has shape {}, expected (B, T_new) = ({}, >= 1)", shape_arg(ids), state.batch);
   check(state.blocks.size() == blks.size(), op,
         "the state has {} blocks, the decoder {}: it comes from another decoder",
         state.blocks.size(), blks.size());

@@ -31,8 +31,7 @@ void init_uniform(Parameter& p, const Shape& shape, DType dtype, double bound, u
 
 void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType dtype) {
   check(dout.defined() && dout.shape() == expected && dout.dtype() == dtype, op,
-        "dout has shape {} and dtype {}, expected {} and {}",
-        shape_arg(dout),
+        "dout has shape {} and dtype {}, expected {} and {}", shape_arg(dout),
         dout.defined() ? dtype_name(dout.dtype()) : "none", shape_arg(expected), dtype_name(dtype));
 }
 

@@ -32,8 +32,7 @@ void check_dropout(const char* op, double p) {
 // Checks dout against the shape and dtype the forward produced.
 void check_dout(const char* op, const Tensor& dout, const Shape& expected, DType dtype) {
   check(dout.defined() && dout.shape() == expected && dout.dtype() == dtype, op,
-        "dout has shape {} and dtype {}, expected {} and {}",
-        shape_arg(dout),
+        "dout has shape {} and dtype {}, expected {} and {}", shape_arg(dout),
         dout.defined() ? dtype_name(dout.dtype()) : "none", shape_arg(expected), dtype_name(dtype));
 }
 

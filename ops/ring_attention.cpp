@@ -703,9 +703,7 @@ AttentionGrads ring_attention_backward(Context& ctx, Communicator& comm, const T
         kRingBackward,
         "forward result has output {} and logsumexp {}, expected ring_attention's: output "
         "(B, T_local, Dv) = {} of q's dtype and float32 logsumexp {}",
-        shape_arg(fo),
-        shape_arg(fl), shape_arg(Shape{d.B, d.T, d.Dv}),
-        shape_arg(Shape{d.B, d.T}));
+        shape_arg(fo), shape_arg(fl), shape_arg(Shape{d.B, d.T, d.Dv}), shape_arg(Shape{d.B, d.T}));
   const Tensor lse = fl.contiguous();
   if (q.dtype() == DType::BF16)
     return backward_impl<uint16_t>(ctx, comm, dout, q, k, v, valid_lens, fo, lse,
@@ -758,9 +756,8 @@ Tensor ring_unshard(const std::vector<Tensor>& shards, RingLayout layout, int di
   const int dd = norm_dim(op, shards[0], dim);
   for (const Tensor& s : shards)
     check(s.defined() && s.shape() == shards[0].shape() && s.dtype() == shards[0].dtype(), op,
-          "shards differ: {} {} and {} {}, expected one shape and dtype",
-          shape_arg(s), dtype_name(s.dtype()),
-          shape_arg(shards[0].shape()), dtype_name(shards[0].dtype()));
+          "shards differ: {} {} and {} {}, expected one shape and dtype", shape_arg(s),
+          dtype_name(s.dtype()), shape_arg(shards[0].shape()), dtype_name(shards[0].dtype()));
   const int64_t L = shards[0].dim(dd);
   check(layout == RingLayout::kContiguous || L % 2 == 0, op,
         "shard length {} is odd, the zigzag layout holds two equal chunks per rank", L);
