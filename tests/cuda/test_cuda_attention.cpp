@@ -214,15 +214,21 @@ void run_case(const Case& c, bool decode) {
   const Problem p = make(c, 1234);
   const int64_t Bh = p.Bh;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.D));
-  ref::AttentionDims dims{Bh, c.T, c.S, c.D, c.Dv};
-  ref::DropoutSpec drop;
-  drop.active = c.dropout > 0;
-  drop.p = c.dropout;
-  drop.seed = 77;
-  drop.offset = 5;
+  // The oracle on the same problem: ref_kept holds each row's kept-key limit (causal folded in).
+  ref::AttentionCall<double> rc;
+  rc.problem.B = Bh, rc.problem.T = c.T, rc.problem.S = c.S, rc.problem.D = c.D;
+  rc.problem.Dv = c.Dv;
+  rc.problem.kept_keys = p.ref_kept.data();
+  rc.problem.masked_rows = c.policy;
+  rc.problem.dropout = static_cast<float>(c.dropout);
+  rc.problem.seed = 77;
+  rc.problem.offset = 5;
+  rc.scale = scale;
+  rc.dropout = c.dropout;
   std::vector<double> out_ref(Bh * c.T * c.Dv), lse_ref(Bh * c.T);
-  ref::sdpa_forward<double>(p.q.data(), p.k.data(), p.v.data(), out_ref.data(), nullptr,
-                            lse_ref.data(), p.ref_kept.data(), c.policy, scale, dims, drop);
+  rc.q = p.q.data(), rc.k = p.k.data(), rc.v = p.v.data();
+  rc.out = out_ref.data(), rc.lse = lse_ref.data();
+  ref::sdpa_forward<double>(rc);
 
   Tensor q = upload_as<E>(p.q, c, c.T, c.D), k = upload_as<E>(p.k, c, c.S, c.D),
          v = upload_as<E>(p.v, c, c.S, c.Dv), dout = upload_as<E>(p.dout, c, c.T, c.Dv);
@@ -243,8 +249,8 @@ void run_case(const Case& c, bool decode) {
   a.masked_rows = c.policy;
   a.scale = static_cast<float>(scale);
   a.dropout = c.dropout;
-  a.seed = drop.seed;
-  a.offset = drop.offset;
+  a.seed = rc.problem.seed;
+  a.offset = rc.problem.offset;
   a.q = view<const E>(q, c, c.T, c.D);
   a.k = view<const E>(k, c, c.S, c.D);
   a.v = view<const E>(v, c, c.S, c.Dv);
@@ -269,9 +275,9 @@ void run_case(const Case& c, bool decode) {
   if (decode) return;
 
   std::vector<double> dq_ref(p.q.size()), dk_ref(p.k.size()), dv_ref(p.v.size());
-  ref::sdpa_backward<double>(p.dout.data(), p.q.data(), p.k.data(), p.v.data(), dq_ref.data(),
-                             dk_ref.data(), dv_ref.data(), p.ref_kept.data(), c.policy, scale, dims,
-                             drop);
+  rc.dout = p.dout.data();
+  rc.dq = dq_ref.data(), rc.dk = dk_ref.data(), rc.dv = dv_ref.data();
+  ref::sdpa_backward<double>(rc);
   const DType dt = bf16 ? DType::BF16 : DType::F32;
   Tensor dq = empty({static_cast<int64_t>(p.q.size())}, dt),
          dk = empty({static_cast<int64_t>(p.k.size())}, dt),
