@@ -62,9 +62,41 @@ TEST_F(MemoryCache, SizesMustBeClose) {
   EXPECT_EQ(memory_cache_stats().cached_bytes, size_t{4} << 20);
 }
 
-TEST_F(MemoryCache, SmallBlocksBypassTheCache) {
-  { Tensor a = Tensor::empty({1000}); }
-  EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);
+TEST_F(MemoryCache, SmallBlocksStayWithTheirThread) {
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty({1000});
+    first = a.raw_data();
+  }
+  EXPECT_EQ(memory_cache_stats().cached_blocks, 0u);  // not in the shared cache of large blocks
+  {
+    Tensor b = Tensor::full({900}, 2.0);  // 3600 bytes: the same 4 KiB class
+    EXPECT_EQ(b.raw_data(), first);
+    EXPECT_EQ(b.data<float>()[899], 2.0f);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b.raw_data()) % 64, 0u);
+    Tensor live = Tensor::empty({1000});  // b is live: another block
+    EXPECT_NE(live.raw_data(), b.raw_data());
+  }
+  // Another thread's allocations never take this thread's free blocks.
+  std::thread([first] {
+    Tensor c = Tensor::empty({1000});
+    EXPECT_NE(c.raw_data(), first);
+  }).join();
+  set_memory_cache_limit(0);  // off: small blocks are not kept either
+  { Tensor d = Tensor::empty({1000}); }
+  Tensor e = Tensor::zeros({1000});
+  EXPECT_EQ(e.data<float>()[999], 0.0f);
+}
+
+TEST_F(MemoryCache, ManySmallTensorsLiveTogether) {
+  std::vector<Tensor> live;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 100; ++i)
+      live.push_back(Tensor::full({int64_t{1} + i * 37}, double(i)));
+    for (int i = 0; i < 100; ++i)
+      ASSERT_EQ(live[static_cast<size_t>(i)].data<float>()[i * 37], float(i));
+    live.clear();
+  }
 }
 
 TEST_F(MemoryCache, LimitFreesOldestFirst) {

@@ -4,9 +4,11 @@
 // costs a fault on first touch: without reuse, MultiHeadAttention at long sequences spends much
 // of its time faulting each step's temporaries (tens of MiB) in again. PyTorch users set
 // GLIBC_TUNABLES for the same reason; attn keeps freed blocks of at least 128 KiB itself, up to a
-// limit, and hands them to later tensors of about the same size (at most 1/8 larger). Small blocks
-// go straight to malloc/free. The CPU attention kernels take their scratch (per-thread tiles,
-// packed K and V, dQ shares) from the same cache, so the limit, the statistics and
+// limit, and hands them to later tensors of about the same size (at most 1/8 larger). Blocks of at
+// most 64 KiB are rounded up to a power of two and kept per thread (at most 32 of each size, in
+// the thread that freed them): a decode step allocates a few hundred of them, and glibc's aligned
+// allocation cost a fifth of its time. The CPU attention kernels take their scratch (per-thread
+// tiles, packed K and V, dQ shares) from the same cache, so the limit, the statistics and
 // release_cached_memory() cover all of attn's large temporary memory.
 //
 // The limit is the memory the cache may hold beyond live tensors: ATTN_MEMORY_CACHE_MIB at the
@@ -30,10 +32,12 @@ struct MemoryCacheStats {
 
 MemoryCacheStats memory_cache_stats();
 
-// Frees every cached block (tensors alive are not affected).
+// Frees every cached large block and the calling thread's small ones (tensors alive are not
+// affected; other threads free their small blocks when they end).
 void release_cached_memory();
 
-// New limit in bytes; blocks beyond it are freed now. 0 turns caching off.
+// New limit in bytes on the large blocks; blocks beyond it are freed now. 0 turns caching off,
+// of small blocks too.
 void set_memory_cache_limit(size_t bytes);
 
 namespace detail {
