@@ -6,6 +6,7 @@
 
 #include "attn/ops/attention.hpp"
 #include "attn/ops/dropout.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>
@@ -26,9 +27,7 @@ void add_positions_typed(const Tensor& X, const Tensor& P, Tensor& out, int thre
   const T* p = P.data<T>();
   T* o = out.data<T>();
   const bool unit = x2 == 1 && p1 == 1;
-#pragma omp parallel for schedule(static) \
-    num_threads(std::max(1, threads)) if (threads > 1 && B > 1 && B * L * E >= (int64_t{1} << 16))
-  for (int64_t b = 0; b < B; ++b)
+  cpu::parallel_for(B, B * L * E >= (int64_t{1} << 16) ? threads : 1, [&](int64_t b) {
     for (int64_t t = 0; t < L; ++t) {
       T* orow = o + (b * L + t) * E;
       if (unit) {
@@ -42,6 +41,7 @@ void add_positions_typed(const Tensor& X, const Tensor& P, Tensor& out, int thre
           orow[e] = x[b * x0 + t * x1 + e * x2] + p[t * p0 + e * p1];
       }
     }
+  });
 }
 
 // The adjoint of the broadcast: G[t, e] += sum over b of dY[b, t, e] (dY contiguous (B, T, E)).

@@ -2,6 +2,8 @@
 // inline in the header (which tests include without OpenMP).
 #include "nn/transformer_internal.hpp"
 
+#include "kernels/cpu/parallel.hpp"
+
 #include <algorithm>
 #include <vector>
 
@@ -22,14 +24,12 @@ Tensor add_all(std::initializer_list<Tensor> terms, int threads) {
     std::vector<const F*> p;
     for (const Tensor& t : parts)
       p.push_back(t.data<F>());
-#pragma omp parallel for schedule(static) \
-    num_threads(std::max(1, threads)) if (threads > 1 && chunks > 1)
-    for (int64_t c = 0; c < chunks; ++c) {
+    cpu::parallel_for(chunks, threads, [&](int64_t c) {
       const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
       const F* a = p[0];
       if (p.size() == 1) {
         std::copy(a + i0, a + i1, o + i0);
-        continue;
+        return;
       }
       const F* b = p[1];
 #pragma omp simd  // out is a fresh tensor: no term aliases it
@@ -41,7 +41,7 @@ Tensor add_all(std::initializer_list<Tensor> terms, int threads) {
         for (int64_t i = i0; i < i1; ++i)
           o[i] += t[i];
       }
-    }
+    });
   };
   if (out.dtype() == DType::F32)
     run(float{});

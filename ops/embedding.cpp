@@ -3,6 +3,7 @@
 // the context's threads (below).
 #include "attn/ops/embedding.hpp"
 
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/ref/embedding.hpp"
 #include "ops/common.hpp"
 
@@ -51,11 +52,10 @@ constexpr int64_t kEmbeddingParallelMin = int64_t{1} << 16;  // N * E below this
 template <typename Id, typename F>
 void embedding_forward_threads(const Id* ids, const F* weight, F* out, int64_t N, int64_t E,
                                int threads) {
-#pragma omp parallel for schedule(static) \
-    num_threads(std::max(1, threads)) if (threads > 1 && N * E >= kEmbeddingParallelMin)
-  for (int64_t n = 0; n < N; ++n)
+  cpu::parallel_for(N, N * E >= kEmbeddingParallelMin ? threads : 1, [&](int64_t n) {
     std::copy(weight + static_cast<int64_t>(ids[n]) * E,
               weight + static_cast<int64_t>(ids[n]) * E + E, out + n * E);
+  });
 }
 
 template <typename Id, typename F>

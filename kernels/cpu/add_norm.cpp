@@ -5,6 +5,7 @@
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/layer_norm_simd.hpp"
+#include "kernels/cpu/parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -43,8 +44,7 @@ void add_norm_forward_f32(const float* x, const float* y, const float* gamma, co
   const bool dropping = drop != nullptr && drop->p > 0.0;
   const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
   const int64_t chunks = row_chunks(R);
-#pragma omp parallel for schedule(static) num_threads(threads) if (R * E >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, R * E >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
     const int64_t begin = r0 * E, end = r1 * E;
     if (dropping) {
@@ -58,7 +58,7 @@ void add_norm_forward_f32(const float* x, const float* y, const float* gamma, co
         z[i] = y[i] + x[i];
     }
     layer_norm_forward_rows_f32(z, gamma, beta, out, mean, rstd, r0, r1, E, eps);
-  }
+  });
 }
 
 void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,

@@ -513,6 +513,7 @@ HWY_AFTER_NAMESPACE();
 // Dispatch and threads (compiled once)
 
 #if HWY_ONCE
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/target_scope.hpp"
 
@@ -578,7 +579,9 @@ void run(const DecodeArgs<KV>& a) {
   }
   const int64_t items = first.back();
   const int64_t item_floats = HT * plan.part_stride;
-  const int threads = std::max(1, a.threads);
+  const int threads =
+      threads_for(2.0 * static_cast<double>(a.B * a.T) * static_cast<double>(a.S * (a.D + a.Dv)),
+                  std::max(1, a.threads));
   const int64_t L = 16;  // >= every target's lanes (x scratch padding)
   const size_t per_thread = static_cast<size_t>(HT * (kDecodeChunkKeys + L) + 2 * HT * a.D + a.Dv);
   const Scratch<float> scratch(op, per_thread, static_cast<size_t>(threads));
@@ -611,9 +614,10 @@ void run(const DecodeArgs<KV>& a) {
     }
   };
 
-#pragma omp parallel num_threads(threads)
-  {
-    float* own = scratch.get(omp_get_thread_num());
+  // The whole call on the calling thread when the work is worth one thread only: the same loops
+  // as the parallel region, without entering the OpenMP runtime (kernels/cpu/parallel.hpp).
+  auto work = [&](int tid, bool parallel) {
+    float* own = scratch.get(static_cast<size_t>(tid));
     float* x = own;
     float* qs = own + HT * (kDecodeChunkKeys + L);
     float* acc = qs + 2 * HT * a.D;
@@ -622,8 +626,7 @@ void run(const DecodeArgs<KV>& a) {
     // Split-K: every (group, chunk) item is independent and its arithmetic fixed, so any schedule
     // gives the same partials. A thread takes runs of `run_len` consecutive items, so that an
     // item's V pass can fetch the K rows of the thread's next item (NextK).
-#pragma omp for schedule(dynamic, run_len)
-    for (int64_t it = 0; it < items; ++it) {
+    auto do_item = [&](int64_t it) {
       const Item cur = item_at(it);
       if (cur.g != q_group) load_q(cur.g, qs), q_group = cur.g;
       decode_detail::NextK next;
@@ -638,11 +641,18 @@ void run(const DecodeArgs<KV>& a) {
       }
       item_fn(a, plan, qs, &lims[static_cast<size_t>(cur.g * HT)], cur.g * H, H, cur.s0, cur.s1, x,
               ends.data(), parts.get(0) + it * item_floats, next);
+    };
+    if (parallel) {
+#pragma omp for schedule(dynamic, run_len)
+      for (int64_t it = 0; it < items; ++it)
+        do_item(it);
+    } else {
+      for (int64_t it = 0; it < items; ++it)
+        do_item(it);
     }
 
     // Merge each row's partials in chunk order (the implicit barrier above ends the items).
-#pragma omp for schedule(static)
-    for (int64_t bt = 0; bt < a.B * a.T; ++bt) {
+    auto merge_row = [&](int64_t bt) {
       const int64_t b = bt / a.T, t = bt % a.T;
       const int64_t lim = lims[static_cast<size_t>(bt)];
       float* out = a.out.data + a.row_offset(b, a.out.sb, a.out.sh) + t * a.out.st;
@@ -662,7 +672,7 @@ void run(const DecodeArgs<KV>& a) {
         for (int64_t i = 0; i < a.Dv; ++i)
           out[i * a.out.sd] = acc[i];
         if (lse) *lse = -std::numeric_limits<float>::infinity();
-        continue;
+        return;
       }
       const int64_t g = b / H, r = (b % H) * a.T + t;
       const int64_t c0 = first[static_cast<size_t>(g)], nc = first[static_cast<size_t>(g + 1)] - c0;
@@ -673,8 +683,22 @@ void run(const DecodeArgs<KV>& a) {
       for (int64_t i = 0; i < a.Dv; ++i)
         out[i * a.out.sd] = acc[i] * inv;
       if (lse) *lse = 0.6931471805599453f * (M + std::log2(l));
+    };
+    if (parallel) {
+#pragma omp for schedule(static)
+      for (int64_t bt = 0; bt < a.B * a.T; ++bt)
+        merge_row(bt);
+    } else {
+      for (int64_t bt = 0; bt < a.B * a.T; ++bt)
+        merge_row(bt);
     }
+  };
+  if (threads == 1) {
+    work(0, false);
+    return;
   }
+#pragma omp parallel num_threads(threads)
+  work(omp_get_thread_num(), true);
 }
 
 }  // namespace

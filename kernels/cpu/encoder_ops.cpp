@@ -6,6 +6,7 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/layer_norm_simd.hpp"
+#include "kernels/cpu/parallel.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -48,9 +49,10 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
     return;
   }
   if (p >= 1.0) {  // every element dropped: x * 0.0 (keeps -0 and NaN as the reference does)
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-    for (int64_t i = 0; i < n; ++i)
-      y[i] = static_cast<float>(static_cast<double>(x[i]) * 0.0);
+    parallel_for(chunks_of(n, kChunk), n >= kParallelMin ? threads : 1, [&](int64_t c) {
+      for (int64_t i = c * kChunk; i < std::min(n, (c + 1) * kChunk); ++i)
+        y[i] = static_cast<float>(static_cast<double>(x[i]) * 0.0);
+    });
     return;
   }
   const double scale = 1.0 / (1.0 - p);
@@ -59,64 +61,60 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
   const uint32_t threshold =
       static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
   const int64_t chunks = chunks_of(n, kChunk);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c)
+  parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     dropout_range_f32(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), threshold, scale, seed,
                       offset, index_base);
+  });
 }
 
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads) {
   const int64_t chunks = chunks_of(n, kChunk);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t begin = c * kChunk;
     relu_forward_chunk(x + begin, y + begin, std::min(kChunk, n - begin));
-  }
+  });
 }
 
 void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, int threads) {
   const int64_t chunks = chunks_of(n, kChunk);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t begin = c * kChunk;
     relu_backward_chunk(dy + begin, x + begin, dx + begin, std::min(kChunk, n - begin));
-  }
+  });
 }
 
 // bf16 relu: widen (a shift), compare in float, keep the bits or 0; the select vectorises.
 void relu_forward_bf16(const uint16_t* x, uint16_t* y, int64_t n, int threads) {
   const int64_t chunks = chunks_of(n, kChunk);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i)
       y[i] = bf16_to_float(x[i]) < 0.0f ? uint16_t{0} : x[i];
-  }
+  });
 }
 
 void relu_backward_bf16(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,
                         int threads) {
   const int64_t chunks = chunks_of(n, kChunk);
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t begin = c * kChunk, end = std::min(n, begin + kChunk);
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const uint16_t g = dy[i];  // loaded unconditionally, so the select vectorises
       dx[i] = bf16_to_float(x[i]) > 0.0f ? g : uint16_t{0};
     }
-  }
+  });
 }
 
 void layer_norm_forward_f32(const float* x, const float* gamma, const float* beta, float* y,
                             float* mean, float* rstd, int64_t R, int64_t E, double eps,
                             int threads) {
   const int64_t chunks = chunks_of(R, kLayerNormChunkRows);
-#pragma omp parallel for schedule(static) num_threads(threads) if (R * E >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c)
+  parallel_for(chunks, R * E >= kParallelMin ? threads : 1, [&](int64_t c) {
     layer_norm_forward_rows_f32(x, gamma, beta, y, mean, rstd, c * kLayerNormChunkRows,
                                 std::min(R, (c + 1) * kLayerNormChunkRows), E, eps);
+  });
 }
 
 void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma, const float* mean,
@@ -126,15 +124,14 @@ void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma
   // Per chunk: sum over its rows of dy * xhat (dgamma) and dy (dbeta), in double.
   std::vector<double> partial(
       gamma != nullptr ? static_cast<size_t>(chunks) * 2 * static_cast<size_t>(E) : 0, 0.0);
-#pragma omp parallel for schedule(static) num_threads(threads) if (R * E >= kParallelMin)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for(chunks, R * E >= kParallelMin ? threads : 1, [&](int64_t c) {
     double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
     double* db = gamma != nullptr ? dg + E : nullptr;
     std::vector<double> scratch(static_cast<size_t>(2 * E));
     layer_norm_backward_rows_f32(dy, x, gamma, mean, rstd, dx, dg, db, scratch.data(),
                                  c * kLayerNormChunkRows,
                                  std::min(R, (c + 1) * kLayerNormChunkRows), E);
-  }
+  });
   if (gamma != nullptr) layer_norm_sum_partials_f32(partial.data(), chunks, E, dgamma, dbeta);
 }
 

@@ -14,6 +14,7 @@
 
 #include "kernels/attention_problem.hpp"
 #include "kernels/cpu/dropout_simd.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu/scratch.hpp"
 
 #include "attn/core/dtype.hpp"
@@ -59,6 +60,12 @@ struct NoPrepare {
   void operator()(int64_t) const {}
 };
 
+// The forward's arithmetic, 2 (D + Dv) flops per (query, key) pair (a causal mask halves it; the
+// thread count it sizes does not need that precision). The backward does about 2.5 times as much.
+inline double problem_flops(const kernels::AttentionProblem& p) {
+  return 2.0 * static_cast<double>(p.B * p.T) * static_cast<double>(p.S * (p.D + p.Dv));
+}
+
 // The forward's items: B * ceil(T / rows) blocks of rows = forward_block_rows(B, T, max_rows)
 // queries. `prepare(b)` runs once per batch row before any item (e.g. packing K and V), split
 // statically over the threads; `block(scratch, b, t0, rows, next_b, next_t0)` computes queries
@@ -70,7 +77,7 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
                           size_t scratch_floats, Prepare&& prepare, Block&& block) {
   const int64_t block_rows = forward_block_rows(p.B, p.T, max_rows);
   const int64_t blocks = (p.T + block_rows - 1) / block_rows, items = p.B * blocks;
-  const int threads = std::max(1, p.threads);
+  const int threads = threads_for(problem_flops(p), std::max(1, p.threads));
   const Scratch<float> scratch(op, scratch_floats, static_cast<size_t>(threads));
   // A dynamic schedule balances causal masks and still gives the same bits for any thread count.
   // Causal blocks grow with t, so each head's blocks are handed out last (heaviest) first and the
@@ -80,6 +87,16 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
   const auto row0 = [&](int64_t i) {
     return (p.causal ? blocks - 1 - i % blocks : i % blocks) * block_rows;
   };
+  if (threads == 1) {  // small work: no OpenMP team (kernels/cpu/parallel.hpp)
+    if constexpr (!std::is_same_v<std::decay_t<Prepare>, NoPrepare>) {
+      for (int64_t b = 0; b < p.B; ++b)
+        prepare(b);
+    }
+    for (int64_t it = 0; it < items; ++it)
+      block(scratch.get(0), it / blocks, row0(it), block_rows,
+            it + 1 < items ? (it + 1) / blocks : -1, it + 1 < items ? row0(it + 1) : 0);
+    return;
+  }
 #pragma omp parallel num_threads(threads)
   {
     if constexpr (!std::is_same_v<std::decay_t<Prepare>, NoPrepare>) {
@@ -114,7 +131,7 @@ void flash_backward_driver(const kernels::AttentionProblem& p, const char* op, i
                            Item&& item, StoreDq&& store_dq) {
   const std::vector<int64_t> bounds = backward_key_splits(p.B, p.T, p.S, p.causal);
   const int64_t splits = static_cast<int64_t>(bounds.size()) - 1, items = p.B * splits;
-  const int threads = std::max(1, p.threads);
+  const int threads = threads_for(2.5 * problem_flops(p), std::max(1, p.threads));
   const size_t part_floats = static_cast<size_t>(p.T * ldq);
   const Scratch<std::byte> scratch(op, scratch_bytes, static_cast<size_t>(threads), zero_scratch);
   if (splits == 1) {
