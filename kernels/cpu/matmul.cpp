@@ -2,6 +2,7 @@
 #include "kernels/cpu/matmul.hpp"
 
 #include "attn/core/dtype.hpp"
+#include "kernels/cpu/parallel.hpp"
 
 #include <omp.h>
 
@@ -19,6 +20,17 @@
 
 namespace attn::cpu {
 namespace {
+
+// Loops compiled per target like the bulk conversions in core/tensor.cpp: the small products and
+// the column sums below. Left out under AddressSanitizer (ifunc resolvers run before its runtime
+// starts) and for clang: the plain loop there.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define ATTN_MATMUL_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ATTN_MATMUL_CLONES
+#endif
 
 // Everything that changes the primitive oneDNN builds. Data pointers are not part of it: they
 // are bound at execution through memory objects.
@@ -142,6 +154,36 @@ void gemm_fallback(const GemmArgs& g) {
   }
 }
 
+// Single rows too small to pay the matmul primitive's cost per call: a decoder step at batch 1
+// multiplies one row by a 64 x 64 weight, about 0.1 us of arithmetic, and executing the primitive
+// (argument checks, memory objects, its scratchpad) took 1-2 us around it: a fifth of `attn
+// translate --batch-size 1`. oneDNN's BLAS-like sgemm computes them without that bookkeeping:
+// 0.84 -> 0.63 s for 4,096 dates at batch 1 on one thread. One row only: the primitive gives a
+// row the same bits however many rows come with it (a batch cut into shards computes what the
+// whole batch does, tests/test_nn_dropout_global_index.cpp), and sgemm's bits differ from the
+// primitive's. The linear layer's forward only: f32, op(B) = B^T, no bf16 output.
+constexpr int64_t kSmallGemmMacs = int64_t{1} << 15;
+
+bool small_gemm(const GemmArgs& g) {
+  return g.M == 1 && g.type == GemmType::kF32 && g.trans_b && !g.trans_a && g.C != nullptr &&
+         g.C_bf16 == nullptr && !(g.accumulate && g.bias) && g.N * g.K <= kSmallGemmMacs;
+}
+
+void small_gemm_f32(const GemmArgs& g) {
+  // C = bias (or C), then C += A B^T through oneDNN's BLAS-like sgemm (row-major; no primitive,
+  // no memory objects), on the calling thread.
+  if (!g.accumulate) {
+    for (int64_t m = 0; m < g.M; ++m)
+      for (int64_t n = 0; n < g.N; ++n)
+        g.C[m * g.ldc + n] = g.bias ? g.bias[n] : 0.0f;
+  }
+  const bool has_c = g.accumulate || g.bias;
+  if (dnnl_sgemm('N', 'T', g.M, g.N, g.K, 1.0f, static_cast<const float*>(g.A), g.lda,
+                 static_cast<const float*>(g.B), g.ldb, has_c ? 1.0f : 0.0f, g.C,
+                 g.ldc) != dnnl_success)
+    gemm_fallback(g);
+}
+
 // Restores the calling thread's OpenMP thread count when the call ends (also on exceptions).
 class ScopedOmpThreads {
  public:
@@ -158,6 +200,56 @@ class ScopedOmpThreads {
   int previous_;
 };
 
+// A plan with this thread's memory objects and argument map, bound to new buffers per call.
+// Kept per thread (oneDNN does not document memory objects as safe to share), found without the
+// shared map's lock after the first call; gemm_cache_clear() empties every thread's map too (by
+// an epoch each thread checks).
+struct ThreadPlan {
+  std::shared_ptr<GemmPlan> plan;
+  dnnl::memory a, b, c, bias, scratch;
+  std::unordered_map<int, dnnl::memory> args;
+};
+
+std::atomic<uint64_t> cache_epoch{0};
+
+ThreadPlan& thread_plan(const GemmKey& key) {
+  thread_local std::unordered_map<GemmKey, ThreadPlan, GemmKeyHash> plans;
+  thread_local uint64_t epoch = 0;
+  if (const uint64_t now = cache_epoch.load(std::memory_order_acquire); now != epoch) {
+    plans.clear();
+    epoch = now;
+  }
+  if (auto it = plans.find(key); it != plans.end()) return it->second;
+  std::shared_ptr<GemmPlan> plan;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    if (auto it = cache.find(key); it != cache.end()) plan = it->second;
+  }
+  if (!plan) {
+    // Created outside the lock (creating a primitive is slow next to a lookup); a concurrent
+    // duplicate is harmless.
+    plan = make_plan(key);
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    cache.emplace(key, plan);
+  }
+  auto& eng = cpu_engine();
+  ThreadPlan tp;
+  tp.a = dnnl::memory(plan->a_md, eng, DNNL_MEMORY_NONE);
+  tp.b = dnnl::memory(plan->b_md, eng, DNNL_MEMORY_NONE);
+  tp.c = dnnl::memory(plan->c_md, eng, DNNL_MEMORY_NONE);
+  tp.args = {{DNNL_ARG_SRC, tp.a}, {DNNL_ARG_WEIGHTS, tp.b}, {DNNL_ARG_DST, tp.c}};
+  if (plan->scratch_md.get_size() > 0) {
+    tp.scratch = dnnl::memory(plan->scratch_md, eng, DNNL_MEMORY_NONE);
+    tp.args.emplace(DNNL_ARG_SCRATCHPAD, tp.scratch);
+  }
+  if (key.has_bias) {
+    tp.bias = dnnl::memory(plan->bias_md, eng, DNNL_MEMORY_NONE);
+    tp.args.emplace(DNNL_ARG_BIAS, tp.bias);
+  }
+  tp.plan = std::move(plan);
+  return plans.emplace(key, std::move(tp)).first->second;
+}
+
 }  // namespace
 
 void gemm(const GemmArgs& g, int threads) {
@@ -170,7 +262,9 @@ void gemm(const GemmArgs& g, int threads) {
     return;
   }
   if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
-  if (threads < 1) threads = 1;
+  threads = threads_for(
+      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K),
+      std::max(1, threads));
   const GemmKey key{g.M,
                     g.N,
                     g.K,
@@ -185,37 +279,19 @@ void gemm(const GemmArgs& g, int threads) {
                     g.accumulate,
                     g.C_bf16 != nullptr};
   ScopedOmpThreads omp_threads(threads);
-  std::shared_ptr<GemmPlan> plan;
-  {
-    std::lock_guard<std::mutex> lock(cache_mutex);
-    auto it = cache.find(key);
-    if (it != cache.end()) plan = it->second;
-  }
+  if (small_gemm(g)) return small_gemm_f32(g);
   try {
-    if (!plan) {
-      // Created outside the lock (creating a primitive is slow next to a lookup); a concurrent
-      // duplicate is harmless.
-      plan = make_plan(key);
-      std::lock_guard<std::mutex> lock(cache_mutex);
-      cache.emplace(key, plan);
-    }
-    auto& eng = cpu_engine();
-    // oneDNN's memory objects take non-const handles; it only reads src and weights.
-    dnnl::memory a(plan->a_md, eng, const_cast<void*>(g.A));
-    dnnl::memory b(plan->b_md, eng, const_cast<void*>(g.B));
-    dnnl::memory c(plan->c_md, eng, g.C_bf16 != nullptr ? static_cast<void*>(g.C_bf16) : g.C);
-    std::unordered_map<int, dnnl::memory> exec_args{
-        {DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}};
-    if (const size_t bytes = plan->scratch_md.get_size(); bytes > 0) {
-      exec_args.emplace(DNNL_ARG_SCRATCHPAD,
-                        dnnl::memory(plan->scratch_md, eng, scratchpad(bytes)));
-    }
-    if (g.bias) {
-      exec_args.emplace(DNNL_ARG_BIAS,
-                        dnnl::memory(plan->bias_md, eng, const_cast<float*>(g.bias)));
-    }
+    ThreadPlan& tp = thread_plan(key);
+    // Rebind the plan's memory objects to this call's buffers: no memory objects and no argument
+    // map are built per call (their allocations were a tenth of a small decode step).
+    tp.a.set_data_handle(const_cast<void*>(g.A));  // oneDNN only reads src and weights
+    tp.b.set_data_handle(const_cast<void*>(g.B));
+    tp.c.set_data_handle(g.C_bf16 != nullptr ? static_cast<void*>(g.C_bf16) : g.C);
+    if (const size_t bytes = tp.plan->scratch_md.get_size(); bytes > 0)
+      tp.scratch.set_data_handle(scratchpad(bytes));
+    if (g.bias) tp.bias.set_data_handle(const_cast<float*>(g.bias));
     auto& stream = thread_stream();
-    plan->primitive.execute(stream, exec_args);
+    tp.plan->primitive.execute(stream, tp.args);
     stream.wait();
   } catch (const dnnl::error&) {
     gemm_fallback(g);
@@ -228,10 +304,13 @@ void gemm_panels(const GemmArgs& g, int threads) {
       kRowAlign, (g.M + kTargetPanels * kRowAlign - 1) / (kTargetPanels * kRowAlign) * kRowAlign);
   const int64_t panels = (g.M + rows - 1) / rows;
   if (panels <= 1 || g.N <= 0) return gemm(g, threads);
+  threads = threads_for(
+      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K),
+      std::max(1, threads));
   const size_t a_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
   // Row m of op(A): row m of A, or column m of A^T's storage.
   const int64_t a_row_step = g.trans_a ? 1 : g.lda;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, threads))
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
   for (int64_t i = 0; i < panels; ++i) {
     GemmArgs p = g;
     const int64_t m0 = i * rows;
@@ -245,17 +324,9 @@ void gemm_panels(const GemmArgs& g, int threads) {
 
 namespace {
 
-// The column sums are compiled per target like the bulk conversions in core/tensor.cpp (the
-// baseline x86-64 build adds two doubles per instruction, AVX-512 eight); adds only, in the same
-// order in every clone, so the same bits. Left out under AddressSanitizer (ifunc resolvers run
-// before its runtime starts) and for clang: the plain loop there.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define ATTN_COLUMN_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ATTN_COLUMN_CLONES
-#endif
+// The column sums are compiled per target (ATTN_MATMUL_CLONES above; the baseline x86-64 build
+// adds two doubles per instruction, AVX-512 eight); adds only, in the same order in every clone,
+// so the same bits.
 
 // Columns per block: each block's sums are one thread's, in a stack array of doubles.
 constexpr int64_t kColumnBlock = 32;
@@ -278,17 +349,15 @@ inline void column_block(const T* dy, int64_t M, int64_t nb, int64_t lddy, doubl
   }
 }
 
-ATTN_COLUMN_CLONES void column_block_f32(const float* dy, int64_t M, int64_t nb, int64_t lddy,
+ATTN_MATMUL_CLONES void column_block_f32(const float* dy, int64_t M, int64_t nb, int64_t lddy,
                                          double* acc) {
   column_block(dy, M, nb, lddy, acc);
 }
 
-ATTN_COLUMN_CLONES void column_block_bf16(const uint16_t* dy, int64_t M, int64_t nb, int64_t lddy,
+ATTN_MATMUL_CLONES void column_block_bf16(const uint16_t* dy, int64_t M, int64_t nb, int64_t lddy,
                                           double* acc) {
   column_block(dy, M, nb, lddy, acc);
 }
-
-#undef ATTN_COLUMN_CLONES
 
 template <typename T>
 void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
@@ -339,6 +408,7 @@ size_t gemm_cache_size() {
 void gemm_cache_clear() {
   std::lock_guard<std::mutex> lock(cache_mutex);
   cache.clear();
+  cache_epoch.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace attn::cpu
