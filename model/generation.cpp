@@ -61,22 +61,21 @@ class PrefixDecoder {
       lens_ = nn::detail::gather_rows(src_valid_lens.to(DType::F64), rows);
   }
 
-  // prefixes[r]: <bos> and the tokens so far, all of one length t + 1. Returns (R, V) logits of
-  // position t. With the cache only the newest token is decoded (the others are cached).
-  Tensor next_logits(const std::vector<std::vector<int64_t>>& prefixes) {
-    const int64_t R = static_cast<int64_t>(prefixes.size());
-    const int64_t len = static_cast<int64_t>(prefixes[0].size());
+  // Row r of `prefixes` (R rows of `stride` tokens): <bos> and the tokens so far, `len` of them.
+  // Returns (R, V) logits of position len - 1. With the cache only the newest token is decoded
+  // (the others are cached).
+  Tensor next_logits(const std::vector<int64_t>& prefixes, int64_t R, int64_t len, int64_t stride) {
     if (use_cache_) {
       std::vector<int64_t> ids(static_cast<size_t>(R));
       for (int64_t r = 0; r < R; ++r)
-        ids[static_cast<size_t>(r)] = prefixes[static_cast<size_t>(r)].back();
+        ids[static_cast<size_t>(r)] = prefixes[static_cast<size_t>(r * stride + len - 1)];
       Tensor logits = decoder_.step(ctx_, Tensor::from_vector(ids, {R, 1}), state_);
       return logits.reshape({R, logits.dim(2)});
     }
     std::vector<int64_t> ids;
     ids.reserve(static_cast<size_t>(R * len));
-    for (const auto& p : prefixes)
-      ids.insert(ids.end(), p.begin(), p.end());
+    for (int64_t r = 0; r < R; ++r)
+      ids.insert(ids.end(), prefixes.begin() + r * stride, prefixes.begin() + r * stride + len);
     Tensor logits = decoder_.forward(ctx_, Tensor::from_vector(ids, {R, len}), enc_, lens_);
     return logits.select(1, len - 1).contiguous();
   }
@@ -111,16 +110,14 @@ std::vector<double> to_doubles(const Tensor& logits) {
   return out;
 }
 
-// log_softmax of one row of V logits into out (V), in double.
-void log_softmax_row(const double* row, int64_t V, std::vector<double>& out) {
-  out.assign(row, row + V);
-  const double m = *std::max_element(out.begin(), out.end());
+// log(sum over v of exp(row[v])) of one row of V logits whose largest is m, in double:
+// log_softmax(row)[v] = row[v] - log_sum_exp(row, V, m). (Only the scores need it: the argmax and
+// the ranking within a row do not.)
+double log_sum_exp(const double* row, int64_t V, double m) {
   double sum = 0;
-  for (double x : out)
-    sum += std::exp(x - m);
-  const double lse = m + std::log(sum);
-  for (double& x : out)
-    x -= lse;
+  for (int64_t v = 0; v < V; ++v)
+    sum += std::exp(row[v] - m);
+  return m + std::log(sum);
 }
 
 struct Checked {
@@ -161,13 +158,14 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
   g.tokens.assign(static_cast<size_t>(B), {});
   g.ended.assign(static_cast<size_t>(B), false);
   g.scores.assign(static_cast<size_t>(B), 0.0);
-  std::vector<std::vector<int64_t>> prefixes(static_cast<size_t>(B), {o.bos});
+  // Row b: <bos> and the tokens so far (g.steps + 1 of them), room for max_len more.
+  const int64_t stride = o.max_len + 1;
+  std::vector<int64_t> prefixes(static_cast<size_t>(B * stride), o.bos);
   std::vector<Tensor> step_logits;
   std::vector<std::vector<Tensor>> step_weights(static_cast<size_t>(model.decoder.num_blks()));
-  std::vector<double> logp;
   int64_t live = B;
   while (live > 0 && g.steps < o.max_len) {
-    const Tensor logits = dec.next_logits(prefixes);  // (B, V)
+    const Tensor logits = dec.next_logits(prefixes, B, g.steps + 1, stride);  // (B, V)
     const std::vector<double> rows = to_doubles(logits);
     ++g.steps;
     if (o.keep_logits) step_logits.push_back(logits);
@@ -175,17 +173,16 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
       for (size_t i = 0; i < step_weights.size(); ++i)
         step_weights[i].push_back(dec.state().cross_attention_weights[i]);
     for (int64_t b = 0; b < B; ++b) {
-      auto& prefix = prefixes[static_cast<size_t>(b)];
+      int64_t& next = prefixes[static_cast<size_t>(b * stride + g.steps)];
       if (g.ended[static_cast<size_t>(b)]) {
-        prefix.push_back(o.eos);  // keeps the batch rectangular; its logits are ignored
+        next = o.eos;  // keeps the batch rectangular; its logits are ignored
         continue;
       }
       // argmax, the lowest index on ties (torch.argmax on CPU).
       const double* row = rows.data() + b * V;
       const int64_t best = std::max_element(row, row + V) - row;
-      log_softmax_row(row, V, logp);
-      g.scores[static_cast<size_t>(b)] += logp[static_cast<size_t>(best)];
-      prefix.push_back(best);
+      g.scores[static_cast<size_t>(b)] += row[best] - log_sum_exp(row, V, row[best]);
+      next = best;
       if (best == o.eos) {
         g.ended[static_cast<size_t>(b)] = true;
         --live;
@@ -227,6 +224,34 @@ struct Candidate {
   int64_t beam, token;
 };
 
+// Ranking: higher log P first, then the lower beam, then the lower token. A total order, so the
+// best `keep` candidates and their order do not depend on the order they are offered in.
+bool ranks_before(const Candidate& x, const Candidate& y) {
+  if (x.logp != y.logp) return x.logp > y.logp;
+  if (x.beam != y.beam) return x.beam < y.beam;
+  return x.token < y.token;
+}
+
+// The best `keep` of the candidates offered, best first (a source's K beams offer K*V of them and
+// 2K are kept: most are turned away by one comparison with the worst kept).
+class TopCandidates {
+ public:
+  void reset(size_t keep) {
+    keep_ = keep;
+    kept_.clear();
+  }
+  void offer(const Candidate& c) {
+    if (kept_.size() == keep_ && !ranks_before(c, kept_.back())) return;
+    if (kept_.size() == keep_) kept_.pop_back();
+    kept_.insert(std::upper_bound(kept_.begin(), kept_.end(), c, ranks_before), c);
+  }
+  const std::vector<Candidate>& kept() const { return kept_; }
+
+ private:
+  size_t keep_ = 0;
+  std::vector<Candidate> kept_;
+};
+
 }  // namespace
 
 Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& src,
@@ -245,82 +270,81 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
     return logp / std::pow(static_cast<double>(length), o.length_penalty);
   };
 
-  // Beam k of source b is row b*K + k. At the start only beam 0 is live (all K would extend the
-  // same <bos> into K copies of the same candidates).
-  std::vector<std::vector<int64_t>> prefixes(static_cast<size_t>(R), {o.bos});
+  // Beam k of source b is row b*K + k: <bos> and its tokens so far (t + 1 of them at step t),
+  // room for max_len more. At the start only beam 0 is live (all K would extend the same <bos>
+  // into K copies of the same candidates).
+  const int64_t stride = o.max_len + 1;
+  std::vector<int64_t> prefixes(static_cast<size_t>(R * stride), o.bos), next(prefixes.size());
   std::vector<double> beam_logp(static_cast<size_t>(R), kNegInf);
   for (int64_t b = 0; b < B; ++b)
     beam_logp[static_cast<size_t>(b * K)] = 0.0;
   std::vector<std::vector<Hypothesis>> finished(static_cast<size_t>(B));
   std::vector<bool> done(static_cast<size_t>(B), false);
-  std::vector<double> logp;
-  std::vector<Candidate> cands;
+  TopCandidates top;
+  std::vector<int64_t> parents(static_cast<size_t>(R));
+  std::vector<double> next_logp(static_cast<size_t>(R));
   Generation g;
   int64_t open = B;
   while (open > 0 && g.steps < o.max_len) {
-    const std::vector<double> rows = to_doubles(dec.next_logits(prefixes));  // (R, V)
     const int64_t t = g.steps++;  // the prefixes hold t + 1 tokens
-    std::vector<int64_t> parents(static_cast<size_t>(R));
+    const std::vector<double> rows =
+        to_doubles(dec.next_logits(prefixes, R, t + 1, stride));  // (R, V)
     std::iota(parents.begin(), parents.end(), 0);
-    std::vector<std::vector<int64_t>> next(static_cast<size_t>(R));
-    std::vector<double> next_logp(static_cast<size_t>(R), kNegInf);
+    std::fill(next_logp.begin(), next_logp.end(), kNegInf);
+    // Row r of the next step: row `from` of this one and `token`.
+    auto extend = [&](int64_t r, int64_t from, int64_t token) {
+      const auto row = prefixes.begin() + from * stride;
+      std::copy(row, row + t + 1, next.begin() + r * stride);
+      next[static_cast<size_t>(r * stride + t + 1)] = token;
+    };
     for (int64_t b = 0; b < B; ++b) {
       if (done[static_cast<size_t>(b)]) {
-        for (int64_t k = 0; k < K; ++k) {
-          const size_t r = static_cast<size_t>(b * K + k);
-          next[r] = prefixes[r];
-          next[r].push_back(o.eos);  // ignored rows keep the batch rectangular
-        }
+        for (int64_t k = 0; k < K; ++k)
+          extend(b * K + k, b * K + k, o.eos);  // ignored rows keep the batch rectangular
         continue;
       }
-      // Every extension of every live beam, then the best 2K (ties: lower beam, lower token).
-      cands.clear();
+      // Every extension of every live beam, of which the best 2K are kept.
+      top.reset(static_cast<size_t>(2 * K));
       for (int64_t k = 0; k < K; ++k) {
         const size_t r = static_cast<size_t>(b * K + k);
         if (beam_logp[r] == kNegInf) continue;
-        log_softmax_row(rows.data() + (b * K + k) * V, V, logp);
+        const double* row = rows.data() + (b * K + k) * V;
+        const double lse = log_sum_exp(row, V, *std::max_element(row, row + V));
         for (int64_t v = 0; v < V; ++v)
-          cands.push_back({beam_logp[r] + logp[static_cast<size_t>(v)], k, v});
+          top.offer({beam_logp[r] + (row[v] - lse), k, v});
       }
-      const size_t keep = std::min(cands.size(), static_cast<size_t>(2 * K));
-      std::partial_sort(cands.begin(), cands.begin() + static_cast<std::ptrdiff_t>(keep),
-                        cands.end(), [](const Candidate& x, const Candidate& y) {
-                          if (x.logp != y.logp) return x.logp > y.logp;
-                          if (x.beam != y.beam) return x.beam < y.beam;
-                          return x.token < y.token;
-                        });
+      const std::vector<Candidate>& best = top.kept();
       int64_t live = 0;
-      for (size_t rank = 0; rank < keep && live < K; ++rank) {
-        const Candidate& c = cands[rank];
-        const size_t parent = static_cast<size_t>(b * K + c.beam);
+      for (size_t rank = 0; rank < best.size() && live < K; ++rank) {
+        const Candidate& c = best[rank];
+        const int64_t parent = b * K + c.beam;
         if (c.token == o.eos) {
           // Only an <eos> among the K best finishes a hypothesis: K live extensions beat the rest.
-          if (rank < static_cast<size_t>(K))
+          if (rank < static_cast<size_t>(K)) {
+            const auto p = prefixes.begin() + parent * stride;
             finished[static_cast<size_t>(b)].push_back(
-                {normalized(c.logp, t + 1),
-                 std::vector<int64_t>(prefixes[parent].begin() + 1, prefixes[parent].end()), true});
+                {normalized(c.logp, t + 1), std::vector<int64_t>(p + 1, p + t + 1), true});
+          }
           continue;
         }
-        const size_t r = static_cast<size_t>(b * K + live);
-        parents[r] = static_cast<int64_t>(parent);
-        next[r] = prefixes[parent];
-        next[r].push_back(c.token);
-        next_logp[r] = c.logp;
+        const int64_t r = b * K + live;
+        parents[static_cast<size_t>(r)] = parent;
+        extend(r, parent, c.token);
+        next_logp[static_cast<size_t>(r)] = c.logp;
         ++live;
       }
       for (int64_t k = live; k < K; ++k) {  // fewer than K live extensions: dead rows
-        const size_t r = static_cast<size_t>(b * K + k);
-        next[r] = prefixes[static_cast<size_t>(b * K)];
-        next[r].push_back(o.eos);
-        parents[r] = b * K;
+        const int64_t r = b * K + k;
+        extend(r, b * K, o.eos);
+        parents[static_cast<size_t>(r)] = b * K;
       }
       if (static_cast<int64_t>(finished[static_cast<size_t>(b)].size()) >= K || live == 0) {
         done[static_cast<size_t>(b)] = true;
         --open;
       }
     }
-    prefixes = std::move(next);
-    beam_logp = std::move(next_logp);
+    std::swap(prefixes, next);
+    std::swap(beam_logp, next_logp);
     dec.reorder(parents);
   }
   // max_len reached: the live prefixes of open sources finish unended.
@@ -329,9 +353,9 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
     for (int64_t k = 0; k < K; ++k) {
       const size_t r = static_cast<size_t>(b * K + k);
       if (beam_logp[r] == kNegInf) continue;
+      const auto p = prefixes.begin() + static_cast<int64_t>(r) * stride;
       finished[static_cast<size_t>(b)].push_back(
-          {normalized(beam_logp[r], g.steps),
-           std::vector<int64_t>(prefixes[r].begin() + 1, prefixes[r].end()), false});
+          {normalized(beam_logp[r], g.steps), std::vector<int64_t>(p + 1, p + g.steps + 1), false});
     }
   }
   for (int64_t b = 0; b < B; ++b) {
