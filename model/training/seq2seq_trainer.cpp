@@ -9,9 +9,12 @@
 #include "model/training/eval_scope.hpp"
 #include "model/training/train_options.hpp"
 
+#include <omp.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <exception>
+#include <mutex>
 
 namespace attn::model {
 
@@ -47,6 +50,64 @@ SafetensorsFile load_seq2seq_file(const std::string& path) {
 
 Tensor ids_tensor(const std::vector<int64_t>& v) {
   return Tensor::from_vector(v, {static_cast<int64_t>(v.size())});
+}
+
+// A model for another decoding thread: `model`'s configuration with its parameter values shared,
+// not copied; what a forward keeps (activations, attention weights) is the replica's own, so two
+// threads never write to one module.
+std::unique_ptr<nn::EncoderDecoder> replica_of(nn::EncoderDecoder& model) {
+  auto replica = std::make_unique<nn::EncoderDecoder>(model.config());
+  const auto from = model.named_parameters();
+  const auto to = replica->named_parameters();
+  check(from.size() == to.size(), "translate", "a replica of the model has {} parameters, not {}",
+        to.size(), from.size());
+  for (size_t i = 0; i < from.size(); ++i) {
+    check(from[i].first == to[i].first, "translate", "replica parameter {} is '{}', not '{}'", i,
+          to[i].first, from[i].first);
+    to[i].second->value = from[i].second->value;
+    to[i].second->grad = Tensor();  // decoding takes no gradients
+  }
+  replica->eval();
+  return replica;
+}
+
+// decode(ctx, model, i) for every batch i < n. With more than one batch and more than one thread,
+// batches run side by side, one per thread, each thread on its own replica of the model with
+// single-threaded ops: a decoder step of a small model is too little work to split, and a batch's
+// translation does not depend on which thread decodes it or with how many threads. Otherwise
+// batches run in order on `ctx` and `model`, whose ops use ctx's threads. `model` is in eval mode.
+template <class Decode>
+void decode_batches(Context& ctx, nn::EncoderDecoder& model, size_t n, Decode&& decode) {
+  int workers = static_cast<int>(
+      std::min<size_t>(n, static_cast<size_t>(std::max(1, ctx.resolved_threads()))));
+  // A lazy layer not materialised yet would draw its own weights in each replica.
+  for (const auto& [name, p] : model.named_parameters())
+    if (!p->value.defined()) workers = 1;
+  if (workers <= 1) {
+    for (size_t i = 0; i < n; ++i)
+      decode(ctx, model, i);
+    return;
+  }
+  std::vector<std::unique_ptr<nn::EncoderDecoder>> replicas;
+  for (int w = 1; w < workers; ++w)
+    replicas.push_back(replica_of(model));
+  std::vector<Context> contexts(static_cast<size_t>(workers), ctx);
+  for (Context& c : contexts)
+    c.threads = 1;
+  std::exception_ptr error;
+  std::mutex error_mu;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(workers)
+  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+    const int w = omp_get_thread_num();
+    try {
+      decode(contexts[static_cast<size_t>(w)],
+             w == 0 ? model : *replicas[static_cast<size_t>(w - 1)], static_cast<size_t>(i));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
 }
 
 }  // namespace
@@ -166,22 +227,25 @@ std::vector<std::vector<int64_t>> Seq2SeqTrainer::greedy_ids(
   check(batch_size >= 1, "translate", "batch_size must be >= 1, got {}", batch_size);
   EvalScope scope(*model_, ctx_);
   std::vector<std::vector<int64_t>> out;
-  out.reserve(sources.size());
   GenerationOptions g;
   g.bos = Vocabulary::kBos;
   g.eos = Vocabulary::kEos;
   g.max_len = options_.num_steps;
   const Seq2SeqBatchOptions bo{options_.num_steps, true};
-  for (size_t first = 0; first < sources.size(); first += static_cast<size_t>(batch_size)) {
-    const size_t last = std::min(sources.size(), first + static_cast<size_t>(batch_size));
-    const SourceBatch b = make_source_batch(
-        std::vector<std::vector<int64_t>>(sources.begin() + static_cast<std::ptrdiff_t>(first),
-                                          sources.begin() + static_cast<std::ptrdiff_t>(last)),
-        bo);
-    Generation gen = greedy_search(ctx_, *model_, b.src, b.valid_lens, g);
-    for (auto& t : gen.tokens)
-      out.push_back(std::move(t));
-  }
+  const size_t step = static_cast<size_t>(batch_size);
+  out.resize(sources.size());
+  decode_batches(
+      ctx_, *model_, (sources.size() + step - 1) / step,
+      [&](Context& ctx, nn::EncoderDecoder& model, size_t i) {
+        const size_t first = i * step, last = std::min(sources.size(), first + step);
+        const SourceBatch b = make_source_batch(
+            std::vector<std::vector<int64_t>>(sources.begin() + static_cast<std::ptrdiff_t>(first),
+                                              sources.begin() + static_cast<std::ptrdiff_t>(last)),
+            bo);
+        Generation gen = greedy_search(ctx, model, b.src, b.valid_lens, g);
+        for (size_t r = first; r < last; ++r)
+          out[r] = std::move(gen.tokens[r - first]);
+      });
   return out;
 }
 
@@ -241,23 +305,28 @@ Translations Seq2SeqTrainer::translate(const std::vector<std::vector<std::string
   g.beam_size = options.beam_size;
   g.length_penalty = options.length_penalty;
   const Seq2SeqBatchOptions bo{options_.num_steps, true};
-  for (size_t first = 0; first < rows.size(); first += static_cast<size_t>(options.batch_size)) {
-    const size_t last = std::min(rows.size(), first + static_cast<size_t>(options.batch_size));
+  const size_t step = static_cast<size_t>(options.batch_size);
+  const size_t batches = (rows.size() + step - 1) / step;
+  std::vector<std::vector<int64_t>> cuts(batches);  // per batch, so threads never share a vector
+  decode_batches(ctx_, *model_, batches, [&](Context& ctx, nn::EncoderDecoder& model, size_t i) {
+    const size_t first = i * step, last = std::min(rows.size(), first + step);
     std::vector<std::vector<int64_t>> ids;
     for (size_t r = first; r < last; ++r)
       ids.push_back(encode_seq2seq_tokens(sources[rows[r]], src_vocab_));
     const SourceBatch b = make_source_batch(ids, bo);
     for (int64_t c : b.cut)
-      out.cut.push_back(static_cast<int64_t>(rows[first + static_cast<size_t>(c)]));
+      cuts[i].push_back(static_cast<int64_t>(rows[first + static_cast<size_t>(c)]));
     const Generation gen = options.beam_size == 1
-                               ? greedy_search(ctx_, *model_, b.src, b.valid_lens, g)
-                               : beam_search(ctx_, *model_, b.src, b.valid_lens, g);
+                               ? greedy_search(ctx, model, b.src, b.valid_lens, g)
+                               : beam_search(ctx, model, b.src, b.valid_lens, g);
     for (size_t r = first; r < last; ++r) {
       auto& dst = out.tokens[rows[r]];
       for (int64_t id : gen.tokens[r - first])
         dst.push_back(tgt_vocab_.token(id));
     }
-  }
+  });
+  for (const auto& c : cuts)
+    out.cut.insert(out.cut.end(), c.begin(), c.end());
   return out;
 }
 
