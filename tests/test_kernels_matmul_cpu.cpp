@@ -189,24 +189,26 @@ TEST(GemmCpu, EmptyContractionGivesBiasPlusOld) {
   }
 }
 
-// One row times a small weight goes through sgemm instead of the primitive (matmul.cpp): the
-// linear layout with and without bias, accumulating, strided rows; other layouts of one row and
-// a row too large for it stay on the primitive. Every one against the plain loops.
-TEST(GemmCpu, SingleRowsAgreeWithTheReference) {
-  for (int64_t n : {1, 7, 64, 236})
-    for (int64_t k : {1, 16, 64, 130})
-      for (bool ta : {false, true})
-        for (bool tb : {false, true})
-          for (bool bias : {false, true})
-            for (bool acc : {false, true})
-              for (int64_t pad : {0, 3}) {
-                Problem p{1, n, k, ta, tb, bias, acc, pad};
-                p.fill(static_cast<uint64_t>(n * 131 + k));
-                std::vector<float> out = p.c;
-                cpu::gemm(p.args(out.data()), 2);
-                EXPECT_TRUE(p.verify(out)) << "N " << n << " K " << k << " ta " << ta << " tb "
-                                           << tb << " bias " << bias << " acc " << acc;
-              }
+// A few rows times a small weight go through sgemm instead of the primitive (matmul.cpp): the
+// linear layout with and without bias, accumulating, strided rows; other layouts of few rows and
+// products too large for it stay on the primitive. Every one against the plain loops.
+TEST(GemmCpu, FewRowsAgreeWithTheReference) {
+  for (int64_t m : {1, 4, 5})
+    for (int64_t n : {1, 7, 64, 236})
+      for (int64_t k : {1, 16, 64, 130})
+        for (bool ta : {false, true})
+          for (bool tb : {false, true})
+            for (bool bias : {false, true})
+              for (bool acc : {false, true})
+                for (int64_t pad : {0, 3}) {
+                  Problem p{m, n, k, ta, tb, bias, acc, pad};
+                  p.fill(static_cast<uint64_t>(n * 131 + k));
+                  std::vector<float> out = p.c;
+                  cpu::gemm(p.args(out.data()), 2);
+                  EXPECT_TRUE(p.verify(out))
+                      << "M " << m << " N " << n << " K " << k << " ta " << ta << " tb " << tb
+                      << " bias " << bias << " acc " << acc;
+                }
   cpu::gemm_cache_clear();
   Problem big{1, 512, 128, false, true, true, false, 0};  // 2^16 multiply-adds: the primitive
   big.fill(5);

@@ -154,28 +154,36 @@ void gemm_fallback(const GemmArgs& g) {
   }
 }
 
-// Single rows too small to pay the matmul primitive's cost per call: a decoder step at batch 1
-// multiplies one row by a 64 x 64 weight, about 0.1 us of arithmetic, and executing the primitive
-// (argument checks, memory objects, its scratchpad) took 1-2 us around it: a fifth of `attn
-// translate --batch-size 1`. oneDNN's BLAS-like sgemm computes them without that bookkeeping:
-// 0.84 -> 0.63 s for 4,096 dates at batch 1 on one thread. One row only: the primitive gives a
-// row the same bits however many rows come with it (a batch cut into shards computes what the
-// whole batch does, tests/test_nn_dropout_global_index.cpp), and sgemm's bits differ from the
-// primitive's. The linear layer's forward only: f32, op(B) = B^T, no bf16 output.
-constexpr int64_t kSmallGemmMacs = int64_t{1} << 15;
+// Products of a few rows too small to pay the matmul primitive's cost per call: a decoder step at
+// batch 1 multiplies one row (four with beam search) by a 64 x 64 weight, about 0.1 us of
+// arithmetic, and executing the primitive (argument checks, memory objects, its scratchpad) took
+// 1-2 us around it: a fifth of `attn translate --batch-size 1`. oneDNN's BLAS-like sgemm computes
+// them without that bookkeeping: 0.84 -> 0.63 s (greedy) and 1.17 -> 1.01 s (beam 4) for 4,096
+// dates at batch 1 on one thread; from 2^17 multiply-adds (32 rows) it ran slower than the
+// primitive. At most kSmallGemmRows rows: the primitive gives a row the same bits however many
+// rows come with it (a batch cut into shards computes what the whole batch does,
+// tests/test_nn_dropout_global_index.cpp), and sgemm's bits differ from the primitive's, so only
+// products of so few rows that no training batch cuts into them take it. The linear layer's
+// forward only: f32, op(B) = B^T, no bf16 output.
+constexpr int64_t kSmallGemmRows = 4, kSmallGemmMacs = int64_t{1} << 15;
 
 bool small_gemm(const GemmArgs& g) {
-  return g.M == 1 && g.type == GemmType::kF32 && g.trans_b && !g.trans_a && g.C != nullptr &&
-         g.C_bf16 == nullptr && !(g.accumulate && g.bias) && g.N * g.K <= kSmallGemmMacs;
+  return g.M <= kSmallGemmRows && g.type == GemmType::kF32 && g.trans_b && !g.trans_a &&
+         g.C != nullptr && g.C_bf16 == nullptr && !(g.accumulate && g.bias) &&
+         g.M * g.N * g.K <= kSmallGemmMacs;
 }
 
 void small_gemm_f32(const GemmArgs& g) {
   // C = bias (or C), then C += A B^T through oneDNN's BLAS-like sgemm (row-major; no primitive,
   // no memory objects), on the calling thread.
   if (!g.accumulate) {
-    for (int64_t m = 0; m < g.M; ++m)
-      for (int64_t n = 0; n < g.N; ++n)
-        g.C[m * g.ldc + n] = g.bias ? g.bias[n] : 0.0f;
+    for (int64_t m = 0; m < g.M; ++m) {
+      float* c = g.C + m * g.ldc;
+      if (g.bias)
+        std::copy(g.bias, g.bias + g.N, c);
+      else
+        std::fill(c, c + g.N, 0.0f);
+    }
   }
   const bool has_c = g.accumulate || g.bias;
   if (dnnl_sgemm('N', 'T', g.M, g.N, g.K, 1.0f, static_cast<const float*>(g.A), g.lda,

@@ -37,10 +37,10 @@
 // 20000). MultiHeadAttention's (512, 512, 2048 | 8192) agree. Making those bitwise would cost an
 // explicit transpose of dy, dearer than the GEMM itself, so we accept it and say so here.
 //
-// A single row times a small weight (M = 1, at most 2^15 multiply-adds, the linear forward's
-// layout, f32) skips the primitive and goes through oneDNN's sgemm on the calling thread: its
-// cost per call is a fraction of the primitive's, which dominated a decoder step at batch 1
-// (matmul.cpp has the figures). A row's bits then depend on whether it comes alone.
+// A few rows times a small weight (M <= 4, at most 2^15 multiply-adds, the linear forward's
+// layout, f32) skip the primitive and go through oneDNN's sgemm on the calling thread: its cost
+// per call is a fraction of the primitive's, which dominated a decoder step at batch 1 (matmul.cpp
+// has the figures). Such a row's bits differ from the same row inside a larger product.
 //
 // Cache: one primitive per (shape, strides, flags, dtype, threads), in a mutex-protected map;
 // one engine for the process, one stream per calling thread. Kernels never throw on user input:
