@@ -5,6 +5,7 @@
 // of source b), S source positions, V target vocabulary, t the step.
 #include "attn/model/generation.hpp"
 
+#include "kernels/cpu/log_sum_exp.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>
@@ -114,10 +115,7 @@ std::vector<double> to_doubles(const Tensor& logits) {
 // log_softmax(row)[v] = row[v] - log_sum_exp(row, V, m). (Only the scores need it: the argmax and
 // the ranking within a row do not.)
 double log_sum_exp(const double* row, int64_t V, double m) {
-  double sum = 0;
-  for (int64_t v = 0; v < V; ++v)
-    sum += std::exp(row[v] - m);
-  return m + std::log(sum);
+  return cpu::log_sum_exp(row, V, m);
 }
 
 struct Checked {
