@@ -117,13 +117,30 @@ void DecoderState::reorder(const std::vector<int64_t>& rows) {
   for (int64_t i = 0; i < batch; ++i)
     same_sources &= source_row[static_cast<size_t>(rows[static_cast<size_t>(i)])] ==
                     source_row[static_cast<size_t>(i)];
+  // Rows that continue another row; the rows they read, each once, in `read_rows` (a row may be
+  // read by one row and overwritten by another, so what is read is set aside first). Rows that
+  // continue themselves (most, in beam search) are not touched, and only the decoded positions
+  // are copied, not the spare capacity.
+  std::vector<int64_t> moving, read_rows, slot(static_cast<size_t>(batch), -1);
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t from = rows[static_cast<size_t>(i)];
+    if (from == i) continue;
+    moving.push_back(i);
+    if (slot[static_cast<size_t>(from)] < 0) {
+      slot[static_cast<size_t>(from)] = static_cast<int64_t>(read_rows.size());
+      read_rows.push_back(from);
+    }
+  }
   for (DecoderBlockCache& c : blocks) {
     for (Tensor* t : {&c.keys, &c.values}) {
-      // Only the decoded positions are copied, not the spare capacity.
-      Tensor moved = Tensor::empty(t->shape(), t->dtype());
-      for (int64_t i = 0; i < batch; ++i)
-        copy_positions(moved, i, 0, *t, rows[static_cast<size_t>(i)], 0, length);
-      *t = moved;
+      if (moving.empty() || length == 0) break;
+      Tensor read =
+          Tensor::empty({static_cast<int64_t>(read_rows.size()), length, t->dim(2)}, t->dtype());
+      for (size_t j = 0; j < read_rows.size(); ++j)
+        copy_positions(read, static_cast<int64_t>(j), 0, *t, read_rows[j], 0, length);
+      for (int64_t i : moving)
+        copy_positions(*t, i, 0, read, slot[static_cast<size_t>(rows[static_cast<size_t>(i)])], 0,
+                       length);
     }
     if (!same_sources) {
       c.enc_keys = detail::gather_rows(c.enc_keys, rows);
@@ -144,9 +161,17 @@ void DecoderState::repeat_interleave(int64_t times) {
   std::vector<int64_t> rows(static_cast<size_t>(batch * times));
   for (size_t i = 0; i < rows.size(); ++i)
     rows[i] = static_cast<int64_t>(i) / times;
-  for (DecoderBlockCache& c : blocks)
-    for (Tensor* t : {&c.keys, &c.values, &c.enc_keys, &c.enc_values})
+  for (DecoderBlockCache& c : blocks) {
+    // The self-attention caches: the decoded positions only, not the spare capacity.
+    for (Tensor* t : {&c.keys, &c.values}) {
+      Tensor grown = Tensor::empty({batch * times, t->dim(1), t->dim(2)}, t->dtype());
+      for (size_t i = 0; i < rows.size(); ++i)
+        copy_positions(grown, static_cast<int64_t>(i), 0, *t, rows[i], 0, length);
+      *t = grown;
+    }
+    for (Tensor* t : {&c.enc_keys, &c.enc_values})
       *t = detail::gather_rows(*t, rows);
+  }
   if (enc_valid_lens.defined()) enc_valid_lens = detail::gather_rows(enc_valid_lens, rows);
   std::vector<int64_t> sources(rows.size());
   for (size_t i = 0; i < rows.size(); ++i)

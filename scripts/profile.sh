@@ -44,11 +44,11 @@ status=0
 perf report -i "$tmp/train.data" --no-children --sort dso,sym --stdio -g none 2>/dev/null |
   /usr/bin/python3 bench/profile_report.py --limit "$limit" || status=1
 
-echo "== attn translate: the dates model, greedy and beam 4, 512 sentences"
+echo "== attn translate: the dates model, greedy and beam 4, 4,096 sentences"
 "$attn" train --task dates --steps 200 --num-hiddens 64 --ffn-num-hiddens 128 --num-heads 4 \
   --batch-size 64 --threads "$threads" --checkpoint "$tmp/dates.safetensors" >/dev/null 2>&1
-# Sources in the task's own form (dates in words), cycled to 512 lines.
-for i in $(seq 1 64); do
+# Sources in the task's own form (dates in words), cycled to 4,096 lines (enough that steady decoding, not start-up, fills the profile).
+for i in $(seq 1 512); do
   printf '%s\n' "the third of march two thousand and five" "july the twentieth nineteen ninety nine" \
     "the first of january two thousand" "december the thirty first two thousand and twelve" \
     "the ninth of august nineteen eighty" "may the fourth two thousand and one" \

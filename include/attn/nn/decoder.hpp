@@ -94,9 +94,10 @@ struct DecoderState {
   // (B*H, T_new, S) cross-attention weights per block, pre-dropout (d2l's attention_weights).
   std::vector<Tensor> self_attention_weights, cross_attention_weights;
 
-  // Beam search: row i continues row rows[i] (rows.size() == batch, each in [0, batch)). Gathers
-  // the self-attention caches of the decoded positions; the encoder's keys and values only where
-  // a row takes another source's row.
+  // Beam search: row i continues row rows[i] (rows.size() == batch, each in [0, batch)). Copies
+  // the decoded positions of the rows that take another row's, in place (as step writes into the
+  // caches: a copied DecoderState shares them); the encoder's keys and values only where a row
+  // takes another source's row.
   void reorder(const std::vector<int64_t>& rows);
   // Row b becomes rows b*times .. b*times + times - 1 (torch.repeat_interleave along the batch):
   // one source's state for each of its beams.
