@@ -105,6 +105,39 @@ void BM_MhaTraining(benchmark::State& state) {
   set_counters(state, 3.0 * projection_flops(T) + 3.5 * attention_flops(T));
 }
 
+// Inference on what users run: each sequence's valid length uniform in [T/2, T] (seeded), the
+// batch padded to T, d2l's valid_lens (B,). GFLOP/s counts the useful work only: projections of
+// the valid rows, attention of valid queries over valid keys; the padded rows still go through
+// the projections (as in every framework that pads), and the kernel skips the masked keys. Arg 1
+// of the second axis: bf16 (the module and X in bfloat16).
+void BM_MhaInferencePadded(benchmark::State& state) {
+  const int64_t T = state.range(0);
+  const bool bf16 = state.range(1) == 1;
+  const attn::DType dt = bf16 ? attn::DType::BF16 : attn::DType::F32;
+  attn::Context ctx = make_context();
+  attn::nn::MultiHeadAttention mha(kE, kH, 0.0, /*bias=*/true, dt, /*seed=*/1);
+  mha.eval();
+  mha.attention.need_weights = false;
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> lens(kB);
+  for (int64_t& l : lens)
+    l = T / 2 + static_cast<int64_t>(rng() % static_cast<uint64_t>(T / 2 + 1));
+  lens.back() = T;  // the batch is as wide as its longest sequence
+  double rows = 0, pairs = 0;
+  for (int64_t l : lens) {
+    rows += static_cast<double>(l);
+    pairs += static_cast<double>(l) * static_cast<double>(l);
+  }
+  const attn::Tensor valid = attn::Tensor::from_vector(lens, {kB});
+  const attn::Tensor X = random({kB, T, kE}, 2).to(dt);
+  for (auto _ : state) {
+    attn::Tensor out = mha.forward(ctx, X, X, X, valid);
+    benchmark::DoNotOptimize(out.raw_data());
+  }
+  set_counters(state, 4.0 * 2.0 * rows * kE * kE + 4.0 * kH * pairs * kD);
+  state.counters["valid_fraction"] = rows / static_cast<double>(kB * T);
+}
+
 // The same two in bfloat16 (the module, its weights, X and dout all BF16; as PyTorch's
 // nn.MultiheadAttention(...).to(torch.bfloat16)): bf16 GEMMs with f32 accumulation and the bf16
 // attention kernels on head copies (nn/multihead_attention.cpp).
@@ -322,6 +355,15 @@ void BM_GemmPeak(benchmark::State& state) {
 
 ATTN_MHA_BENCH(BM_MhaInference);
 ATTN_MHA_BENCH(BM_MhaTraining);
+BENCHMARK(BM_MhaInferencePadded)
+    ->ArgNames({"T", "bf16"})
+    ->Args({512, 0})
+    ->Args({2048, 0})
+    ->Args({512, 1})
+    ->Args({2048, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime();
 ATTN_MHA_BENCH(BM_MhaInferenceBf16);
 ATTN_MHA_BENCH(BM_MhaTrainingBf16);
 ATTN_MHA_BENCH(BM_ProjectionForward);

@@ -9,11 +9,14 @@
 // bench/torch_train.py is the same model in PyTorch (d2l's code) and bench/run_train.sh runs both
 // side by side.
 //
-// Counter tokens_per_second = B * T per step / wall time. BM_TrainStepParts times the parts of a
+// Counter tokens_per_second = B * T per step / wall time. BM_TrainStepPadded/bf16:{0,1} is the
+// same step on what users train on: lengths uniform in [T/2, T], the batch padded to its
+// longest, valid tokens per second. BM_TrainStepParts times the parts of a
 // step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf;
 // BM_AddNorm one AddNorm site, the separate ops (/0) against the fused path (/1).
 //
 //   build/<dir>/bench/bench_train --benchmark_repetitions=5       (bench/run_train.sh runs it)
+#include "attn/model/seq2seq_trainer.hpp"
 #include "attn/model/trainer.hpp"
 #include "attn/nn/optim.hpp"
 #include "attn/nn/transformer.hpp"
@@ -27,6 +30,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -77,6 +81,29 @@ attn::model::Batch make_batch() {
   return b;
 }
 
+// The padded batch of what users run: lengths uniform in [T/2, T] (seeded), the batch padded to
+// its longest sequence (d2l's valid_lens mark the rest), as `attn train --task shift` batches.
+attn::model::Batch make_padded_batch() {
+  std::mt19937_64 rng(43);
+  std::vector<int64_t> lens(kB);
+  for (int64_t& l : lens)
+    l = kT / 2 + static_cast<int64_t>(rng() % (kT / 2 + 1));
+  const int64_t width = *std::max_element(lens.begin(), lens.end());
+  attn::model::Batch b;
+  b.ids = attn::Tensor::zeros({kB, width}, attn::DType::I64);  // 0: the padding id
+  b.valid_lens = attn::Tensor::empty({kB}, attn::DType::I64);
+  b.targets = attn::Tensor::empty({kB}, attn::DType::I64);
+  b.tokens = 0;
+  for (int64_t i = 0; i < kB; ++i) {
+    for (int64_t t = 0; t < lens[static_cast<size_t>(i)]; ++t)
+      b.ids.data<int64_t>()[i * width + t] = 2 + static_cast<int64_t>(rng() % (kVocab - 2));
+    b.valid_lens.data<int64_t>()[i] = lens[static_cast<size_t>(i)];
+    b.targets.data<int64_t>()[i] = static_cast<int64_t>(rng() % kClasses);
+    b.tokens += lens[static_cast<size_t>(i)];
+  }
+  return b;
+}
+
 void set_counters(benchmark::State& state) {
   state.counters["tokens_per_second"] = benchmark::Counter(
       static_cast<double>(kB * kT), benchmark::Counter::kIsIterationInvariantRate);
@@ -106,6 +133,81 @@ void BM_TrainStepBf16(benchmark::State& state) {
     benchmark::DoNotOptimize(s.loss);
   }
   set_counters(state);
+}
+
+// The step on a padded batch (make_padded_batch), fp32 or mixed precision (arg 1).
+// tokens_per_second counts the valid tokens only, so that it compares with the full-length
+// step's; padded_fraction is the share of the batch's B x width positions that are padding.
+void BM_TrainStepPadded(benchmark::State& state) {
+  const bool bf16 = state.range(0) == 1;
+  attn::model::Trainer trainer(
+      train_options(bf16 ? attn::model::Precision::kBFloat16 : attn::model::Precision::kFloat32));
+  const attn::model::Batch batch = make_padded_batch();
+  trainer.train_step(batch);
+  for (auto _ : state) {
+    attn::model::StepStats s = trainer.train_step(batch);
+    benchmark::DoNotOptimize(s.loss);
+  }
+  state.counters["tokens_per_second"] = benchmark::Counter(
+      static_cast<double>(batch.tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["padded_fraction"] =
+      1.0 - static_cast<double>(batch.tokens) / static_cast<double>(batch.ids.numel());
+  state.counters["threads"] = bench_threads();
+}
+
+// The encoder-decoder's step (model::Seq2SeqTrainer, what `attn train --task translate|dates`
+// runs): the long shape of bench/run_peers_seq2seq.sh, B 32 pairs of 64 + 64 tokens (<eos> and
+// <bos> included), vocabularies of 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1,
+// AdamW and clipping. Arg 0: every pair full length; arg 1: source and target lengths uniform in
+// [T/2, T] (seeded), the batch padded to its longest. tokens_per_second counts the valid target
+// tokens (those in the loss).
+void BM_Seq2SeqStep(benchmark::State& state) {
+  constexpr int64_t kPairs = 32, kSteps = 64, kWords = 996, kE2 = 128;
+  const bool padded = state.range(0) == 1;
+  std::vector<std::string> words = {"<pad>", "<unk>", "<bos>", "<eos>"};
+  for (int64_t i = 0; i < kWords; ++i)
+    words.push_back("w" + std::to_string(i));
+  const attn::model::Vocabulary vocab =
+      attn::model::Vocabulary::from_tokens(words, attn::model::Reserved::kSeq2Seq);
+  attn::model::Seq2SeqTrainOptions o;
+  o.model.src_vocab_size = o.model.tgt_vocab_size = vocab.size();
+  o.model.num_hiddens = kE2;
+  o.model.ffn_num_hiddens = 2 * kE2;
+  o.model.num_heads = 4;
+  o.model.num_enc_blks = o.model.num_dec_blks = 2;
+  o.model.dropout = kDropout;
+  o.num_steps = kSteps;
+  o.threads = bench_threads();
+  attn::model::Seq2SeqTrainer trainer(o, vocab, vocab);
+  attn::model::Seq2SeqDataset data;
+  data.src_vocab_size = data.tgt_vocab_size = vocab.size();
+  std::mt19937_64 rng(44);
+  auto length = [&] {  // tokens before <eos> (and after <bos>)
+    const int64_t n = kSteps - 1;
+    return padded ? n / 2 + static_cast<int64_t>(rng() % static_cast<uint64_t>(n / 2 + 1)) : n;
+  };
+  auto sentence = [&](int64_t n) {
+    std::vector<int64_t> ids(static_cast<size_t>(n));
+    for (int64_t& id : ids)
+      id = attn::model::Vocabulary::kEos + 1 + static_cast<int64_t>(rng() % kWords);
+    return ids;
+  };
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < kPairs; ++i) {
+    data.sources.push_back(sentence(length()));
+    data.targets.push_back(sentence(length()));
+    rows.push_back(i);
+  }
+  const attn::model::Seq2SeqBatch batch =
+      attn::model::make_seq2seq_batch(data, rows, {kSteps, /*trim_to_longest=*/true});
+  trainer.train_step(batch);
+  for (auto _ : state) {
+    attn::model::Seq2SeqStepStats s = trainer.train_step(batch);
+    benchmark::DoNotOptimize(s.loss);
+  }
+  state.counters["tokens_per_second"] = benchmark::Counter(
+      static_cast<double>(batch.tgt_tokens), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = bench_threads();
 }
 
 // The same step in its four parts, each timed by hand (manual time = the whole step), with the
@@ -190,6 +292,20 @@ void BM_AddNorm(benchmark::State& state) {
 
 BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_TrainStepPadded)
+    ->ArgName("bf16")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(3.0);
+BENCHMARK(BM_Seq2SeqStep)
+    ->ArgName("padded")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(3.0);
 BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
 BENCHMARK(BM_AddNorm)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
