@@ -246,5 +246,44 @@ TEST(Seq2SeqTrainer, TranslateHandlesUnknownEmptyAndLongSources) {
   expect_error([&] { t.translate(sources, beam); }, {"beam size must be >= 1"});
 }
 
+// With more than one batch and more than one thread, batches are decoded side by side on
+// replicas of the model (seq2seq_trainer.cpp): the same translations, cut list and evaluation as
+// one thread decoding them in order, greedy and beam, and the model's mode and dropout stream
+// untouched.
+TEST(Seq2SeqTrainer, BatchesDecodedSideBySideMatchOneThread) {
+  Tiny tiny(0.1);
+  Seq2SeqTrainer one(tiny.options, tiny.src, tiny.tgt);
+  tiny.run(one, 20);
+  const std::string ckpt = temp_path("side_by_side.safetensors").string();
+  one.save_checkpoint(ckpt);
+  auto four = Seq2SeqTrainer::from_checkpoint(ckpt, 4);
+  std::filesystem::remove(ckpt);
+  std::vector<std::vector<std::string>> sources;
+  const std::vector<std::string> words = {"a", "b", "c", "d", "zebra"};
+  for (int i = 0; i < 23; ++i) {
+    std::vector<std::string> s;
+    for (int j = 0; j <= (i * 7) % 8; ++j)
+      s.push_back(words[static_cast<size_t>((i + j * 3) % 5)]);
+    sources.push_back(s);
+  }
+  sources[5].clear();
+  for (int64_t beam : {1, 3})
+    for (int64_t batch : {1, 4, 64}) {
+      TranslateOptions o;
+      o.beam_size = beam;
+      o.batch_size = batch;
+      const Translations a = one.translate(sources, o), b = four->translate(sources, o);
+      EXPECT_EQ(a.tokens, b.tokens) << "beam " << beam << " batch " << batch;
+      EXPECT_EQ(a.cut, b.cut) << "beam " << beam << " batch " << batch;
+    }
+  const Seq2SeqDataset held = tiny.data(40, 1u << 20, TaskSplit::kHeldOut);
+  EXPECT_EQ(one.greedy_ids(held.sources, 8), four->greedy_ids(held.sources, 8));
+  const uint64_t offset = four->context().dropout_offset();
+  four->model().train();
+  four->translate(sources, {});
+  EXPECT_TRUE(four->model().training());
+  EXPECT_EQ(four->context().dropout_offset(), offset);
+}
+
 }  // namespace
 }  // namespace attn::model
