@@ -6,7 +6,7 @@
 
 #include "attn/ops/attention.hpp"
 #include "attn/ops/dropout.hpp"
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/parallel_for.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>

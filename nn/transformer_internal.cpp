@@ -2,7 +2,7 @@
 // inline in the header (which tests include without OpenMP).
 #include "nn/transformer_internal.hpp"
 
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/parallel_for.hpp"
 
 #include <algorithm>
 #include <vector>

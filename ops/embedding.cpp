@@ -3,7 +3,7 @@
 // the context's threads (below).
 #include "attn/ops/embedding.hpp"
 
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/parallel_for.hpp"
 #include "kernels/ref/embedding.hpp"
 #include "ops/common.hpp"
 

@@ -21,6 +21,7 @@
 #include "attn/ops/ring_attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/cpu/flash_bf16.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "ops/attention_decode.hpp"
 #include "ops/attention_heads.hpp"
 
@@ -38,6 +39,10 @@
 
 namespace attn::testing {
 namespace {
+
+// Every kernel forks as far as a test asks, whatever the size (kernels/cpu/parallel.hpp), so that
+// the thread-count comparisons below run the parallel paths on these small shapes too.
+const bool kForkAtAnySize = (attn::cpu::set_min_flops_per_thread(0), true);
 
 using Case = KernelCase;
 

@@ -10,6 +10,7 @@
 #include "attn/core/tensor.hpp"
 #include "kernels/cpu/decode_attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "kernels/ref/attention.hpp"
 #include "ops/attention_decode.hpp"
 #include "ops/attention_kernel.hpp"
@@ -26,6 +27,10 @@
 
 namespace attn {
 namespace {
+
+// Every kernel forks as far as a test asks, whatever the size (kernels/cpu/parallel.hpp), so that
+// the thread-count comparisons below run the parallel paths on these small shapes too.
+const bool kForkAtAnySize = (attn::cpu::set_min_flops_per_thread(0), true);
 
 struct Case {
   int64_t batch = 1, heads = 1, T = 1, S = 1, D = 16, Dv = 16;

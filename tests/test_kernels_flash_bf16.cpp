@@ -11,6 +11,7 @@
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
 #include "attn/ops/attention.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -26,6 +27,10 @@
 
 namespace attn::cpu {
 namespace {
+
+// Every kernel forks as far as a test asks, whatever the size (kernels/cpu/parallel.hpp), so that
+// the thread-count comparisons below run the parallel paths on these small shapes too.
+const bool kForkAtAnySize = (attn::cpu::set_min_flops_per_thread(0), true);
 
 constexpr uint16_t kSentinel = testing::kHarnessSentinel<uint16_t>;  // a NaN payload
 

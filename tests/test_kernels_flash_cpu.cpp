@@ -14,6 +14,7 @@
 
 #include "attention_harness.hpp"
 #include "attn/ops/attention.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "testing.hpp"
 
 #include "attn/core/rng.hpp"
@@ -29,6 +30,10 @@
 
 namespace attn::cpu {
 namespace {
+
+// Every kernel forks as far as a test asks, whatever the size (kernels/cpu/parallel.hpp), so that
+// the thread-count comparisons below run the parallel paths on these small shapes too.
+const bool kForkAtAnySize = (attn::cpu::set_min_flops_per_thread(0), true);
 
 // Views, guards, cases and key limits: tests/attention_harness.hpp.
 using View = testing::HarnessView<float>;

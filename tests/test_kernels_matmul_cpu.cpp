@@ -13,6 +13,7 @@
 // ||C - C_exact||_F <= 1e-2 ||C_exact||_F, as DESIGN.md states for bf16.
 #include "attn/ops/linear.hpp"
 #include "kernels/cpu/matmul.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "testing.hpp"
 
 #include <cmath>
@@ -22,6 +23,10 @@
 
 namespace attn {
 namespace {
+
+// Every kernel forks as far as a test asks, whatever the size (kernels/cpu/parallel.hpp), so that
+// the thread-count comparisons below run the parallel paths on these small shapes too.
+const bool kForkAtAnySize = (attn::cpu::set_min_flops_per_thread(0), true);
 
 using attn::testing::random_tensor;
 

@@ -6,7 +6,7 @@
 
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/layer_norm_simd.hpp"
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/parallel_for.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -17,32 +17,17 @@ namespace attn::cpu {
 
 inline constexpr double kMinFlopsPerThread = double(int64_t{1} << 22);
 
+// The work per thread threads_for asks for: kMinFlopsPerThread unless changed. Tests of thread
+// count independence set 0, so that every kernel forks as far as the caller allows and their
+// parallel paths run at any size; a relaxed atomic, read once per call.
+double min_flops_per_thread();
+void set_min_flops_per_thread(double flops);
+
 // threads >= 1 (Context::threads resolved); flops: the op's multiply-adds times 2.
 inline int threads_for(double flops, int threads) {
-  const double worth = flops / kMinFlopsPerThread;
-  if (worth >= threads) return std::max(1, threads);
-  return std::max(1, static_cast<int>(worth));
-}
-
-}  // namespace attn::cpu
-
-namespace attn::cpu {
-
-// f(i) for i in [0, n) on up to `threads` OpenMP threads, a static schedule (so a thread's share
-// is fixed by n and the thread count). With one thread or one task it runs in the caller without
-// entering the OpenMP runtime: a parallel region whose if() clause is false still builds a team
-// of one in libgomp (an allocation and a free per call, a few percent of a small decode step).
-// Include only from files compiled with OpenMP.
-template <class F>
-void parallel_for(int64_t n, int threads, F&& f) {
-  if (threads <= 1 || n <= 1) {
-    for (int64_t i = 0; i < n; ++i)
-      f(i);
-    return;
-  }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i)
-    f(i);
+  const double per_thread = min_flops_per_thread();
+  if (per_thread <= 0 || flops / per_thread >= threads) return std::max(1, threads);
+  return std::max(1, static_cast<int>(flops / per_thread));
 }
 
 }  // namespace attn::cpu
