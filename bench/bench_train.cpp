@@ -9,13 +9,28 @@
 // bench/torch_train.py is the same model in PyTorch (d2l's code) and bench/run_train.sh runs both
 // side by side.
 //
-// Counter tokens_per_second = B * T per step / wall time. BM_TrainStepPadded/bf16:{0,1} is the
-// same step on what users train on: lengths uniform in [T/2, T], the batch padded to its
-// longest, valid tokens per second. BM_TrainStepParts times the parts of a
-// step alone (forward, loss, backward, clip + AdamW), to see where the time goes without perf;
-// BM_AddNorm one AddNorm site, the separate ops (/0) against the fused path (/1).
+// What users train on is padded (issue 23): BM_TrainStepPadded and BM_TrainStepPaddedBf16 run the
+// same model and options on batches whose lengths are uniform in [T/2, T] (seeded), each batch
+// padded with <pad> to its longest sequence by model::make_batch (as `attn train` batches), d2l's
+// valid_lens given. kPaddedBatches such batches are drawn once and cycled, so the widths vary
+// from step to step as the CLI's do and every run sees the same batches.
+//
+// The encoder-decoder's step (model::Seq2SeqTrainer, what `attn train --task dates|translate`
+// runs): BM_Seq2SeqStep every pair full length, BM_Seq2SeqStepPadded source and target lengths
+// uniform in [T/2, T], at the `long` shape of bench/run_peers_seq2seq.sh (B 32, 64 + 64 tokens,
+// vocabularies of 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1).
+//
+// Counter tokens_per_second: the valid tokens a step trains on per second of wall time (B * T
+// for the full-length encoder step; the sum of valid_lens for the padded ones; the target tokens
+// in the loss, <eos> included, for seq2seq). padded_fraction: the share of the batches' positions
+// that are padding (0 for full length). BM_TrainStepParts times the parts of a step alone
+// (forward, loss, backward, clip + AdamW), to see where the time goes without perf; BM_AddNorm
+// one AddNorm site, the separate ops (/0) against the fused path (/1).
 //
 //   build/<dir>/bench/bench_train --benchmark_repetitions=5       (bench/run_train.sh runs it)
+//   bench/run_padded.sh runs the padded benchmarks beside the full-length ones and the CLI.
+#include "attn/model/data.hpp"
+#include "attn/model/seq2seq_data.hpp"
 #include "attn/model/seq2seq_trainer.hpp"
 #include "attn/model/trainer.hpp"
 #include "attn/nn/optim.hpp"
@@ -38,6 +53,8 @@ namespace {
 constexpr int64_t kB = 32, kT = 128, kE = 128, kH = 4, kF = 256, kBlocks = 2, kVocab = 1000,
                   kClasses = 2;
 constexpr double kDropout = 0.1;
+// Padded batches drawn once and cycled: enough that the mean padding is near its expectation.
+constexpr int kPaddedBatches = 8;
 
 int bench_threads() {
   const char* env = std::getenv("ATTN_THREADS");
@@ -81,33 +98,68 @@ attn::model::Batch make_batch() {
   return b;
 }
 
-// The padded batch of what users run: lengths uniform in [T/2, T] (seeded), the batch padded to
-// its longest sequence (d2l's valid_lens mark the rest), as `attn train --task shift` batches.
-attn::model::Batch make_padded_batch() {
+// kPaddedBatches batches of kB sequences, lengths uniform in [kT/2, kT] from a fixed seed, random
+// ids and classes, each batch padded to its longest sequence by model::make_batch.
+std::vector<attn::model::Batch> make_padded_batches() {
   std::mt19937_64 rng(43);
-  std::vector<int64_t> lens(kB);
-  for (int64_t& l : lens)
-    l = kT / 2 + static_cast<int64_t>(rng() % (kT / 2 + 1));
-  const int64_t width = *std::max_element(lens.begin(), lens.end());
-  attn::model::Batch b;
-  b.ids = attn::Tensor::zeros({kB, width}, attn::DType::I64);  // 0: the padding id
-  b.valid_lens = attn::Tensor::empty({kB}, attn::DType::I64);
-  b.targets = attn::Tensor::empty({kB}, attn::DType::I64);
-  b.tokens = 0;
-  for (int64_t i = 0; i < kB; ++i) {
-    for (int64_t t = 0; t < lens[static_cast<size_t>(i)]; ++t)
-      b.ids.data<int64_t>()[i * width + t] = 2 + static_cast<int64_t>(rng() % (kVocab - 2));
-    b.valid_lens.data<int64_t>()[i] = lens[static_cast<size_t>(i)];
-    b.targets.data<int64_t>()[i] = static_cast<int64_t>(rng() % kClasses);
-    b.tokens += lens[static_cast<size_t>(i)];
+  attn::model::Dataset data;
+  data.type = attn::model::TaskType::kClassification;
+  data.vocab_size = kVocab;
+  data.num_classes = kClasses;
+  for (int64_t i = 0; i < kPaddedBatches * kB; ++i) {
+    const int64_t len = kT / 2 + static_cast<int64_t>(rng() % (kT / 2 + 1));
+    std::vector<int64_t> ids(static_cast<size_t>(len));
+    for (int64_t& id : ids)
+      id = 2 + static_cast<int64_t>(rng() % (kVocab - 2));
+    data.inputs.push_back(std::move(ids));
+    data.labels.push_back(static_cast<int64_t>(rng() % kClasses));
   }
-  return b;
+  std::vector<attn::model::Batch> batches;
+  for (int64_t n = 0; n < kPaddedBatches; ++n) {
+    std::vector<int64_t> rows(kB);
+    for (int64_t i = 0; i < kB; ++i)
+      rows[static_cast<size_t>(i)] = n * kB + i;
+    batches.push_back(attn::model::make_batch(data, rows));
+  }
+  return batches;
 }
 
 void set_counters(benchmark::State& state) {
   state.counters["tokens_per_second"] = benchmark::Counter(
       static_cast<double>(kB * kT), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["padded_fraction"] = 0;
   state.counters["threads"] = bench_threads();
+}
+
+// Counters of a benchmark that cycled through batches: `valid` tokens summed over the steps it
+// timed, and the share of padding over the whole batch set (the same whatever the step count).
+void set_cycled_counters(benchmark::State& state, double valid, double padded_fraction) {
+  state.counters["tokens_per_second"] = benchmark::Counter(valid, benchmark::Counter::kIsRate);
+  state.counters["padded_fraction"] = padded_fraction;
+  state.counters["threads"] = bench_threads();
+}
+
+// The encoder step on the padded batches, cycled; fp32 or mixed precision.
+void run_padded_steps(benchmark::State& state, attn::model::Precision precision) {
+  attn::model::Trainer trainer(train_options(precision));
+  const std::vector<attn::model::Batch> batches = make_padded_batches();
+  for (const attn::model::Batch& b : batches)  // warm-up: allocations at every width, threads
+    trainer.train_step(b);
+  double valid = 0;
+  size_t next = 0;
+  for (auto _ : state) {
+    const attn::model::Batch& b = batches[next];
+    next = (next + 1) % batches.size();
+    attn::model::StepStats s = trainer.train_step(b);
+    benchmark::DoNotOptimize(s.loss);
+    valid += static_cast<double>(b.tokens);
+  }
+  double tokens = 0, positions = 0;
+  for (const attn::model::Batch& b : batches) {
+    tokens += static_cast<double>(b.tokens);
+    positions += static_cast<double>(b.ids.numel());
+  }
+  set_cycled_counters(state, valid, 1.0 - tokens / positions);
 }
 
 // One optimisation step of the trainer, as `attn train` runs it.
@@ -135,79 +187,101 @@ void BM_TrainStepBf16(benchmark::State& state) {
   set_counters(state);
 }
 
-// The step on a padded batch (make_padded_batch), fp32 or mixed precision (arg 1).
-// tokens_per_second counts the valid tokens only, so that it compares with the full-length
-// step's; padded_fraction is the share of the batch's B x width positions that are padding.
+// The steps of BM_TrainStep and BM_TrainStepBf16 on padded batches (lengths uniform in [T/2, T]).
 void BM_TrainStepPadded(benchmark::State& state) {
-  const bool bf16 = state.range(0) == 1;
-  attn::model::Trainer trainer(
-      train_options(bf16 ? attn::model::Precision::kBFloat16 : attn::model::Precision::kFloat32));
-  const attn::model::Batch batch = make_padded_batch();
-  trainer.train_step(batch);
-  for (auto _ : state) {
-    attn::model::StepStats s = trainer.train_step(batch);
-    benchmark::DoNotOptimize(s.loss);
-  }
-  state.counters["tokens_per_second"] = benchmark::Counter(
-      static_cast<double>(batch.tokens), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["padded_fraction"] =
-      1.0 - static_cast<double>(batch.tokens) / static_cast<double>(batch.ids.numel());
-  state.counters["threads"] = bench_threads();
+  run_padded_steps(state, attn::model::Precision::kFloat32);
 }
 
-// The encoder-decoder's step (model::Seq2SeqTrainer, what `attn train --task translate|dates`
-// runs): the long shape of bench/run_peers_seq2seq.sh, B 32 pairs of 64 + 64 tokens (<eos> and
-// <bos> included), vocabularies of 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1,
-// AdamW and clipping. Arg 0: every pair full length; arg 1: source and target lengths uniform in
-// [T/2, T] (seeded), the batch padded to its longest. tokens_per_second counts the valid target
-// tokens (those in the loss).
-void BM_Seq2SeqStep(benchmark::State& state) {
-  constexpr int64_t kPairs = 32, kSteps = 64, kWords = 996, kE2 = 128;
-  const bool padded = state.range(0) == 1;
-  std::vector<std::string> words = {"<pad>", "<unk>", "<bos>", "<eos>"};
-  for (int64_t i = 0; i < kWords; ++i)
-    words.push_back("w" + std::to_string(i));
-  const attn::model::Vocabulary vocab =
-      attn::model::Vocabulary::from_tokens(words, attn::model::Reserved::kSeq2Seq);
+void BM_TrainStepPaddedBf16(benchmark::State& state) {
+  run_padded_steps(state, attn::model::Precision::kBFloat16);
+}
+
+// --- the encoder-decoder's step ----------------------------------------------------------------
+constexpr int64_t kS2sB = 32, kS2sT = 64, kS2sVocab = 1000, kS2sE = 128;
+
+// A Reserved::kSeq2Seq vocabulary of kS2sVocab entries (the four reserved tokens, then words).
+attn::model::Vocabulary seq2seq_vocab() {
+  attn::model::Vocabulary v(attn::model::Reserved::kSeq2Seq);
+  for (int64_t i = 0; v.size() < kS2sVocab; ++i)
+    v.add("w" + std::to_string(i));
+  return v;
+}
+
+// Batches of kS2sB pairs made by make_seq2seq_batch with trim_to_longest (as `attn train` makes
+// them). Full length: every side kS2sT - 1 ids + <eos>. Padded: each side's valid length (ids +
+// <eos>) uniform in [T/2, T], seeded; kPaddedBatches batches to cycle.
+std::vector<attn::model::Seq2SeqBatch> make_seq2seq_batches(bool padded) {
+  std::mt19937_64 rng(44);
+  attn::model::Seq2SeqDataset data;
+  data.src_vocab_size = data.tgt_vocab_size = kS2sVocab;
+  auto sentence = [&] {
+    const int64_t valid =
+        padded ? kS2sT / 2 + static_cast<int64_t>(rng() % (kS2sT / 2 + 1)) : kS2sT;
+    std::vector<int64_t> ids(static_cast<size_t>(valid - 1));  // <eos> is added by batching
+    for (int64_t& id : ids)
+      id = attn::model::Vocabulary::kEos + 1 +
+           static_cast<int64_t>(rng() % (kS2sVocab - attn::model::Vocabulary::kEos - 1));
+    return ids;
+  };
+  const int64_t n = padded ? kPaddedBatches : 1;
+  for (int64_t i = 0; i < n * kS2sB; ++i) {
+    data.sources.push_back(sentence());
+    data.targets.push_back(sentence());
+  }
+  std::vector<attn::model::Seq2SeqBatch> batches;
+  for (int64_t b = 0; b < n; ++b) {
+    std::vector<int64_t> rows(kS2sB);
+    for (int64_t i = 0; i < kS2sB; ++i)
+      rows[static_cast<size_t>(i)] = b * kS2sB + i;
+    batches.push_back(attn::model::make_seq2seq_batch(data, rows, {kS2sT, true}));
+  }
+  return batches;
+}
+
+void run_seq2seq_steps(benchmark::State& state, bool padded) {
   attn::model::Seq2SeqTrainOptions o;
-  o.model.src_vocab_size = o.model.tgt_vocab_size = vocab.size();
-  o.model.num_hiddens = kE2;
-  o.model.ffn_num_hiddens = 2 * kE2;
+  o.model.src_vocab_size = o.model.tgt_vocab_size = kS2sVocab;
+  o.model.num_hiddens = kS2sE;
+  o.model.ffn_num_hiddens = 2 * kS2sE;
   o.model.num_heads = 4;
   o.model.num_enc_blks = o.model.num_dec_blks = 2;
   o.model.dropout = kDropout;
-  o.num_steps = kSteps;
+  o.num_steps = kS2sT;
+  o.adamw.lr = 1e-3;
+  o.clip_norm = 1.0;
+  o.seed = 0;
   o.threads = bench_threads();
-  attn::model::Seq2SeqTrainer trainer(o, vocab, vocab);
-  attn::model::Seq2SeqDataset data;
-  data.src_vocab_size = data.tgt_vocab_size = vocab.size();
-  std::mt19937_64 rng(44);
-  auto length = [&] {  // tokens before <eos> (and after <bos>)
-    const int64_t n = kSteps - 1;
-    return padded ? n / 2 + static_cast<int64_t>(rng() % static_cast<uint64_t>(n / 2 + 1)) : n;
-  };
-  auto sentence = [&](int64_t n) {
-    std::vector<int64_t> ids(static_cast<size_t>(n));
-    for (int64_t& id : ids)
-      id = attn::model::Vocabulary::kEos + 1 + static_cast<int64_t>(rng() % kWords);
-    return ids;
-  };
-  std::vector<int64_t> rows;
-  for (int64_t i = 0; i < kPairs; ++i) {
-    data.sources.push_back(sentence(length()));
-    data.targets.push_back(sentence(length()));
-    rows.push_back(i);
-  }
-  const attn::model::Seq2SeqBatch batch =
-      attn::model::make_seq2seq_batch(data, rows, {kSteps, /*trim_to_longest=*/true});
-  trainer.train_step(batch);
+  attn::model::Seq2SeqTrainer trainer(o, seq2seq_vocab(), seq2seq_vocab());
+  const std::vector<attn::model::Seq2SeqBatch> batches = make_seq2seq_batches(padded);
+  for (const attn::model::Seq2SeqBatch& b : batches)
+    trainer.train_step(b);
+  double valid = 0;
+  size_t next = 0;
   for (auto _ : state) {
-    attn::model::Seq2SeqStepStats s = trainer.train_step(batch);
+    const attn::model::Seq2SeqBatch& b = batches[next];
+    next = (next + 1) % batches.size();
+    attn::model::Seq2SeqStepStats s = trainer.train_step(b);
     benchmark::DoNotOptimize(s.loss);
+    valid += static_cast<double>(b.tgt_tokens);
   }
-  state.counters["tokens_per_second"] = benchmark::Counter(
-      static_cast<double>(batch.tgt_tokens), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["threads"] = bench_threads();
+  // padded_fraction: the target side's; src_padded_fraction: the source side's.
+  double tgt = 0, tgt_positions = 0, src = 0, src_positions = 0;
+  for (const attn::model::Seq2SeqBatch& b : batches) {
+    tgt += static_cast<double>(b.tgt_tokens);
+    tgt_positions += static_cast<double>(b.labels.numel());
+    src += static_cast<double>(b.src_tokens);
+    src_positions += static_cast<double>(b.src.numel());
+  }
+  set_cycled_counters(state, valid, 1.0 - tgt / tgt_positions);
+  state.counters["src_padded_fraction"] = 1.0 - src / src_positions;
+}
+
+void BM_Seq2SeqStep(benchmark::State& state) {
+  run_seq2seq_steps(state, false);
+}
+
+void BM_Seq2SeqStepPadded(benchmark::State& state) {
+  run_seq2seq_steps(state, true);
 }
 
 // The same step in its four parts, each timed by hand (manual time = the whole step), with the
@@ -292,20 +366,10 @@ void BM_AddNorm(benchmark::State& state) {
 
 BENCHMARK(BM_TrainStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
-BENCHMARK(BM_TrainStepPadded)
-    ->ArgName("bf16")
-    ->Arg(0)
-    ->Arg(1)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime()
-    ->MinTime(3.0);
-BENCHMARK(BM_Seq2SeqStep)
-    ->ArgName("padded")
-    ->Arg(0)
-    ->Arg(1)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime()
-    ->MinTime(3.0);
+BENCHMARK(BM_TrainStepPadded)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_TrainStepPaddedBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_Seq2SeqStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_Seq2SeqStepPadded)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
 BENCHMARK(BM_AddNorm)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 

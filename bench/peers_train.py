@@ -10,9 +10,11 @@ BM_TrainStep times in attn, run here by the PyPI PyTorch 2.x of bench/peers-venv
   --mode autocast         torch.autocast('cpu', bfloat16) around forward and loss
   --mode compile          torch.compile(model) (inductor; needs a C++ compiler), fp32
   --mode compile-autocast both
-  --padded                key lengths per sequence uniform in [T/2, T] (seeded) instead of T
+  --padded                lengths per sequence uniform in [T/2, T] (seeded) instead of T, the
+                          batch padded to its longest (as bench_train's BM_TrainStepPadded)
 
-Tokens per second count the batch's B*T positions (as bench_train does), padded or not.
+Tokens per second count the valid tokens, the sum of valid_lens (B*T at full length), as
+bench_train does.
 Prints one JSON object; a mode that cannot run prints {"skipped": reason}.
 """
 import argparse
@@ -48,6 +50,7 @@ def main():
     if args.padded:
         g = torch.Generator().manual_seed(T)
         valid_lens = torch.randint(T // 2, T + 1, (B,), generator=g)
+        ids = ids[:, :int(valid_lens.max())]
     else:
         valid_lens = torch.full((B,), T, dtype=torch.int64)
     targets = torch.randint(0, 2, (B,))
@@ -83,7 +86,7 @@ def main():
         elapsed = time.perf_counter() - start
         if elapsed >= args.min_time and steps >= 3:
             break
-    row["tokens_per_second"] = steps * B * T / elapsed
+    row["tokens_per_second"] = steps * int(valid_lens.sum()) / elapsed
     print(json.dumps(row))
 
 

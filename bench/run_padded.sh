@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# What users run against the ideal case, side by side in alternating rounds, same threads:
-# - the encoder training step: bench_train's full-length step (BM_TrainStep, BM_TrainStepBf16)
-#   beside its padded one (BM_TrainStepPadded: lengths uniform in [T/2, T], the batch padded to
-#   its longest, d2l's valid_lens) and beside `attn train` on padded variable-length batches (the
-#   shift task, lengths 64..128, with and without --bucket 8), fp32 and bf16;
-# - the seq2seq training step: BM_Seq2SeqStep full length and padded (B 32, 64 + 64 tokens);
-# - MHA inference: bench_mha's BM_MhaInference beside BM_MhaInferencePadded, fp32 and bf16;
-# - `attn translate` (the dates model of bench/run_peers_translate.sh, 4,096 held-out sources,
-#   greedy, batch 32): the CLI's own rate.
-# Token rates count valid (unpadded) tokens; MHA GFLOP/s count the useful work. Writes the
-# <!-- padded:begin --> block of docs/performance.md.
+# What users run against the ideal case, in alternating rounds on the same threads (issue 23):
+#  - the encoder training step (E 128, 4 heads, FFN 256, 2 blocks, dropout 0.1, B 32, T 128),
+#    fp32 and bf16: bench_train's full-length step (BM_TrainStep, BM_TrainStepBf16) beside its
+#    padded one (BM_TrainStepPadded, BM_TrainStepPaddedBf16: lengths uniform in [T/2, T], each
+#    batch padded to its longest, d2l's valid_lens) and beside `attn train` on the shift task
+#    (the same lengths and padding), without and with --bucket 8;
+#  - the seq2seq training step (B 32, 64 + 64 tokens, vocabularies of 1000, E 128, 2 + 2 blocks):
+#    BM_Seq2SeqStep beside BM_Seq2SeqStepPadded (source and target lengths uniform in [T/2, T]);
+#  - MHA inference (B 4, E 512, 8 heads, T 512 and 2048), fp32 and bf16: BM_MhaInference(Bf16)
+#    beside BM_MhaInferencePadded(Bf16), GFLOP/s of the valid work;
+#  - `attn translate` on the dates checkpoint of docs/seq2seq.md (trained once and cached in
+#    BUILD/peers/dates.safetensors, as bench/run_peers_translate.sh does) over 1024 held-out
+#    sources (bench/peers_dates.py), greedy and beam 4, batch 1 and 32.
+# Training rates count valid tokens per second of wall time (the target tokens in the loss for
+# seq2seq); the CLI runs with --eval-every 0 and a 64-sequence evaluation set, so its rate is the
+# training loop's (data generation, batching and logging included). attn translate's rate is the
+# target tokens written (no <eos>) over the wall time minus that of the same command on an empty
+# input (process start, checkpoint load). Writes the <!-- padded:begin --> block of
+# docs/performance.md.
 #
 #   bench/run_padded.sh [build_dir] [rounds]     (default build/default, 3)
 #   ATTN_THREADS=2 (default) sets every side's thread count.
+#   ATTN_PEERS_CHECKPOINT=FILE   use this dates checkpoint instead of the cached one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build/default}
@@ -26,36 +35,39 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
 export OMP_WAIT_POLICY=PASSIVE
-# The dates checkpoint for `attn translate` (the one run_peers_translate.sh trains and caches).
-ckpt="$build/peers/dates.safetensors"
+
+ckpt=${ATTN_PEERS_CHECKPOINT:-$build/peers/dates.safetensors}
 if [[ ! -s "$ckpt" ]]; then
-  mkdir -p "$build/peers"
   echo "training the dates checkpoint $ckpt (once; about a minute)" >&2
+  mkdir -p "$(dirname "$ckpt")"
   "$build/attn" train --task dates --steps 800 --eval-every 0 --eval-examples 1000 \
     --num-hiddens 64 --ffn-num-hiddens 128 --num-heads 4 --num-blks 2 --batch-size 64 \
     --lr 3e-3 --threads "$threads" --checkpoint "$ckpt" >&2
 fi
-python3 bench/peers_dates.py "$tmp/held.tsv"
-awk 'NR % 3 == 1 && ++k <= 4096' "$tmp/held.tsv" | cut -f1 >"$tmp/sources.txt"
+/usr/bin/python3 bench/peers_dates.py "$tmp/held.tsv"
+awk 'NR % 7 == 1 && ++k <= 1024' "$tmp/held.tsv" >"$tmp/timed.tsv"
 : >"$tmp/empty.txt"
-seconds() {  # command... -> wall seconds
+translate() {  # input beam batch out -> seconds of wall time
   local s e
   s=$(date +%s.%N)
-  "$@" >"$tmp/out.txt"
+  "$build/attn" translate --checkpoint "$ckpt" --threads "$threads" --beam "$2" --batch-size "$3" \
+    "$1" >"$4"
   e=$(date +%s.%N)
-  python3 -c "print($e - $s)"
+  /usr/bin/python3 -c "print($e - $s)"
 }
+
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 1; r <= rounds; r++)); do
-  "$build/bench/bench_train" \
-    --benchmark_filter='BM_TrainStep(Bf16)?/|BM_TrainStepPadded|BM_Seq2SeqStep' \
-    --benchmark_format=json >"$tmp/bench$r.json" 2>/dev/null
-  "$build/bench/bench_mha" --benchmark_filter='BM_MhaInference' --benchmark_format=json \
-    >"$tmp/mha$r.json" 2>/dev/null
-  for input in sources empty; do
-    seconds "$build/attn" translate --checkpoint "$ckpt" --threads "$threads" --batch-size 32 \
-      "$tmp/$input.txt" >"$tmp/translate_${input}_$r.txt"
-    if [[ $input == sources ]]; then wc -w <"$tmp/out.txt" >"$tmp/translated_tokens.txt"; fi
+  # Full-length and padded benchmarks in separate processes, their order swapped every round, so
+  # that a change of load during a round does not always favour the same side.
+  for kind in $( ((r % 2)) && echo "full padded" || echo "padded full"); do
+    [[ $kind == full ]] && pad="" || pad=Padded
+    "$build/bench/bench_train" --benchmark_format=json \
+      --benchmark_filter="^BM_TrainStep$pad(Bf16)?/|^BM_Seq2SeqStep$pad/" \
+      >"$tmp/train_${kind}_$r.json" 2>/dev/null
+    "$build/bench/bench_mha" --benchmark_format=json --benchmark_min_time=2 \
+      --benchmark_min_warmup_time=0.5 --benchmark_filter="^BM_MhaInference$pad(Bf16)?/" \
+      >"$tmp/mha_${kind}_$r.json" 2>/dev/null
   done
   for p in fp32 bf16; do
     for k in 1 8; do
@@ -65,103 +77,141 @@ for ((r = 1; r <= rounds; r++)); do
         2>"$tmp/cli_${p}_${k}_$r.txt" >/dev/null
     done
   done
+  for i in 1 2 3; do translate "$tmp/empty.txt" 1 1 /dev/null; done >"$tmp/empty_$r.txt"
+  for batch in 1 32; do
+    for beam in 1 4; do
+      translate "$tmp/timed.tsv" "$beam" "$batch" "$tmp/out_${beam}_$batch.txt" \
+        >"$tmp/tr_${beam}_${batch}_$r.txt"
+      echo "$(wc -w <"$tmp/out_${beam}_$batch.txt")" >"$tmp/trtok_${beam}_${batch}_$r.txt"
+    done
+  done
   echo "round $r/$rounds done" >&2
 done
 load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 
 /usr/bin/python3 - "$tmp" "$rounds" "$threads" "$load_before" "$load_after" >"$tmp/block.md" <<'PY'
-import datetime, json, re, statistics, subprocess, sys
+import datetime, json, re, statistics, sys
 tmp, rounds, threads, load_before, load_after = sys.argv[1:6]
 rounds = int(rounds)
-full = {"fp32": [], "bf16": []}
-padded = {"fp32": [], "bf16": []}
-s2s = {"full": [], "padded": []}
-mha = {}  # (T, dtype, padded) -> [GFLOP/s]
-translate = []
+bench = {}  # (name, arg) -> [counters per round]
+for r in range(1, rounds + 1):
+    for f in (f"{tmp}/{b}_{k}_{r}.json" for b in ("train", "mha") for k in ("full", "padded")):
+        for b in json.load(open(f))["benchmarks"]:
+            parts = b["name"].split("/")
+            arg = parts[1] if len(parts) > 1 and parts[1].isdigit() else ""
+            bench.setdefault((parts[0], arg), []).append(b)
 cli = {(p, k): [] for p in ("fp32", "bf16") for k in (1, 8)}
 for r in range(1, rounds + 1):
-    for b in json.load(open(f"{tmp}/bench{r}.json"))["benchmarks"]:
-        name = b["name"]
-        if name.startswith("BM_TrainStepPadded"):
-            padded["bf16" if "bf16:1" in name else "fp32"].append(b["tokens_per_second"])
-        elif name.startswith("BM_Seq2SeqStep"):
-            s2s["padded" if "padded:1" in name else "full"].append(b["tokens_per_second"])
-        elif name.startswith("BM_TrainStep"):
-            full["bf16" if name.startswith("BM_TrainStepBf16") else "fp32"].append(
-                b["tokens_per_second"])
-    for b in json.load(open(f"{tmp}/mha{r}.json"))["benchmarks"]:
-        name = b["name"]
-        m = re.match(r"BM_MhaInference(Padded|Bf16)?/(?:T:)?(\d+)(?:/bf16:(\d))?", name)
-        if not m:
-            continue
-        kind, T, bf = m.group(1), int(m.group(2)), m.group(3)
-        dtype = "bf16" if kind == "Bf16" or bf == "1" else "fp32"
-        mha.setdefault((T, dtype, kind == "Padded"), []).append(b["GFLOP"])
-    wall = float(open(f"{tmp}/translate_sources_{r}.txt").read())
-    empty = float(open(f"{tmp}/translate_empty_{r}.txt").read())
-    translate.append(wall - empty)
     for (p, k) in cli:
         text = open(f"{tmp}/cli_{p}_{k}_{r}.txt").read()
         rates = re.findall(r"([0-9.]+)k tok/s", text)
         if not rates:
             sys.exit(f"run_padded.sh: no rate in attn train's output:\n{text}")
         cli[(p, k)].append(float(rates[-1]) * 1e3)
-out_tokens = int(open(f"{tmp}/translated_tokens.txt").read())
+tr = {}
+for r in range(1, rounds + 1):
+    empty = statistics.median(float(x) for x in open(f"{tmp}/empty_{r}.txt").read().split())
+    for beam in (1, 4):
+        for batch in (1, 32):
+            secs = float(open(f"{tmp}/tr_{beam}_{batch}_{r}.txt").read()) - empty
+            tokens = int(open(f"{tmp}/trtok_{beam}_{batch}_{r}.txt").read())
+            tr.setdefault((beam, batch), []).append(tokens / secs)
 cpu = "unknown"
 for line in open("/proc/cpuinfo"):
     if line.startswith("model name"):
         cpu = line.split(":", 1)[1].strip()
         break
-print(f"Measured {datetime.date.today()} by `bench/run_padded.sh` ({rounds} alternating rounds, "
-      f"{threads} threads, {cpu}; load {load_before} before, {load_after} after). Token rates "
-      "count valid (unpadded) tokens; median over rounds, ratios per round: median (range).")
-print()
-print("**Encoder training step** (E 128, 4 heads, FFN 256, 2 blocks, dropout 0.1, B 32). Full "
-      "length: `BM_TrainStep(Bf16)`, T = 128. Padded: `BM_TrainStepPadded` (lengths uniform in "
-      "[64, 128], seeded, the batch padded to its longest) and `attn train --task shift --length "
-      "128 --symbols 8` (the same lengths, every batch drawn anew), with and without `--bucket 8`.")
-print()
-print("| precision | full length (tok/s) | BM padded (tok/s) | BM padded / full | attn train padded "
-      "(tok/s) | CLI / full | with `--bucket 8` (tok/s) | bucketed / full |")
-print("|---|---|---|---|---|---|---|---|")
-def ratio(xs, ys):
-    rs = [x / y for x, y in zip(xs, ys)]
+
+
+def series(name, counter, arg=""):
+    return [b[counter] for b in bench[(name, arg)]]
+
+
+def med(v, scale=1e3, unit="k"):
+    return f"{statistics.median(v) / scale:.1f}{unit}"
+
+
+def ratio(a, b):  # per-round ratios: median (range)
+    rs = [x / y for x, y in zip(a, b)]
     return f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})"
-def k(x):
-    return f"{statistics.median(x) / 1e3:.1f}k"
-for p in ("fp32", "bf16"):
-    print(f"| {p} | {k(full[p])} | {k(padded[p])} | {ratio(padded[p], full[p])} | "
-          f"{k(cli[(p, 1)])} | {ratio(cli[(p, 1)], full[p])} | {k(cli[(p, 8)])} | "
-          f"{ratio(cli[(p, 8)], full[p])} |")
+
+
+print("## What users run: padded batches beside full length, and the CLI's own rates\n")
+print(f"Written by `bench/run_padded.sh`; do not edit by hand. "
+      f"Measured {datetime.date.today()} ({rounds} alternating rounds, "
+      f"{threads} threads, {cpu}; load {load_before} before, {load_after} after). Medians over "
+      "rounds; ratios are per round, median (range). Padded: lengths uniform in [T/2, T] "
+      "(seeded), each batch padded to its longest, d2l's valid_lens. Training rates count valid "
+      "tokens per second.")
 print()
-print("The mean valid length is 96 of a batch's ~126 padded positions: the projections, FFN and "
-      "LayerNorms run on every position, so without bucketing by length ~0.76 is the ceiling of "
-      "padded / full (attention itself skips the masked keys). `--bucket 8` sorts 8 batches' worth of "
-      "sequences by length before cutting them into batches, so each batch pads to little more than "
-      "its own lengths.")
+print("Encoder training step (E 128, 4 heads, FFN 256, 2 blocks, dropout 0.1, B 32, T 128). "
+      "bench_train: the classifier of `BM_TrainStep` on one full-length batch, and "
+      "`BM_TrainStepPadded` on 8 seeded padded batches cycled. `attn train --task shift "
+      "--length 128 --symbols 8`: the same encoder with a tagging head, padded batches drawn "
+      "every step, the training loop's rate.")
 print()
-print("**Seq2seq training step** (`BM_Seq2SeqStep`: B 32 pairs, 64 + 64 tokens, vocabularies of "
-      "1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1; padded: source and target lengths "
-      "uniform in [32, 64]; valid target tokens per second): full "
-      f"{k(s2s['full'])}, padded {k(s2s['padded'])}, padded / full {ratio(s2s['padded'], s2s['full'])}.")
+print("| precision | bench_train full (tok/s) | bench_train padded (tok/s) | padded / full "
+      "| attn train padded (tok/s) | attn train / full | with `--bucket 8` (tok/s) "
+      "| bucketed / full |")
+print("|---|---|---|---|---|---|---|---|")
+for p, suffix in (("fp32", ""), ("bf16", "Bf16")):
+    full = series(f"BM_TrainStep{suffix}", "tokens_per_second")
+    pad = series(f"BM_TrainStepPadded{suffix}", "tokens_per_second")
+    print(f"| {p} | {med(full)} | {med(pad)} | {ratio(pad, full)} | {med(cli[(p, 1)])} | "
+          f"{ratio(cli[(p, 1)], full)} | {med(cli[(p, 8)])} | {ratio(cli[(p, 8)], full)} |")
+frac = series("BM_TrainStepPadded", "padded_fraction")[0]
 print()
-print("**MultiHeadAttention inference** (B 4, E 512, 8 heads, self-attention with biases; padded: "
-      "valid lengths uniform in [T/2, T], the batch T wide; GFLOP/s of the useful work):")
+print(f"{100 * frac:.0f}% of the padded batches' positions are padding, so where every position "
+      f"costs the same ~{1 - frac:.2f} is padded / full (attention itself skips the masked keys, "
+      "so it can do a little better). `--bucket 8` sorts 8 batches' worth of sequences by length "
+      "before cutting them into batches, so each batch pads to little more than its own lengths.")
 print()
-print("| T | dtype | full (GFLOP/s) | padded (GFLOP/s) | padded / full |")
-print("|---|---|---|---|---|")
-for T in (512, 2048):
-    for dt in ("fp32", "bf16"):
-        f, pd = mha.get((T, dt, False)), mha.get((T, dt, True))
-        if f and pd:
-            print(f"| {T} | {dt} | {statistics.median(f):.0f} | {statistics.median(pd):.0f} | "
-                  f"{ratio(pd, f)} |")
+s_full = series("BM_Seq2SeqStep", "tokens_per_second")
+s_pad = series("BM_Seq2SeqStepPadded", "tokens_per_second")
+s_tf = series("BM_Seq2SeqStepPadded", "padded_fraction")[0]
+s_sf = series("BM_Seq2SeqStepPadded", "src_padded_fraction")[0]
+print("Seq2seq training step (`model::Seq2SeqTrainer`: B 32, 64 + 64 tokens, vocabularies of "
+      "1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1; the `long` shape of "
+      "bench/run_peers_seq2seq.sh), valid target tokens per second:")
 print()
-rates = [out_tokens / t for t in translate]
-print(f"**`attn translate`** (the dates model of `bench/run_peers_translate.sh`, 4,096 held-out "
-      f"sources, greedy, `--batch-size 32`; wall time minus that of an empty input): "
-      f"{k(rates)} target tokens/s ({out_tokens} tokens). CTranslate2 on the same weights: the "
-      "`peers_translate` block.")
+print("| bench_train `BM_Seq2SeqStep` full (tok/s) | `BM_Seq2SeqStepPadded` (tok/s) | "
+      "padded / full | padding, source / target |")
+print("|---|---|---|---|")
+print(f"| {med(s_full)} | {med(s_pad)} | {ratio(s_pad, s_full)} | "
+      f"{100 * s_sf:.0f}% / {100 * s_tf:.0f}% |")
+print()
+print("MHA inference (bench_mha: B 4, E 512, 8 heads, self-attention, biases, no weights kept), "
+      "GFLOP/s; the padded ones count only the valid work (projections of valid rows, valid "
+      "queries over valid keys). `rows bound`: the valid work over the work of every row "
+      "(padded rows through the projections, every query over its valid keys); padded / full "
+      "at the bound means padding costs its own rows' arithmetic and no more, at 1.00 nothing. "
+      "`by CPU time`: the same ratio from the process CPU time (all threads; they sleep when "
+      "waiting), steadier than wall time when other work comes and goes on the cores:")
+print()
+print("| T | dtype | full (GFLOP/s) | padded (GFLOP/s of valid work) | padded / full "
+      "| by CPU time | rows bound | valid fraction |")
+print("|---|---|---|---|---|---|---|---|")
+for dt, suffix in (("fp32", ""), ("bf16", "Bf16")):
+    for T in ("512", "2048"):
+        full = series(f"BM_MhaInference{suffix}", "GFLOP", T)
+        pad = series(f"BM_MhaInferencePadded{suffix}", "GFLOP", T)
+        vf = series(f"BM_MhaInferencePadded{suffix}", "valid_fraction", T)[0]
+        rb = series(f"BM_MhaInferencePadded{suffix}", "rows_bound", T)[0]
+        # GFLOP per CPU second: the wall-time rate times wall time over process CPU time.
+        cpu = {k: [b["GFLOP"] * b["real_time"] / b["cpu_time"] for b in bench[(n, T)]]
+               for k, n in (("full", f"BM_MhaInference{suffix}"),
+                            ("pad", f"BM_MhaInferencePadded{suffix}"))}
+        print(f"| {T} | {dt} | {med(full, 1, '')} | {med(pad, 1, '')} | {ratio(pad, full)} "
+              f"| {ratio(cpu['pad'], cpu['full'])} | {rb:.2f} | {vf:.2f} |")
+print()
+print("`attn translate` on the dates checkpoint of docs/seq2seq.md (E 64, 4 heads, 2 + 2 blocks, "
+      "FFN 128), fp32, 1024 held-out sources (bench/peers_dates.py, every 7th); tokens/s = "
+      "target tokens written (no <eos>) / (wall time - an empty input's):")
+print()
+print("| search | batch 1 (tok/s) | batch 32 (tok/s) |")
+print("|---|---|---|")
+for beam, label in ((1, "greedy"), (4, "beam 4")):
+    print(f"| {label} | {med(tr[(beam, 1)])} | {med(tr[(beam, 32)])} |")
 PY
 cat "$tmp/block.md"
 /usr/bin/python3 bench/write_block.py padded "$tmp/block.md" docs/performance.md

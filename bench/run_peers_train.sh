@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Training step and the MHA module, attn against PyTorch 2.x from PyPI (bench/peers-venv.sh):
 #  - the d2l encoder classifier's step (B 32 x T 128, E 128, 4 heads, FFN 256, 2 blocks,
-#    dropout 0.1, AdamW, clip): attn's bench_train (BM_TrainStep fp32, BM_TrainStepBf16, and
-#    any padded BM_TrainStep* it has) against bench/peers_train.py (PyTorch 2.x eager fp32, bf16
-#    autocast, torch.compile with and without autocast; full length and padded);
+#    dropout 0.1, AdamW, clip): attn's bench_train (BM_TrainStep fp32, BM_TrainStepBf16 and
+#    their padded BM_TrainStepPadded, BM_TrainStepPaddedBf16) against bench/peers_train.py
+#    (PyTorch 2.x eager fp32, bf16 autocast, torch.compile with and without autocast; full
+#    length and padded: lengths uniform in [T/2, T], each batch padded to its longest; both
+#    sides count valid tokens per second);
 #  - the MHA module (B 4 x T 512, E 512, 8 heads): bench_mha's BM_Mha{Inference,Training}[Bf16]
 #    against bench/torch_mha.py run by PyTorch 2.x (nn.MultiheadAttention, fp32 and bf16).
 # Same shapes and thread count (ATTN_THREADS, default 2), attn and PyTorch in turns per round.
@@ -94,8 +96,9 @@ print(f"Written by `bench/run_peers_train.sh`; do not edit by hand. "
 print("- Encoder classifier step: embedding × √E + sinusoidal PE, 2 post-norm blocks (E 128, 4 "
       "heads, FFN 256), masked-mean head, vocabulary 1000, dropout 0.1; forward, cross-entropy, "
       "backward, clip_grad_norm 1.0, AdamW. Batch 32 × 128; `padded`: valid lengths uniform in "
-      "[64, 128] (seeded), the batch still 128 wide. tokens/s = 32 × 128 per step, padded or "
-      "not. attn: `bench/bench_train.cpp`; PyTorch: `bench/peers_train.py` (d2l's code from "
+      "[64, 128] (seeded), each batch padded to its longest (attn: 8 batches cycled, PyTorch: "
+      "one). tokens/s = valid tokens per second (32 × 128 per step at full length). attn: "
+      "`bench/bench_train.cpp`; PyTorch: `bench/peers_train.py` (d2l's code from "
       "tests/fixtures/d2l_reference.py, as bench/torch_train.py).")
 print(f"- {rounds} round(s), attn and PyTorch in turns; best (median). Load average before: "
       f"{lb}; after: {la}. Both sides with `GLIBC_TUNABLES=glibc.malloc.mmap_max=0:"
@@ -127,18 +130,21 @@ def ratio(a, b):
         if a and b else "—"
 
 
-print("\nTargets (issue 23: >= 2× PyTorch 2.x eager fp32, >= 2× its bf16 autocast; full length; "
-      "the padded column needs attn's padded benchmark):\n")
-print("| ratio, best (median) | full length |")
-print("|---|---|")
+print("\nTargets (issue 23: >= 2× PyTorch 2.x eager fp32, >= 2× its bf16 autocast; full length "
+      "and padded):\n")
+print("| ratio, best (median) | full length | padded |")
+print("|---|---|---|")
 a32, a16 = attn.get("BM_TrainStep"), attn.get("BM_TrainStepBf16")
-print(f"| attn fp32 / PyTorch eager fp32 | {ratio(a32, torch.get(('eager', False)))} |")
-print(f"| attn bf16 / PyTorch bf16 autocast | {ratio(a16, torch.get(('autocast', False)))} |")
-if ("compile", False) in torch:
-    print(f"| attn fp32 / PyTorch torch.compile fp32 | {ratio(a32, torch[('compile', False)])} |")
-if ("compile-autocast", False) in torch:
-    print(f"| attn bf16 / PyTorch torch.compile bf16 autocast | "
-          f"{ratio(a16, torch[('compile-autocast', False)])} |")
+p32, p16 = attn.get("BM_TrainStepPadded"), attn.get("BM_TrainStepPaddedBf16")
+for label, a, p, mode in (("attn fp32 / PyTorch eager fp32", a32, p32, "eager"),
+                          ("attn bf16 / PyTorch bf16 autocast", a16, p16, "autocast"),
+                          ("attn fp32 / PyTorch torch.compile fp32", a32, p32, "compile"),
+                          ("attn bf16 / PyTorch torch.compile bf16 autocast", a16, p16,
+                           "compile-autocast")):
+    if mode.startswith("compile") and (mode, False) not in torch and (mode, True) not in torch:
+        continue
+    print(f"| {label} | {ratio(a, torch.get((mode, False)))} | "
+          f"{ratio(p, torch.get((mode, True)))} |")
 
 print(f"\nMHA module, B 4 × T 512, E 512, 8 heads, self-attention, biases, no dropout, GFLOP/s "
       f"best (median) (FLOPs as bench_mha.cpp counts them; FP32 FMA peak {peak:.0f} GFLOP/s "

@@ -42,7 +42,7 @@ export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=687194
 export OMP_WAIT_POLICY=PASSIVE
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 1; r <= rounds; r++)); do
-  "$bin" --benchmark_filter='BM_TrainStep' --benchmark_format=json \
+  "$bin" --benchmark_filter='^BM_TrainStep(Bf16|Parts)?/' --benchmark_format=json \
     --benchmark_out="$tmp/attn$r.json" --benchmark_out_format=json >/dev/null
   OPENBLAS_CORETYPE="$coretype" LD_LIBRARY_PATH="$torch_ld" /usr/bin/python3 bench/torch_train.py --threads "$ATTN_THREADS" --reps 1 >"$tmp/torch$r.json"
   OPENBLAS_CORETYPE="$coretype" LD_LIBRARY_PATH="$torch_ld" /usr/bin/python3 bench/torch_train.py --threads "$ATTN_THREADS" --reps 1 --autocast >"$tmp/torchbf$r.json"
