@@ -1,7 +1,9 @@
 // softmax_cross_entropy / _backward: validation (shapes, target range, valid_lens), the keep
-// mask, then the reference kernel (kernels/ref/loss.cpp).
+// mask, then the kernel: float32 logits on the CPU backends go to kernels/cpu/cross_entropy
+// (SIMD, rows over threads), the rest to the reference (kernels/ref/loss.cpp).
 #include "attn/ops/loss.hpp"
 
+#include "kernels/cpu/cross_entropy.hpp"
 #include "kernels/ref/loss.hpp"
 #include "ops/common.hpp"
 #include "ops/mask.hpp"
@@ -71,6 +73,23 @@ std::vector<uint8_t> keep_mask(const char* op, const Tensor& logits, const Tenso
   return keep;
 }
 
+// The fast path's inputs: float32 logits, a CPU backend; targets widened to int64.
+bool fast_path(const Context& ctx, const Tensor& logits) {
+  return ctx.backend != Backend::kReference && logits.dtype() == DType::F32;
+}
+
+std::vector<int64_t> targets_i64(const Tensor& targets) {
+  const Tensor tc = targets.contiguous();
+  std::vector<int64_t> out(static_cast<size_t>(tc.numel()));
+  dispatch_ids(tc.dtype(), [&](auto zero) {
+    using Id = decltype(zero);
+    const Id* y = tc.data<Id>();
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = static_cast<int64_t>(y[i]);
+  });
+  return out;
+}
+
 int64_t count_kept(const std::vector<uint8_t>& keep) {
   int64_t n = 0;
   for (uint8_t k : keep)
@@ -84,17 +103,21 @@ CrossEntropyResult softmax_cross_entropy(Context& ctx, const Tensor& logits, con
                                          const CrossEntropyOptions& opts) {
   constexpr const char* op = "softmax_cross_entropy";
   const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
-  (void)ctx;
   const int64_t C = logits.dim(-1), N = targets.numel();
   const Tensor lc = logits.contiguous(), tc = targets.contiguous();
   double total = 0.0;
-  dispatch_ids(targets.dtype(), [&](auto id_zero) {
-    using Id = decltype(id_zero);
-    detail::dispatch_float(logits.dtype(), [&](auto zero) {
-      using F = decltype(zero);
-      total = ref::cross_entropy_forward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(), N, C);
+  if (fast_path(ctx, logits)) {
+    total = cpu::cross_entropy_forward_f32(lc.data<float>(), targets_i64(tc).data(), keep.data(), N,
+                                           C, ctx.resolved_threads());
+  } else {
+    dispatch_ids(targets.dtype(), [&](auto id_zero) {
+      using Id = decltype(id_zero);
+      detail::dispatch_float(logits.dtype(), [&](auto zero) {
+        using F = decltype(zero);
+        total = ref::cross_entropy_forward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(), N, C);
+      });
     });
-  });
+  }
   CrossEntropyResult r;
   r.kept = count_kept(keep);
   if (opts.reduction == Reduction::kSum) {
@@ -111,7 +134,6 @@ Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const 
                                       const CrossEntropyOptions& opts, double dloss) {
   constexpr const char* op = "softmax_cross_entropy_backward";
   const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
-  (void)ctx;
   const int64_t C = logits.dim(-1), N = targets.numel();
   const int64_t kept = count_kept(keep);
   // forward (mean): loss = sum_kept loss_n / kept, so each kept row carries dloss / kept.
@@ -120,6 +142,11 @@ Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const 
                            : (kept > 0 ? dloss / static_cast<double>(kept) : 0.0);
   const Tensor lc = logits.contiguous(), tc = targets.contiguous();
   Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype());
+  if (fast_path(ctx, logits)) {
+    cpu::cross_entropy_backward_f32(lc.data<float>(), targets_i64(tc).data(), keep.data(),
+                                    dlogits.data<float>(), N, C, scale, ctx.resolved_threads());
+    return dlogits;
+  }
   dispatch_ids(targets.dtype(), [&](auto id_zero) {
     using Id = decltype(id_zero);
     detail::dispatch_float(logits.dtype(), [&](auto zero) {

@@ -1,0 +1,167 @@
+// Softmax cross-entropy rows, compiled per SIMD target (see cross_entropy.hpp).
+#include "kernels/cpu/cross_entropy.hpp"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/cross_entropy.cpp"
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SSSE3 | HWY_SSE4)
+#endif
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+#include <cmath>
+#include <cstdint>
+
+HWY_BEFORE_NAMESPACE();
+namespace attn::cpu::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// The reference's loop for one row (kernels/ref/loss.cpp): rows with a NaN, whose max and sum the
+// vector loop would not propagate as the reference does.
+double ScalarLse(const float* row, int64_t C) {
+  double m = row[0];
+  for (int64_t c = 1; c < C; ++c)
+    m = row[c] > m ? static_cast<double>(row[c]) : m;
+  if (std::isinf(m)) return m;
+  double s = 0.0;
+  for (int64_t c = 0; c < C; ++c)
+    s += std::exp(row[c] - m);
+  return m + std::log(s);
+}
+
+// log sum_c exp(row[c]) in double, the max taken first (an infinite max is the result, as the
+// reference's).
+double RowLse(const float* row, int64_t C) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;  // as many floats as dd has doubles
+  const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
+  int64_t c = 0;
+  double m = row[0];
+  bool nan = false;
+  if (C >= N) {
+    auto vmax = hn::PromoteTo(dd, hn::LoadU(df, row));
+    for (; c + N <= C; c += N) {
+      const auto x = hn::PromoteTo(dd, hn::LoadU(df, row + c));
+      nan |= !hn::AllFalse(dd, hn::IsNaN(x));
+      vmax = hn::Max(vmax, x);
+    }
+    m = hn::GetLane(hn::MaxOfLanes(dd, vmax));
+  }
+  for (; c < C; ++c) {
+    nan |= std::isnan(row[c]);
+    m = row[c] > m ? static_cast<double>(row[c]) : m;
+  }
+  if (nan) return ScalarLse(row, C);
+  if (std::isinf(m)) return m;
+  const auto vm = hn::Set(dd, m);
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);  // two chains: exp's latency overlaps
+  c = 0;
+  for (; c + 2 * N <= C; c += 2 * N) {
+    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vm)));
+    s1 = hn::Add(s1, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c + N)), vm)));
+  }
+  for (; c + N <= C; c += N)
+    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vm)));
+  double s = hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
+  for (; c < C; ++c)
+    s += std::exp(row[c] - m);
+  return m + std::log(s);
+}
+
+double ForwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, int64_t r0,
+                   int64_t r1, int64_t C) {
+  double total = 0.0;
+  for (int64_t n = r0; n < r1; ++n) {
+    if (!keep[n]) continue;
+    const float* row = logits + n * C;
+    total += RowLse(row, C) - static_cast<double>(row[targets[n]]);
+  }
+  return total;
+}
+
+void BackwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, float* dlogits,
+                  int64_t r0, int64_t r1, int64_t C, double scale) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
+  for (int64_t n = r0; n < r1; ++n) {
+    float* drow = dlogits + n * C;
+    if (!keep[n]) {
+      for (int64_t c = 0; c < C; ++c)
+        drow[c] = 0.0f;
+      continue;
+    }
+    const float* row = logits + n * C;
+    const double lse = RowLse(row, C);
+    const int64_t y = targets[n];
+    if (!std::isfinite(lse)) {
+      // A NaN, or an infinite largest logit: the reference's formula as it stands (NaNs where it
+      // gives NaN; Highway's exp would turn exp(NaN) into 0).
+      for (int64_t c = 0; c < C; ++c)
+        drow[c] = static_cast<float>(scale * (std::exp(row[c] - lse) - (c == y ? 1.0 : 0.0)));
+      continue;
+    }
+    const auto vl = hn::Set(dd, lse), vs = hn::Set(dd, scale);
+    int64_t c = 0;
+    for (; c + N <= C; c += N) {
+      const auto p = hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vl));
+      hn::StoreU(hn::DemoteTo(df, hn::Mul(vs, p)), df, drow + c);
+    }
+    for (; c < C; ++c)
+      drow[c] = static_cast<float>(scale * std::exp(row[c] - lse));
+    // The target's entry: softmax - 1 (the exp again, so that p - 1 is taken in double).
+    drow[y] = static_cast<float>(scale * (std::exp(row[y] - lse) - 1.0));
+  }
+}
+
+}  // namespace attn::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "kernels/cpu/parallel_for.hpp"
+
+#include <vector>
+
+namespace attn::cpu {
+
+HWY_EXPORT(ForwardRows);
+HWY_EXPORT(BackwardRows);
+
+namespace {
+constexpr int64_t kChunkRows = 16;  // rows per task; fixes the forward's order of additions
+
+int ce_threads(int64_t N, int64_t C, int threads) {
+  // About 20 flops per logit and direction (an exp, a subtraction, the sums).
+  return threads_for(20.0 * static_cast<double>(N) * static_cast<double>(C), std::max(1, threads));
+}
+}  // namespace
+
+double cross_entropy_forward_f32(const float* logits, const int64_t* targets, const uint8_t* keep,
+                                 int64_t N, int64_t C, int threads) {
+  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
+  std::vector<double> sums(static_cast<size_t>(chunks), 0.0);
+  auto* rows = HWY_DYNAMIC_DISPATCH(ForwardRows);
+  parallel_for(chunks, ce_threads(N, C, threads), [&](int64_t k) {
+    sums[static_cast<size_t>(k)] =
+        rows(logits, targets, keep, k * kChunkRows, std::min(N, (k + 1) * kChunkRows), C);
+  });
+  double total = 0.0;
+  for (double s : sums)
+    total += s;
+  return total;
+}
+
+void cross_entropy_backward_f32(const float* logits, const int64_t* targets, const uint8_t* keep,
+                                float* dlogits, int64_t N, int64_t C, double scale, int threads) {
+  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
+  auto* rows = HWY_DYNAMIC_DISPATCH(BackwardRows);
+  parallel_for(chunks, ce_threads(N, C, threads), [&](int64_t k) {
+    rows(logits, targets, keep, dlogits, k * kChunkRows, std::min(N, (k + 1) * kChunkRows), C,
+         scale);
+  });
+}
+
+}  // namespace attn::cpu
+#endif  // HWY_ONCE
