@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <new>
 
 namespace attn {
 
@@ -47,6 +48,30 @@ Strides contiguous_strides(const Shape& shape) {
 
 namespace {
 
+// Allocates the storage's control block from the same per-thread small blocks as small tensors
+// (attn/core/memory.hpp): a decoder step makes a few hundred tensors, and one malloc each for
+// their control blocks overflowed glibc's per-thread cache into its slower bins.
+template <class T>
+struct ControlBlockAllocator {
+  using value_type = T;
+  ControlBlockAllocator() = default;
+  template <class U>
+  ControlBlockAllocator(const ControlBlockAllocator<U>&) {}  // NOLINT: rebinding converts
+  T* allocate(size_t n) {
+    size_t size = 0;
+    void* p = detail::acquire_block(n * sizeof(T), &size);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  // The size class follows from the size asked for (a control block is far below the cached
+  // large blocks, whose sizes may differ from it).
+  void deallocate(T* p, size_t n) { detail::release_block(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const ControlBlockAllocator<U>&) const {
+    return true;
+  }
+};
+
 // 64-byte aligned so SIMD kernels can use aligned loads on fresh tensors; large blocks are
 // reused after their tensors are freed (attn/core/memory.hpp).
 std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
@@ -54,8 +79,9 @@ std::shared_ptr<std::byte> allocate(size_t nbytes, const Shape& shape) {
   void* p = detail::acquire_block(nbytes, &size);
   check(p != nullptr, "Tensor::empty", "cannot allocate {} bytes for shape {}", nbytes,
         shape_arg(shape));
-  return std::shared_ptr<std::byte>(static_cast<std::byte*>(p),
-                                    [size](std::byte* q) { detail::release_block(q, size); });
+  return std::shared_ptr<std::byte>(
+      static_cast<std::byte*>(p), [size](std::byte* q) { detail::release_block(q, size); },
+      ControlBlockAllocator<std::byte>());
 }
 
 double load(const void* p, DType t) {

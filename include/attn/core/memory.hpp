@@ -43,7 +43,7 @@ void set_memory_cache_limit(size_t bytes);
 namespace detail {
 // 64-byte aligned block of at least `bytes` bytes (cached or fresh); nullptr when the system has
 // no memory. *size receives the block's own size (a cached block may be up to 1/8 larger), which
-// release_block takes back.
+// release_block takes back (for blocks of at most 64 KiB the size asked for does as well).
 void* acquire_block(size_t bytes, size_t* size);
 void release_block(void* p, size_t size);
 }  // namespace detail
