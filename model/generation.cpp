@@ -5,7 +5,7 @@
 // of source b), S source positions, V target vocabulary, t the step.
 #include "attn/model/generation.hpp"
 
-#include "kernels/cpu/log_sum_exp.hpp"
+#include "kernels/cpu/cross_entropy.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>

@@ -1,4 +1,5 @@
-// Softmax cross-entropy rows, compiled per SIMD target (see cross_entropy.hpp).
+// Softmax cross-entropy rows and a row's log-sum-exp, compiled per SIMD target (see
+// cross_entropy.hpp).
 #include "kernels/cpu/cross_entropy.hpp"
 
 #undef HWY_TARGET_INCLUDE
@@ -13,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 HWY_BEFORE_NAMESPACE();
 namespace attn::cpu::HWY_NAMESPACE {
@@ -31,11 +33,41 @@ double ScalarLse(const float* row, int64_t C) {
   return m + std::log(s);
 }
 
+// sum_c exp(row[c] - m) in double over float or double rows: lanes of partial sums in two chains
+// (exp's latency overlaps), then the remainder with std::exp. The same order of operations for
+// both input types, so a float row and its widened copy give the same sum.
+template <typename T>
+double SumExp(const T* row, int64_t C, double m) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<T, decltype(dd)> dt;  // as many T as dd has doubles
+  const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
+  auto load = [&](int64_t c) {
+    if constexpr (std::is_same_v<T, double>) {
+      return hn::LoadU(dd, row + c);
+    } else {
+      return hn::PromoteTo(dd, hn::LoadU(dt, row + c));
+    }
+  };
+  const auto vm = hn::Set(dd, m);
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);
+  int64_t c = 0;
+  for (; c + 2 * N <= C; c += 2 * N) {
+    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(load(c), vm)));
+    s1 = hn::Add(s1, hn::Exp(dd, hn::Sub(load(c + N), vm)));
+  }
+  for (; c + N <= C; c += N)
+    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(load(c), vm)));
+  double s = hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
+  for (; c < C; ++c)
+    s += std::exp(static_cast<double>(row[c]) - m);
+  return s;
+}
+
 // log sum_c exp(row[c]) in double, the max taken first (an infinite max is the result, as the
 // reference's).
 double RowLse(const float* row, int64_t C) {
   const hn::ScalableTag<double> dd;
-  const hn::Rebind<float, decltype(dd)> df;  // as many floats as dd has doubles
+  const hn::Rebind<float, decltype(dd)> df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
   int64_t c = 0;
   double m = row[0];
@@ -55,19 +87,11 @@ double RowLse(const float* row, int64_t C) {
   }
   if (nan) return ScalarLse(row, C);
   if (std::isinf(m)) return m;
-  const auto vm = hn::Set(dd, m);
-  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);  // two chains: exp's latency overlaps
-  c = 0;
-  for (; c + 2 * N <= C; c += 2 * N) {
-    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vm)));
-    s1 = hn::Add(s1, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c + N)), vm)));
-  }
-  for (; c + N <= C; c += N)
-    s0 = hn::Add(s0, hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vm)));
-  double s = hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
-  for (; c < C; ++c)
-    s += std::exp(row[c] - m);
-  return m + std::log(s);
+  return m + std::log(SumExp(row, C, m));
+}
+
+double LogSumExpF64(const double* x, int64_t n, double m) {
+  return m + std::log(SumExp(x, n, m));
 }
 
 double ForwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, int64_t r0,
@@ -128,6 +152,11 @@ namespace attn::cpu {
 
 HWY_EXPORT(ForwardRows);
 HWY_EXPORT(BackwardRows);
+HWY_EXPORT(LogSumExpF64);
+
+double log_sum_exp(const double* x, int64_t n, double m) {
+  return HWY_DYNAMIC_DISPATCH(LogSumExpF64)(x, n, m);
+}
 
 namespace {
 constexpr int64_t kChunkRows = 16;  // rows per task; fixes the forward's order of additions
