@@ -139,21 +139,32 @@ void set_cycled_counters(benchmark::State& state, double valid, double padded_fr
   state.counters["threads"] = bench_threads();
 }
 
-// The encoder step on the padded batches, cycled; fp32 or mixed precision.
-void run_padded_steps(benchmark::State& state, attn::model::Precision precision) {
-  attn::model::Trainer trainer(train_options(precision));
-  const std::vector<attn::model::Batch> batches = make_padded_batches();
-  for (const attn::model::Batch& b : batches)  // warm-up: allocations at every width, threads
+// The timed loop of the padded benchmarks: one untimed step per batch first (allocations at
+// every width, threads), then `trainer`'s steps over `batches` cycled. Returns the valid tokens
+// (tokens(batch)) of the steps timed.
+template <class Trainer, class Batch, class Tokens>
+double cycle_steps(benchmark::State& state, Trainer& trainer, const std::vector<Batch>& batches,
+                   Tokens tokens) {
+  for (const Batch& b : batches)
     trainer.train_step(b);
   double valid = 0;
   size_t next = 0;
   for (auto _ : state) {
-    const attn::model::Batch& b = batches[next];
+    const Batch& b = batches[next];
     next = (next + 1) % batches.size();
-    attn::model::StepStats s = trainer.train_step(b);
+    auto s = trainer.train_step(b);
     benchmark::DoNotOptimize(s.loss);
-    valid += static_cast<double>(b.tokens);
+    valid += static_cast<double>(tokens(b));
   }
+  return valid;
+}
+
+// The encoder step on the padded batches, cycled; fp32 or mixed precision.
+void run_padded_steps(benchmark::State& state, attn::model::Precision precision) {
+  attn::model::Trainer trainer(train_options(precision));
+  const std::vector<attn::model::Batch> batches = make_padded_batches();
+  const double valid =
+      cycle_steps(state, trainer, batches, [](const attn::model::Batch& b) { return b.tokens; });
   double tokens = 0, positions = 0;
   for (const attn::model::Batch& b : batches) {
     tokens += static_cast<double>(b.tokens);
@@ -253,17 +264,8 @@ void run_seq2seq_steps(benchmark::State& state, bool padded) {
   o.threads = bench_threads();
   attn::model::Seq2SeqTrainer trainer(o, seq2seq_vocab(), seq2seq_vocab());
   const std::vector<attn::model::Seq2SeqBatch> batches = make_seq2seq_batches(padded);
-  for (const attn::model::Seq2SeqBatch& b : batches)
-    trainer.train_step(b);
-  double valid = 0;
-  size_t next = 0;
-  for (auto _ : state) {
-    const attn::model::Seq2SeqBatch& b = batches[next];
-    next = (next + 1) % batches.size();
-    attn::model::Seq2SeqStepStats s = trainer.train_step(b);
-    benchmark::DoNotOptimize(s.loss);
-    valid += static_cast<double>(b.tgt_tokens);
-  }
+  const double valid = cycle_steps(state, trainer, batches,
+                                   [](const attn::model::Seq2SeqBatch& b) { return b.tgt_tokens; });
   // padded_fraction: the target side's; src_padded_fraction: the source side's.
   double tgt = 0, tgt_positions = 0, src = 0, src_positions = 0;
   for (const attn::model::Seq2SeqBatch& b : batches) {

@@ -111,13 +111,6 @@ std::vector<double> to_doubles(const Tensor& logits) {
   return out;
 }
 
-// log(sum over v of exp(row[v])) of one row of V logits whose largest is m, in double:
-// log_softmax(row)[v] = row[v] - log_sum_exp(row, V, m). (Only the scores need it: the argmax and
-// the ranking within a row do not.)
-double log_sum_exp(const double* row, int64_t V, double m) {
-  return cpu::log_sum_exp(row, V, m);
-}
-
 struct Checked {
   int64_t B = 0, V = 0;
 };
@@ -179,7 +172,7 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
       // argmax, the lowest index on ties (torch.argmax on CPU).
       const double* row = rows.data() + b * V;
       const int64_t best = std::max_element(row, row + V) - row;
-      g.scores[static_cast<size_t>(b)] += row[best] - log_sum_exp(row, V, row[best]);
+      g.scores[static_cast<size_t>(b)] += row[best] - cpu::log_sum_exp(row, V, row[best]);
       next = best;
       if (best == o.eos) {
         g.ended[static_cast<size_t>(b)] = true;
@@ -307,7 +300,7 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
         const size_t r = static_cast<size_t>(b * K + k);
         if (beam_logp[r] == kNegInf) continue;
         const double* row = rows.data() + (b * K + k) * V;
-        const double lse = log_sum_exp(row, V, *std::max_element(row, row + V));
+        const double lse = cpu::log_sum_exp(row, V, *std::max_element(row, row + V));
         for (int64_t v = 0; v < V; ++v)
           top.offer({beam_logp[r] + (row[v] - lse), k, v});
       }

@@ -11,6 +11,7 @@
 
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernels/ref/loss.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -19,19 +20,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace attn::cpu::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// The reference's loop for one row (kernels/ref/loss.cpp): rows with a NaN, whose max and sum the
-// vector loop would not propagate as the reference does.
-double ScalarLse(const float* row, int64_t C) {
-  double m = row[0];
-  for (int64_t c = 1; c < C; ++c)
-    m = row[c] > m ? static_cast<double>(row[c]) : m;
-  if (std::isinf(m)) return m;
-  double s = 0.0;
-  for (int64_t c = 0; c < C; ++c)
-    s += std::exp(row[c] - m);
-  return m + std::log(s);
-}
 
 // sum_c exp(row[c] - m) in double over float or double rows: lanes of partial sums in two chains
 // (exp's latency overlaps), then the remainder with std::exp. The same order of operations for
@@ -85,7 +73,7 @@ double RowLse(const float* row, int64_t C) {
     nan |= std::isnan(row[c]);
     m = row[c] > m ? static_cast<double>(row[c]) : m;
   }
-  if (nan) return ScalarLse(row, C);
+  if (nan) return ref::logsumexp_row(row, C);  // as the reference propagates it
   if (std::isinf(m)) return m;
   return m + std::log(SumExp(row, C, m));
 }
@@ -121,10 +109,9 @@ void BackwardRows(const float* logits, const int64_t* targets, const uint8_t* ke
     const double lse = RowLse(row, C);
     const int64_t y = targets[n];
     if (!std::isfinite(lse)) {
-      // A NaN, or an infinite largest logit: the reference's formula as it stands (NaNs where it
-      // gives NaN; Highway's exp would turn exp(NaN) into 0).
-      for (int64_t c = 0; c < C; ++c)
-        drow[c] = static_cast<float>(scale * (std::exp(row[c] - lse) - (c == y ? 1.0 : 0.0)));
+      // A NaN, or an infinite largest logit: the reference's row (NaNs where it gives NaN;
+      // Highway's exp would turn exp(NaN) into 0).
+      ref::cross_entropy_backward(row, targets + n, keep + n, drow, 1, C, scale);
       continue;
     }
     const auto vl = hn::Set(dd, lse), vs = hn::Set(dd, scale);

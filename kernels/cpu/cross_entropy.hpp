@@ -2,10 +2,11 @@
 // fast path of softmax_cross_entropy and its backward (attn/ops/loss.hpp has the contract,
 // kernels/ref/loss.cpp the oracle). The arithmetic is the reference's, in double: per row the max,
 // log sum exp(x - max) with Highway's double exp (at most 1 ULP from exact) in lanes of partial
-// sums, and for the backward softmax = exp(x - lse); a row holding a NaN goes through the
-// reference's own loop. So the results differ from the oracle's by double rounding (~1e-16
-// relative), far below float32. Why: the reference ran scalar glibc exp three times per logit on
-// one thread, 18% of a seq2seq training step at a vocabulary of 1000.
+// sums, and for the backward softmax = exp(x - lse); a row holding a NaN (or, in the backward,
+// an infinite largest logit) goes through the reference's own row functions. So the results differ
+// from the oracle's by double rounding (~1e-16 relative), far below float32. Why: the reference ran
+// scalar glibc exp three times per logit on one thread, 18% of a seq2seq training step at a
+// vocabulary of 1000.
 //
 // Glossary: N rows (positions), C classes; keep[n]: row n counts; targets[n] in [0, C) where kept.
 #pragma once

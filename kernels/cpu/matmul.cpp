@@ -192,6 +192,13 @@ void small_gemm_f32(const GemmArgs& g) {
     gemm_fallback(g);
 }
 
+// The threads a product is worth (kernels/cpu/parallel.hpp): 2 M N K flops.
+int gemm_threads(const GemmArgs& g, int threads) {
+  return threads_for(
+      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K),
+      std::max(1, threads));
+}
+
 // Restores the calling thread's OpenMP thread count when the call ends (also on exceptions).
 class ScopedOmpThreads {
  public:
@@ -270,9 +277,7 @@ void gemm(const GemmArgs& g, int threads) {
     return;
   }
   if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
-  threads = threads_for(
-      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K),
-      std::max(1, threads));
+  threads = gemm_threads(g, threads);
   const GemmKey key{g.M,
                     g.N,
                     g.K,
@@ -312,9 +317,7 @@ void gemm_panels(const GemmArgs& g, int threads) {
       kRowAlign, (g.M + kTargetPanels * kRowAlign - 1) / (kTargetPanels * kRowAlign) * kRowAlign);
   const int64_t panels = (g.M + rows - 1) / rows;
   if (panels <= 1 || g.N <= 0) return gemm(g, threads);
-  threads = threads_for(
-      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K),
-      std::max(1, threads));
+  threads = gemm_threads(g, threads);
   const size_t a_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
   // Row m of op(A): row m of A, or column m of A^T's storage.
   const int64_t a_row_step = g.trans_a ? 1 : g.lda;

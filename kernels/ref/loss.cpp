@@ -4,9 +4,8 @@
 #include <cmath>
 
 namespace attn::ref {
-namespace {
 
-// log sum_c exp(row[c]), shifted by the max so logits of +-1e4 stay finite.
+// Shifted by the max so logits of +-1e4 stay finite.
 template <typename T>
 double logsumexp_row(const T* row, int64_t C) {
   double m = row[0];
@@ -18,8 +17,8 @@ double logsumexp_row(const T* row, int64_t C) {
     s += std::exp(row[c] - m);
   return m + std::log(s);
 }
-
-}  // namespace
+template double logsumexp_row<float>(const float*, int64_t);
+template double logsumexp_row<double>(const double*, int64_t);
 
 template <typename Id, typename T>
 double cross_entropy_forward(const T* logits, const Id* targets, const uint8_t* keep, int64_t N,

@@ -8,6 +8,10 @@
 
 namespace attn::ref {
 
+// log sum_c exp(row[c]) in double (the max when it is infinite; NaN entries give NaN).
+template <typename T>
+double logsumexp_row(const T* row, int64_t C);
+
 // Returns sum over kept n of (logsumexp(logits[n]) - logits[n, target[n]]), in double.
 template <typename Id, typename T>
 double cross_entropy_forward(const T* logits, const Id* targets, const uint8_t* keep, int64_t N,
