@@ -643,7 +643,10 @@ void run(const DecodeArgs<KV>& a) {
               ends.data(), parts.get(0) + it * item_floats, next);
     };
     if (parallel) {
-#pragma omp for schedule(dynamic, run_len)
+      // A local copy: clang 14 crashes generating an orphaned `omp for` whose schedule clause
+      // names a variable the enclosing lambda captured by reference (seen with -fsanitize).
+      const int64_t chunk = run_len;
+#pragma omp for schedule(dynamic, chunk)
       for (int64_t it = 0; it < items; ++it)
         do_item(it);
     } else {
