@@ -267,5 +267,28 @@ TEST_F(CliSeq2Seq, BucketByLengthResumesBitForBit) {
   expect_refused("train --task shift --steps 1 --bucket 0", {"--bucket"}, files);
 }
 
+// Bucketing is the default for the generated encoder tasks: a run without --bucket is the run
+// with --bucket 8, bit for bit, and --bucket 1 (off) trains on other batches.
+TEST_F(CliSeq2Seq, BucketByLengthIsTheDefaultForShift) {
+  const std::string common =
+      std::string("train --task shift --symbols 4 --length 12 --steps 3 --eval-every 0 ") + kTiny;
+  ASSERT_EQ(run(common + " --checkpoint " + path("default.safetensors")).status, 0);
+  ASSERT_EQ(run(common + " --bucket 8 --checkpoint " + path("eight.safetensors")).status, 0);
+  ASSERT_EQ(run(common + " --bucket 1 --checkpoint " + path("off.safetensors")).status, 0);
+  const SafetensorsFile d = load_safetensors((out / "default.safetensors").string());
+  const SafetensorsFile e = load_safetensors((out / "eight.safetensors").string());
+  const SafetensorsFile o = load_safetensors((out / "off.safetensors").string());
+  EXPECT_EQ(d.metadata.at("train.args"), e.metadata.at("train.args"));
+  EXPECT_NE(d.metadata.at("train.args"), o.metadata.at("train.args"));
+  size_t differ_from_off = 0;
+  for (const auto& [name, t] : d.tensors) {
+    const Tensor& u = e.tensors.at(name);
+    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
+    differ_from_off += std::memcmp(t.raw_data(), o.tensors.at(name).raw_data(), t.nbytes()) != 0;
+  }
+  EXPECT_GT(differ_from_off, 0u);
+}
+
 }  // namespace
 }  // namespace attn

@@ -279,6 +279,9 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
     merge_resume_args(a, given, meta);
     if (auto it = meta.find("attn.precision"); !a.precision_given && it != meta.end())
       a.precision = it->second;
+  } else if (auto it = given.find("bucket"); it == given.end() || it->second->count() == 0) {
+    // Bucketing by length is on by default where it applies (a resume keeps the stored choice).
+    a.bucket = a.task == "shift" || a.task == "sorted" ? TrainArgs::kDefaultBucket : 1;
   }
   validate(a);
   if (is_seq2seq_task(a.task)) {
@@ -421,9 +424,12 @@ std::vector<Command> add_train_command(CLI::App& app) {
   add("clip", a.clip, "clip the global gradient norm to this (0: off)");
   add("seed", a.seed, "seeds the parameters, the data order and dropout");
   add("eval-examples", a.eval_examples, "generated tasks: size of the evaluation set");
-  add("bucket", a.bucket,
-      "generated encoder tasks: sort N batches' worth of sequences by length and hand them out "
-      "as N batches of similar lengths, less padding (1: off)");
+  sub->add_option("--bucket", a.bucket,
+                  fmt::format("generated encoder tasks: sort N batches' worth of sequences by "
+                              "length and hand them out as N batches of similar lengths, less "
+                              "padding (1: off; default {} for shift and sorted, else 1)",
+                              TrainArgs::kDefaultBucket));
+  (*given)["bucket"] = sub->get_option("--bucket");
   sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
       ->capture_default_str();
   add_device_option(sub, "train");

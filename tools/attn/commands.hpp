@@ -145,8 +145,10 @@ struct TrainArgs {
   int threads = 0;
   int64_t eval_every = 100, eval_examples = 512, checkpoint_every = 0;
   // Generated encoder tasks: draw `bucket` batches' worth of sequences at once and hand them out
-  // sorted by length, so that each batch pads to little more than its own lengths (1: off).
+  // sorted by length, so that each batch pads to little more than its own lengths (1: off). The
+  // CLI's default is kDefaultBucket for shift and sorted, 1 for the other tasks.
   int64_t bucket = 1;
+  static constexpr int64_t kDefaultBucket = 8;
   std::string metrics, curve, checkpoint, resume;
   // Not among the result arguments: a checkpoint holds float32 parameters in either precision,
   // so a run may resume in the other one. A resume without --precision keeps the checkpoint's.
