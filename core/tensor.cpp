@@ -27,6 +27,15 @@ std::string shape_str(const Shape& shape) {
 
 int64_t shape_numel(const Shape& shape, const char* op) {
   int64_t n = 1;
+  bool negative = false, overflow = false;
+  for (int64_t d : shape) {
+    negative |= d < 0;
+    overflow |= __builtin_mul_overflow(n, d, &n);
+  }
+  if (!negative && !overflow) [[likely]]
+    return n;
+  // The checks in order: a dim after a 0 cannot overflow the (empty) product.
+  n = 1;
   for (int64_t d : shape) {
     check(d >= 0, op, "negative dimension in shape {}", shape_arg(shape));
     check(d == 0 || n <= std::numeric_limits<int64_t>::max() / d, op,
@@ -221,18 +230,8 @@ void Tensor::require_host(const char* op) const {
         shape_arg(shape_), device_name(device_));
 }
 
-int64_t Tensor::dim(int i) const {
-  int n = ndim();
-  check(i >= -n && i < n, "Tensor::dim", "dimension {} out of range for shape {}", i,
-        shape_arg(shape_));
-  return shape_[i < 0 ? i + n : i];
-}
-
-int64_t Tensor::stride(int i) const {
-  int n = ndim();
-  check(i >= -n && i < n, "Tensor::stride", "dimension {} out of range for shape {}", i,
-        shape_arg(shape_));
-  return strides_[i < 0 ? i + n : i];
+void Tensor::bad_axis(int i, const char* op) const {
+  throw Error(op, fmt::format("dimension {} out of range for shape {}", i, shape_str(shape_)));
 }
 
 bool Tensor::is_contiguous() const {

@@ -98,9 +98,10 @@ class PrefixDecoder {
 
 // The logits (R, V) of a step as doubles, row-major (one typed pass, not R*V element lookups:
 // V is the target vocabulary, 10k in a translation model).
-std::vector<double> to_doubles(const Tensor& logits) {
+// The logits in double, into `out` (reused from step to step: no allocation per step).
+void to_doubles(const Tensor& logits, std::vector<double>& out) {
   const Tensor c = logits.contiguous();
-  std::vector<double> out(static_cast<size_t>(c.numel()));
+  out.resize(static_cast<size_t>(c.numel()));
   if (c.dtype() == DType::F32) {
     const float* p = c.data<float>();
     std::copy(p, p + c.numel(), out.begin());
@@ -108,7 +109,6 @@ std::vector<double> to_doubles(const Tensor& logits) {
     const double* p = c.data<double>();
     std::copy(p, p + c.numel(), out.begin());
   }
-  return out;
 }
 
 struct Checked {
@@ -155,9 +155,10 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
   std::vector<Tensor> step_logits;
   std::vector<std::vector<Tensor>> step_weights(static_cast<size_t>(model.decoder.num_blks()));
   int64_t live = B;
+  std::vector<double> rows;
   while (live > 0 && g.steps < o.max_len) {
     const Tensor logits = dec.next_logits(prefixes, B, g.steps + 1, stride);  // (B, V)
-    const std::vector<double> rows = to_doubles(logits);
+    to_doubles(logits, rows);
     ++g.steps;
     if (o.keep_logits) step_logits.push_back(logits);
     if (keep_weights)
@@ -276,10 +277,10 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
   std::vector<double> next_logp(static_cast<size_t>(R));
   Generation g;
   int64_t open = B;
+  std::vector<double> rows;
   while (open > 0 && g.steps < o.max_len) {
     const int64_t t = g.steps++;  // the prefixes hold t + 1 tokens
-    const std::vector<double> rows =
-        to_doubles(dec.next_logits(prefixes, R, t + 1, stride));  // (R, V)
+    to_doubles(dec.next_logits(prefixes, R, t + 1, stride), rows);  // (R, V)
     std::iota(parents.begin(), parents.end(), 0);
     std::fill(next_logp.begin(), next_logp.end(), kNegInf);
     // Row r of the next step: row `from` of this one and `token`.

@@ -73,6 +73,52 @@ TEST(Tensor, BadInputGivesError) {
   }
 }
 
+// Shape keeps up to Shape::kMaxDims sizes inline and behaves as the std::vector<int64_t> it
+// replaced; one more dimension, or a bad dim index, throws Error naming the operation.
+TEST(Shape, BehavesAsAVectorOfDims) {
+  Shape s{2, 3, 4};
+  EXPECT_EQ(s.size(), 3u);
+  EXPECT_EQ(s, (Shape{2, 3, 4}));
+  EXPECT_NE(s, (Shape{2, 3}));
+  EXPECT_LT((Shape{2, 3}), s);
+  s.push_back(5);
+  s.insert(s.begin(), 1);
+  EXPECT_EQ(s, (Shape{1, 2, 3, 4, 5}));
+  s.erase(s.begin() + 1, s.begin() + 3);
+  EXPECT_EQ(s, (Shape{1, 4, 5}));
+  s.resize(5, 7);
+  EXPECT_EQ(s, (Shape{1, 4, 5, 7, 7}));
+  const std::vector<int64_t> v = s;  // both ways, implicitly
+  EXPECT_EQ(Shape(v), s);
+  EXPECT_EQ(Shape(v.begin() + 1, v.end()), (Shape{4, 5, 7, 7}));
+  EXPECT_EQ(Shape(3, 1), (Shape{1, 1, 1}));
+  EXPECT_EQ(std::vector<int64_t>(s.rbegin(), s.rend()), (std::vector<int64_t>{7, 7, 5, 4, 1}));
+  EXPECT_EQ(shape_str(s), "(1, 4, 5, 7, 7)");
+
+  Shape full(Shape::kMaxDims, 1);
+  EXPECT_THROW(full.push_back(1), Error);
+  EXPECT_THROW(Shape(Shape::kMaxDims + 1, 1), Error);
+  EXPECT_THROW(Tensor::empty(std::vector<int64_t>(Shape::kMaxDims + 1, 1)), Error);
+  EXPECT_EQ(Tensor::zeros(full).numel(), 1);
+  EXPECT_THROW(s.at(5), Error);
+
+  const Tensor t = Tensor::zeros({2, 3});
+  EXPECT_EQ(t.dim(-1), 3);
+  EXPECT_EQ(t.stride(0), 3);
+  try {
+    (void)t.dim(2);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), "Tensor::dim");
+    EXPECT_NE(std::string(e.what()).find("(2, 3)"), std::string::npos);
+  }
+  EXPECT_THROW((void)t.stride(-3), Error);
+  // A dim after a 0 cannot overflow the product; before one it does.
+  const int64_t big = int64_t{1} << 40;
+  EXPECT_EQ(shape_numel({0, big, big}), 0);
+  EXPECT_THROW(shape_numel({big, big, 0}), Error);
+}
+
 TEST(Float16, SpecialValues) {
   EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
   EXPECT_EQ(float_to_f16(-2.0f), 0xc000);

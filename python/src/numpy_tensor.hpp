@@ -35,6 +35,14 @@
 #include <optional>
 #include <utility>
 
+// attn::Shape (sizes or strides, stored inline) crosses into Python as a list of ints, as the
+// std::vector<int64_t> it replaced did.
+#include <pybind11/stl.h>
+namespace pybind11::detail {
+template <>
+struct type_caster<attn::Shape> : list_caster<attn::Shape, int64_t> {};
+}  // namespace pybind11::detail
+
 namespace attn::python {
 
 namespace py = pybind11;

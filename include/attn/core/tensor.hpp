@@ -12,6 +12,7 @@
 #include "attn/core/device.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/error.hpp"
+#include "attn/core/shape.hpp"
 
 #include <cstdint>
 #include <initializer_list>
@@ -20,9 +21,6 @@
 #include <vector>
 
 namespace attn {
-
-using Shape = std::vector<int64_t>;
-using Strides = std::vector<int64_t>;
 
 // "(2, 4, 100)"; "()" for a scalar.
 std::string shape_str(const Shape& shape);
@@ -67,8 +65,8 @@ class Tensor {
   const Strides& strides() const { return strides_; }
   int ndim() const { return static_cast<int>(shape_.size()); }
   // Size of dimension i; negative i counts from the back (dim(-1) is the last).
-  int64_t dim(int i) const;
-  int64_t stride(int i) const;
+  int64_t dim(int i) const { return shape_[axis(i, "Tensor::dim")]; }
+  int64_t stride(int i) const { return strides_[axis(i, "Tensor::stride")]; }
   int64_t numel() const { return numel_; }
   size_t nbytes() const { return static_cast<size_t>(numel_) * dtype_size(dtype_); }
   bool is_contiguous() const;
@@ -122,6 +120,15 @@ class Tensor {
   bool defined_ = false;
 
   void require_host(const char* op) const;
+  // Dimension i (negative counts from the back) as an index into shape_; throws Error(op)
+  // naming the shape when it is out of range. Inline: every op asks for dims.
+  size_t axis(int i, const char* op) const {
+    const int n = ndim();
+    if (i < -n || i >= n) [[unlikely]]
+      bad_axis(i, op);
+    return static_cast<size_t>(i < 0 ? i + n : i);
+  }
+  [[noreturn]] void bad_axis(int i, const char* op) const;
 
   int64_t offset_of(const int64_t* index, size_t n) const;
   int64_t offset_of_flat(int64_t i) const;
