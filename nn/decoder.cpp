@@ -120,20 +120,22 @@ Tensor TransformerDecoderBlock::forward(Context& ctx, const Tensor& X, const Ten
 
 DecoderBlockGrads TransformerDecoderBlock::backward(Context& ctx, const Tensor& dout) {
   // forward: out = addnorm3(Z, ffn(Z)); Z reaches out through the residual and the FFN.
+  const int threads = ctx.resolved_threads();
   AddNormGrads g3 = addnorm3.backward(ctx, dout);
-  Tensor dZ = detail::add_all({g3.dX, ffn.backward(ctx, g3.dY)});
+  Tensor dZ = detail::add_all({g3.dX, ffn.backward(ctx, g3.dY)}, threads);
   // forward: Z = addnorm2(Y, attention2(Y, enc, enc)); Y is the residual and the queries, enc the
   // keys and the values.
   AddNormGrads g2 = addnorm2.backward(ctx, dZ);
   AttentionInputGrads ga2 = attention2.backward(ctx, g2.dY);
   DecoderBlockGrads g;
-  g.denc_outputs = detail::add_all({ga2.dkeys, ga2.dvalues});
-  Tensor dY = detail::add_all({g2.dX, ga2.dqueries});
+  g.denc_outputs = detail::add_all({ga2.dkeys, ga2.dvalues}, threads);
+  Tensor dY = detail::add_all({g2.dX, ga2.dqueries}, threads);
   // forward: Y = addnorm1(X, attention1(X, X, X)); X reaches Y four times.
   AddNormGrads g1 = addnorm1.backward(ctx, dY);
   AttentionInputGrads ga1 = attention1.backward(ctx, g1.dY);
-  g.dX = ga1.dkeys.defined() ? detail::add_all({g1.dX, ga1.dqueries, ga1.dkeys, ga1.dvalues})
-                             : detail::add_all({g1.dX, ga1.dqueries});  // dQ + dK + dV in one
+  g.dX = ga1.dkeys.defined()
+             ? detail::add_all({g1.dX, ga1.dqueries, ga1.dkeys, ga1.dvalues}, threads)
+             : detail::add_all({g1.dX, ga1.dqueries}, threads);  // dQ + dK + dV in one
   return g;
 }
 
@@ -208,7 +210,8 @@ Tensor TransformerDecoder::forward(Context& ctx, const Tensor& ids, const Tensor
         shape_arg(enc_outputs.shape()), ids.dim(0), num_hiddens_, shape_arg(ids.shape()));
   // d2l: self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
   Tensor X =
-      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)));
+      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)),
+                     ctx.resolved_threads());
   X = pos_encoding.forward(ctx, X);
   for (auto& blk : blks) {
     blk->set_need_weights(need_weights);
@@ -227,11 +230,13 @@ Tensor TransformerDecoder::backward(Context& ctx, const Tensor& dlogits) {
   for (auto it = blks.rbegin(); it != blks.rend(); ++it) {
     DecoderBlockGrads g = (*it)->backward(ctx, dX);
     dX = g.dX;
-    denc = denc.defined() ? detail::add_all({denc, g.denc_outputs}) : g.denc_outputs;
+    denc = denc.defined() ? detail::add_all({denc, g.denc_outputs}, ctx.resolved_threads())
+                          : g.denc_outputs;
   }
   // forward: X_0 = dropout(embedding(ids) * sqrt(E) + P)
   dX = pos_encoding.backward(ctx, dX);
-  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_))));
+  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_)),
+                                         ctx.resolved_threads()));
   return denc;  // undefined without blocks: the logits do not depend on the encoder then
 }
 

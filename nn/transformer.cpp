@@ -195,7 +195,8 @@ Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor
   // Since positional encoding values are between -1 and 1, the embedding values are multiplied
   // by sqrt(E) to rescale before they are summed up (d2l).
   Tensor X =
-      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)));
+      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)),
+                     ctx.resolved_threads());
   switch (positional_) {
     case PositionalKind::kSinusoidal:
       X = pos_encoding.forward(ctx, X);
@@ -236,7 +237,8 @@ void TransformerEncoder::backward(Context& ctx, const Tensor& dout,
       break;
   }
   // forward: X = embedding(ids) * sqrt(E)
-  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_))));
+  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_)),
+                                         ctx.resolved_threads()));
 }
 
 void TransformerEncoder::set_need_weights(bool on) {

@@ -50,15 +50,21 @@ Tensor add_all(std::initializer_list<Tensor> terms, int threads) {
   return out;
 }
 
-Tensor scaled(const Tensor& x, double factor) {
-  Tensor out = x.clone();
+Tensor scaled(const Tensor& x, double factor, int threads) {
+  constexpr int64_t kChunk = int64_t{1} << 14;  // elements per task
+  const Tensor in = x.contiguous();
+  Tensor out = Tensor::empty(in.shape(), in.dtype());
+  const int64_t n = out.numel(), chunks = (n + kChunk - 1) / kChunk;
   auto run = [&](auto zero) {
     using F = decltype(zero);
-    F* o = out.data<F>();
-    const int64_t n = out.numel();
+    const F* const a = in.data<F>();
+    F* const o = out.data<F>();
+    cpu::parallel_for(chunks, threads, [&](int64_t c) {
+      const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i)
-      o[i] = static_cast<F>(static_cast<double>(o[i]) * factor);
+      for (int64_t i = i0; i < i1; ++i)
+        o[i] = static_cast<F>(static_cast<double>(a[i]) * factor);
+    });
   };
   if (out.dtype() == DType::F32)
     run(float{});

@@ -17,7 +17,8 @@ namespace attn::nn::detail {
 // (nn/transformer_internal.cpp)
 Tensor add_all(std::initializer_list<Tensor> terms, int threads = 1);
 
-// x * factor -> a fresh contiguous tensor (x float32 or float64). (nn/transformer_internal.cpp)
-Tensor scaled(const Tensor& x, double factor);
+// x * factor -> a fresh contiguous tensor (x float32 or float64), in chunks on up to `threads`
+// OpenMP threads: elementwise, so the same bits. (nn/transformer_internal.cpp)
+Tensor scaled(const Tensor& x, double factor, int threads = 1);
 
 }  // namespace attn::nn::detail
