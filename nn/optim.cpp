@@ -5,11 +5,15 @@
 // BF16 state, as torch.optim does; each stored value is rounded once from the double result.
 #include "attn/nn/optim.hpp"
 
+#include "kernels/cpu/parallel.hpp"
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <set>
 #include <type_traits>
+#include <vector>
 
 namespace attn::nn {
 
@@ -241,6 +245,16 @@ void sum_squares_f32(const float* __restrict g, int64_t n, double* __restrict la
 
 void AdamW::step() {
   const AdamWOptions& o = options;
+  // The per-parameter scalars first (buffers created, step counts advanced, in order), then the
+  // elementwise updates, one parameter per task, side by side on up to `threads` threads.
+  struct Update {
+    size_t index;
+    double step_size, bias_correction2_sqrt;
+    int64_t numel;
+  };
+  std::vector<Update> updates;
+  updates.reserve(params_.size());
+  int64_t total = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     Parameter& p = *params_[i].second;
     if (!has_grad(p)) continue;
@@ -250,16 +264,26 @@ void AdamW::step() {
       s["exp_avg"] = Tensor::zeros(p.value.shape(), p.value.dtype());
       s["exp_avg_sq"] = Tensor::zeros(p.value.shape(), p.value.dtype());
     }
+    // Checked here, not inside the parallel loop (an exception must not leave an OpenMP region).
+    check(s["exp_avg"].dtype() == p.value.dtype() && s["exp_avg_sq"].dtype() == p.value.dtype(),
+          "AdamW::step", "state of {} has dtype {}, the parameter {}", params_[i].first,
+          dtype_name(s["exp_avg"].dtype()), dtype_name(p.value.dtype()));
     double* step_count = s["step"].data<double>();
     *step_count += 1.0;
     const double t = *step_count;
     const double bias_correction1 = 1.0 - std::pow(o.beta1, t);
-    const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, t));
-    const double step_size = lr / bias_correction1;
+    updates.push_back({i, lr / bias_correction1, std::sqrt(1.0 - std::pow(o.beta2, t)),
+                       p.value.numel()});
+    total += p.value.numel();
+  }
+  auto update = [&](const Update& u) {
+    Parameter& p = *params_[u.index].second;
+    StateDict& s = buffers_[u.index];
+    const double step_size = u.step_size, bias_correction2_sqrt = u.bias_correction2_sqrt;
     with_typed(p, [&](auto* w, auto* g, int64_t n) {
       using T = std::remove_pointer_t<decltype(w)>;
-      T* m = buffer_data<T>(s["exp_avg"]);
-      T* v = buffer_data<T>(s["exp_avg_sq"]);
+      T* m = buffer_data<T>(s.at("exp_avg"));
+      T* v = buffer_data<T>(s.at("exp_avg_sq"));
       if constexpr (std::is_same_v<T, float>) {
         adamw_update_f32(w, g, m, v, n, o, lr, step_size, bias_correction2_sqrt);
         return;
@@ -274,7 +298,23 @@ void AdamW::step() {
         w[j] = static_cast<T>(wj - step_size * m[j] / denom);
       }
     });
+  };
+  // About 12 flops an element (a square root and a division among them).
+  const int team = std::min<int>(
+      cpu::threads_for(12.0 * static_cast<double>(total), std::max(1, threads)),
+      static_cast<int>(updates.size()));
+  const int64_t count = static_cast<int64_t>(updates.size());
+  if (team <= 1) {
+    for (const Update& u : updates)
+      update(u);
+    return;
   }
+  // Largest first, taken dynamically: the shares even out whatever the sizes.
+  std::stable_sort(updates.begin(), updates.end(),
+                   [](const Update& a, const Update& b) { return a.numel > b.numel; });
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
+  for (int64_t k = 0; k < count; ++k)
+    update(updates[static_cast<size_t>(k)]);
 }
 
 // ----------------------------------------------------------------------------------------------

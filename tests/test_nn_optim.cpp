@@ -11,6 +11,7 @@
 #include "attn/nn/optim.hpp"
 #include "attn/nn/transformer.hpp"
 #include "attn/ops/loss.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -125,6 +126,43 @@ TEST(AdamW, Float32UpdateIsTheScalarLoopBitForBit) {
       ASSERT_EQ(std::memcmp(&w[j], p.value.data<float>() + j, 4), 0)
           << "step " << t << " element " << j << ": " << w[j] << " vs " << p.value.data<float>()[j];
   }
+}
+
+// Parameters updated side by side (Optimizer::threads > 1, forking at any size) end bit for bit
+// where one thread ends: every element's update is the same arithmetic on any thread.
+TEST(AdamW, ThreadsChangeNoBit) {
+  const double saved = cpu::min_flops_per_thread();
+  cpu::set_min_flops_per_thread(0);
+  const std::vector<Shape> shapes = {{37, 5}, {211}, {3, 4, 5}, {1}, {64, 9}};
+  auto run = [&](int threads) {
+    std::vector<Parameter> ps(shapes.size());
+    NamedParameters named;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      ps[i].value = testing::random_tensor(shapes[i], DType::F32, 70 + i);
+      ps[i].grad = Tensor::zeros(shapes[i], DType::F32);
+      named.push_back({"p" + std::to_string(i), &ps[i]});
+    }
+    AdamWOptions o;
+    o.lr = 1e-2;
+    AdamW opt(named, o);
+    opt.threads = threads;
+    for (uint64_t t = 0; t < 3; ++t) {
+      for (size_t i = 0; i < shapes.size(); ++i)
+        ps[i].grad.copy_from(testing::random_tensor(shapes[i], DType::F32, 90 + 10 * t + i));
+      opt.step();
+    }
+    std::vector<Tensor> out;
+    for (const Parameter& p : ps)
+      out.push_back(p.value.clone());
+    for (const auto& [name, t] : opt.state_dict())
+      out.push_back(t.clone());
+    return out;
+  };
+  const std::vector<Tensor> one = run(1), three = run(3);
+  cpu::set_min_flops_per_thread(saved);
+  ASSERT_EQ(one.size(), three.size());
+  for (size_t i = 0; i < one.size(); ++i)
+    EXPECT_EQ(std::memcmp(one[i].raw_data(), three[i].raw_data(), one[i].nbytes()), 0) << i;
 }
 
 TEST(AdamW, FirstStepByHand) {

@@ -135,6 +135,7 @@ StepStats Trainer::train_step(const Batch& batch) {
   detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
   model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.targets, ce));
   const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
+  optimizer_->threads = ctx_.resolved_threads();
   optimizer_->step();
   ++step_;
   return {step_, loss.loss, norm, batch.tokens};
@@ -215,6 +216,7 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
   const double loss = kept > 0 ? loss_sum[0] / static_cast<double>(kept) : std::nan("");
   detail::check_loss_finite(loss, step_ + 1, options_.adamw.lr);
   const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
+  optimizer_->threads = ctx_.resolved_threads();
   optimizer_->step();
   ++step_;
   return {step_, loss, norm, batch.tokens};

@@ -33,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <tuple>
 
@@ -158,23 +159,39 @@ DataSource generated_source(const TrainArgs& a) {
     // apart from the per-step and evaluation streams), sorted by length (ties by position) and cut
     // into k batches, which the group's steps take in a seeded random order so that lengths do not
     // rise step by step. Every batch is a function of the step alone: --resume stays bit-identical.
-    s.batch = [t, B, seed, k](int64_t step) {
-      const uint64_t group = static_cast<uint64_t>(step / k);
-      const model::Dataset pool = model::generate_task(t, k * B, seed, (uint64_t{1} << 61) + group);
-      std::vector<int64_t> order(static_cast<size_t>(k * B));
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&pool](int64_t x, int64_t y) {
-        return pool.inputs[static_cast<size_t>(x)].size() <
-               pool.inputs[static_cast<size_t>(y)].size();
-      });
-      std::vector<int64_t> slot(static_cast<size_t>(k));
-      std::iota(slot.begin(), slot.end(), 0);
-      Rng rng(seed, (uint64_t{1} << 61) + (uint64_t{1} << 60) + group);
-      for (int64_t i = k - 1; i > 0; --i)  // Fisher-Yates
-        std::swap(slot[static_cast<size_t>(i)],
-                  slot[static_cast<size_t>(rng.below(static_cast<uint64_t>(i + 1)))]);
-      const auto first = order.begin() + slot[static_cast<size_t>(step % k)] * B;
-      return model::make_batch(pool, std::vector<int64_t>(first, first + B));
+    // The group's pool, sorted order and batch order are kept for its k steps (one pool drawn per
+    // group, not per step); a step of another group draws its own. Guarded: the source may be
+    // asked from more than one thread.
+    struct Group {
+      std::mutex mu;
+      int64_t index = -1;
+      model::Dataset pool;
+      std::vector<int64_t> order, slot;
+    };
+    auto cached = std::make_shared<Group>();
+    s.batch = [t, B, seed, k, cached](int64_t step) {
+      Group& c = *cached;
+      std::lock_guard<std::mutex> lock(c.mu);
+      if (const int64_t group = step / k; group != c.index) {
+        const uint64_t g = static_cast<uint64_t>(group);
+        c.pool = model::generate_task(t, k * B, seed, (uint64_t{1} << 61) + g);
+        c.order.resize(static_cast<size_t>(k * B));
+        std::iota(c.order.begin(), c.order.end(), 0);
+        const model::Dataset& pool = c.pool;
+        std::stable_sort(c.order.begin(), c.order.end(), [&pool](int64_t x, int64_t y) {
+          return pool.inputs[static_cast<size_t>(x)].size() <
+                 pool.inputs[static_cast<size_t>(y)].size();
+        });
+        c.slot.resize(static_cast<size_t>(k));
+        std::iota(c.slot.begin(), c.slot.end(), 0);
+        Rng rng(seed, (uint64_t{1} << 61) + (uint64_t{1} << 60) + g);
+        for (int64_t i = k - 1; i > 0; --i)  // Fisher-Yates
+          std::swap(c.slot[static_cast<size_t>(i)],
+                    c.slot[static_cast<size_t>(rng.below(static_cast<uint64_t>(i + 1)))]);
+        c.index = group;
+      }
+      const auto first = c.order.begin() + c.slot[static_cast<size_t>(step % k)] * B;
+      return model::make_batch(c.pool, std::vector<int64_t>(first, first + B));
     };
   }
   // A fixed evaluation set of the training lengths, the same for every seed.

@@ -37,6 +37,9 @@ class Optimizer {
 
   const NamedParameters& parameters() const { return params_; }
   double lr;
+  // OpenMP threads step() may use (AdamW: parameters updated side by side). Every element's
+  // update is the same arithmetic on any thread, so the results do not depend on it.
+  int threads = 1;
 
  protected:
   Optimizer(NamedParameters params, double lr, const char* name);
