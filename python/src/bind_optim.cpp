@@ -61,6 +61,16 @@ auto locked(PyOptimizer& self, F&& f) {
   });
 }
 
+// step() with the layer's threads (its Context, as its forward and backward use): AdamW updates
+// parameters side by side, with the same bits on any thread count.
+void step(PyOptimizer& self) {
+  without_gil([&] {
+    std::scoped_lock lock(self.layer->mutex, self.layer->ctx->mutex);
+    self.opt->threads = self.layer->ctx->ctx.resolved_threads();
+    self.opt->step();
+  });
+}
+
 // Python's repr of a float: 0.001, 1e-08, 0.9.
 std::string r(double x) {
   return py::repr(py::float_(x)).cast<std::string>();
@@ -73,7 +83,7 @@ void bind_optim(py::module_& m) {
 Base of attn.optim.SGD and attn.optim.AdamW: an optimiser over every parameter of one layer
 (layer.named_parameters()), updating them in place in the layer's dtype.)doc")
       .def(
-          "step", [](PyOptimizer& self) { locked(self, [](nn::Optimizer& o) { o.step(); }); },
+          "step", [](PyOptimizer& self) { step(self); },
           R"doc(
 One update from the layer's current gradients (layer.grads). Parameters without a gradient yet
 (a lazy layer before its first input) are skipped, as PyTorch skips .grad = None.)doc")
