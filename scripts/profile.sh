@@ -38,7 +38,7 @@ export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=687194
 echo "== attn train: shift task, lengths 64..128 padded per batch, B = 32, $precision, $threads threads"
 perf record -q -e cpu-clock -o "$tmp/train.data" "$attn" train --task shift --length 128 \
   --symbols 8 --num-hiddens 128 --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 \
-  --batch-size 32 --threads "$threads" --steps 150 --eval-every 0 --eval-examples 64 \
+  --batch-size 32 --threads "$threads" --steps 500 --eval-every 0 --eval-examples 64 \
   --precision "$precision" >/dev/null 2>"$tmp/train.err" || { cat "$tmp/train.err" >&2; exit 1; }
 status=0
 perf report -i "$tmp/train.data" --no-children --sort dso,sym --stdio -g none 2>/dev/null |
