@@ -209,9 +209,8 @@ Tensor TransformerDecoder::forward(Context& ctx, const Tensor& ids, const Tensor
         "enc_outputs has shape {}, expected (B, S, E) = ({}, S, {}) for ids {}",
         shape_arg(enc_outputs.shape()), ids.dim(0), num_hiddens_, shape_arg(ids.shape()));
   // d2l: self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
-  Tensor X =
-      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)),
-                     ctx.resolved_threads());
+  Tensor X = detail::scaled(embedding.forward(ctx, ids),
+                            std::sqrt(static_cast<double>(num_hiddens_)), ctx.resolved_threads());
   X = pos_encoding.forward(ctx, X);
   for (auto& blk : blks) {
     blk->set_need_weights(need_weights);

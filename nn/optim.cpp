@@ -272,8 +272,8 @@ void AdamW::step() {
     *step_count += 1.0;
     const double t = *step_count;
     const double bias_correction1 = 1.0 - std::pow(o.beta1, t);
-    updates.push_back({i, lr / bias_correction1, std::sqrt(1.0 - std::pow(o.beta2, t)),
-                       p.value.numel()});
+    updates.push_back(
+        {i, lr / bias_correction1, std::sqrt(1.0 - std::pow(o.beta2, t)), p.value.numel()});
     total += p.value.numel();
   }
   auto update = [&](const Update& u) {
@@ -300,9 +300,9 @@ void AdamW::step() {
     });
   };
   // About 12 flops an element (a square root and a division among them).
-  const int team = std::min<int>(
-      cpu::threads_for(12.0 * static_cast<double>(total), std::max(1, threads)),
-      static_cast<int>(updates.size()));
+  const int team =
+      std::min<int>(cpu::threads_for(12.0 * static_cast<double>(total), std::max(1, threads)),
+                    static_cast<int>(updates.size()));
   const int64_t count = static_cast<int64_t>(updates.size());
   if (team <= 1) {
     for (const Update& u : updates)

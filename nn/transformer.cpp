@@ -194,9 +194,8 @@ Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   // Since positional encoding values are between -1 and 1, the embedding values are multiplied
   // by sqrt(E) to rescale before they are summed up (d2l).
-  Tensor X =
-      detail::scaled(embedding.forward(ctx, ids), std::sqrt(static_cast<double>(num_hiddens_)),
-                     ctx.resolved_threads());
+  Tensor X = detail::scaled(embedding.forward(ctx, ids),
+                            std::sqrt(static_cast<double>(num_hiddens_)), ctx.resolved_threads());
   switch (positional_) {
     case PositionalKind::kSinusoidal:
       X = pos_encoding.forward(ctx, X);

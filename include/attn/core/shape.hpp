@@ -44,7 +44,7 @@ class Shape {
     assign(first, last);
   }
   Shape(const std::vector<int64_t>& dims) { assign(dims.begin(), dims.end()); }  // NOLINT
-  operator std::vector<int64_t>() const { return {begin(), end()}; }               // NOLINT
+  operator std::vector<int64_t>() const { return {begin(), end()}; }             // NOLINT
 
   Shape& operator=(std::initializer_list<int64_t> dims) {
     assign(dims.begin(), dims.end());
