@@ -96,9 +96,9 @@ class PrefixDecoder {
   Tensor enc_, lens_;
 };
 
-// The logits (R, V) of a step as doubles, row-major (one typed pass, not R*V element lookups:
-// V is the target vocabulary, 10k in a translation model).
-// The logits in double, into `out` (reused from step to step: no allocation per step).
+// The logits (R, V) of a step as doubles, row-major, into `out` (one typed pass, not R*V element
+// lookups: V is the target vocabulary, 10k in a translation model; `out` is reused from step to
+// step).
 void to_doubles(const Tensor& logits, std::vector<double>& out) {
   const Tensor c = logits.contiguous();
   out.resize(static_cast<size_t>(c.numel()));
