@@ -489,6 +489,26 @@ void Tensor::copy_from(const Tensor& src) {
 
 void Tensor::fill(double value) {
   require_host("Tensor::fill");
+  if (numel_ > 0 && is_contiguous()) {
+    // The value converted once, then its bytes copied to every element (a batch's padding and
+    // lengths were filled through set_flat, an index computation per element).
+    auto* p = static_cast<std::byte*>(data_);
+    store(p, dtype_, value);
+    auto replicate = [&](auto* first) { std::fill_n(first, numel_, *first); };
+    switch (dtype_) {
+      case DType::F32:
+        return replicate(reinterpret_cast<float*>(p));
+      case DType::F64:
+        return replicate(reinterpret_cast<double*>(p));
+      case DType::BF16:
+      case DType::F16:
+        return replicate(reinterpret_cast<uint16_t*>(p));
+      case DType::I32:
+        return replicate(reinterpret_cast<int32_t*>(p));
+      case DType::I64:
+        return replicate(reinterpret_cast<int64_t*>(p));
+    }
+  }
   for (int64_t i = 0; i < numel_; ++i)
     set_flat(i, value);
 }

@@ -37,8 +37,9 @@ void fill_with(Tensor& t, Draw&& draw) {
 }
 
 // grad += g elementwise; g may have any strides and any float dtype, but grad.numel() elements
-// in the same row-major order (so (h) accumulates into (1, h)).
-void accumulate(Tensor& grad, const Tensor& g);
+// in the same row-major order (so (h) accumulates into (1, h)). Large contiguous float gradients
+// are split over up to `threads` OpenMP threads (elementwise: the same bits).
+void accumulate(Tensor& grad, const Tensor& g, int threads = 1);
 
 // x.to(dtype) (float32 <-> bfloat16, a contiguous x), split into chunks converted on up to
 // ctx.resolved_threads() OpenMP threads when x is large: elementwise, so the same bits as x.to.

@@ -83,7 +83,8 @@ void Embedding::backward(Context& ctx, const Tensor& dout) {
   expected.push_back(num_hiddens());
   check_dout(op, dout, expected, dtype_);
   // forward: out[p] = weight[ids[p]], so weight.grad[v] += sum over p with ids[p] == v of dout[p].
-  detail::accumulate(weight.grad, embedding_backward(ctx, dout, ids_, vocab_size()));
+  detail::accumulate(weight.grad, embedding_backward(ctx, dout, ids_, vocab_size()),
+                     ctx.resolved_threads());
 }
 
 // ----------------------------------------------------------------------------------------------
