@@ -155,8 +155,8 @@ constexpr int64_t kChunkRows = 16;  // rows per task; fixes the forward's order 
 // Zen 5 core. (Counted per logit only, the tagging task's 2,048-4,096 rows of 8 ran on one thread,
 // 0.2-0.4 ms a step, while the other waited.)
 int ce_threads(int64_t N, int64_t C, int threads, bool backward) {
-  const double per_row = backward ? 40.0 * static_cast<double>(C) + 4000.0
-                                  : 20.0 * static_cast<double>(C) + 2000.0;
+  const double per_row =
+      backward ? 40.0 * static_cast<double>(C) + 4000.0 : 20.0 * static_cast<double>(C) + 2000.0;
   return threads_for(per_row * static_cast<double>(N), std::max(1, threads));
 }
 }  // namespace

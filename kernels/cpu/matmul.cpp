@@ -200,9 +200,9 @@ void small_gemm_f32(const GemmArgs& g) {
 int gemm_threads(const GemmArgs& g, int threads) {
   const int64_t smallest = std::min({g.M, g.N, g.K});
   const double narrow = smallest < 32 ? 1.0 + 8.0 / static_cast<double>(smallest) : 1.0;
-  return threads_for(2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) *
-                         static_cast<double>(g.K) * narrow,
-                     std::max(1, threads));
+  return threads_for(
+      2.0 * static_cast<double>(g.M) * static_cast<double>(g.N) * static_cast<double>(g.K) * narrow,
+      std::max(1, threads));
 }
 
 // Restores the calling thread's OpenMP thread count when the call ends (also on exceptions).
