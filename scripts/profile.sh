@@ -11,8 +11,10 @@
 #
 # Reading it: arithmetic symbols are attn's kernels (ForwardBlock, BackwardItem, GemmT, layer_norm_*,
 # Dropout*) and oneDNN's JIT code (reported by perf as "[JIT] tid N": the GEMMs). A libgomp address
-# is a thread waiting at a barrier for the others: load imbalance, not work. A string or malloc
-# symbol near the top means a hot path builds error text or allocates per element.
+# is a thread waiting: at a region's end barrier for the slowest thread (load imbalance), or
+# between regions while the calling thread runs serial code; the regions section after the train
+# profile says which, and where. A string or malloc symbol near the top means a hot path builds
+# error text or allocates per element.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=build/default
@@ -36,13 +38,22 @@ trap 'rm -rf "$tmp"' EXIT
 export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
 
 echo "== attn train: shift task, lengths 64..128 padded per batch, B = 32, $precision, $threads threads"
-perf record -q -e cpu-clock -o "$tmp/train.data" "$attn" train --task shift --length 128 \
+# The run also records its OpenMP regions (bench/omp_trace.cpp, preloaded; built with the
+# benchmarks, not in sanitized builds), so that the OpenMP waits below can be split by cause.
+trace_lib="$build/bench/libattn_omp_trace.so"
+preload=()
+[[ -f "$trace_lib" ]] && preload=(env LD_PRELOAD="$(realpath "$trace_lib")" ATTN_OMP_TRACE="$tmp/regions.txt")
+perf record -q -e cpu-clock -o "$tmp/train.data" "${preload[@]}" "$attn" train --task shift --length 128 \
   --symbols 8 --num-hiddens 128 --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 \
   --batch-size 32 --threads "$threads" --steps 500 --eval-every 0 --eval-examples 64 \
   --precision "$precision" >/dev/null 2>"$tmp/train.err" || { cat "$tmp/train.err" >&2; exit 1; }
 status=0
 perf report -i "$tmp/train.data" --no-children --sort dso,sym --stdio -g none 2>/dev/null |
   /usr/bin/python3 bench/profile_report.py --limit "$limit" || status=1
+if [[ -s "$tmp/regions.txt" ]]; then
+  echo "-- the same run's OpenMP regions past its first fifth (one-time GEMM plans; bench/omp_trace.py)"
+  /usr/bin/python3 bench/omp_trace.py "$tmp/regions.txt" --from 0.2 --top 8
+fi
 
 echo "== attn translate: the dates model, greedy and beam 4, 4,096 sentences"
 "$attn" train --task dates --steps 200 --num-hiddens 64 --ffn-num-hiddens 128 --num-heads 4 \
