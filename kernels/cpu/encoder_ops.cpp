@@ -137,14 +137,21 @@ void layer_norm_backward_f32(const float* dy, const float* x, const float* gamma
 
 void layer_norm_sum_partials_f32(const double* partial, int64_t chunks, int64_t E, float* dgamma,
                                  float* dbeta) {
+  // Chunk by chunk, all 2E sums at once: each sum still adds its chunks in order from 0.0 (the
+  // same bits as one column at a time), but the inner loop is unit-stride and vectorizes where a
+  // column at a time was a chain of dependent adds at a stride of 2E doubles (~0.15% of a training
+  // step, on one thread while the others waited).
+  std::vector<double> sums(static_cast<size_t>(2 * E), 0.0);
+  double* acc = sums.data();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const double* row = partial + c * 2 * E;
+#pragma omp simd
+    for (int64_t j = 0; j < 2 * E; ++j)
+      acc[j] += row[j];
+  }
   for (int64_t e = 0; e < E; ++e) {
-    double g = 0.0, b = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      g += partial[c * 2 * E + e];
-      b += partial[c * 2 * E + E + e];
-    }
-    dgamma[e] = static_cast<float>(g);
-    dbeta[e] = static_cast<float>(b);
+    dgamma[e] = static_cast<float>(acc[e]);
+    dbeta[e] = static_cast<float>(acc[E + e]);
   }
 }
 
