@@ -2,10 +2,10 @@
 //
 // Preloaded into a run (LD_PRELOAD=libattn_omp_trace.so ATTN_OMP_TRACE=out.txt attn train ...),
 // it stands in front of libgomp's GOMP_parallel, the one call through which GCC's code (attn's and
-// oneDNN's) starts a region, and GOMP_barrier, the explicit barriers inside one. Per region it
-// keeps the start and end on the calling thread, the team libgomp formed, the caller's address, and
-// each team member's busy time: its share of the body less the time it spent at explicit barriers.
-// At exit it writes one line per region to $ATTN_OMP_TRACE:
+// oneDNN's) starts a region, and GOMP_barrier and GOMP_loop_end, the barriers inside one. Per
+// region it keeps the start and end on the calling thread, the team libgomp formed, the caller's
+// address, and each team member's busy time: its share of the body less the time it spent at
+// barriers inside the region. At exit it writes one line per region to $ATTN_OMP_TRACE:
 //
 //   start_ns end_ns team caller_object caller_offset busy_ns_0 ... busy_ns_{team-1}
 //
@@ -62,7 +62,7 @@ struct Body {
   Region* region;
 };
 
-// Runs on every team member: the region's body, timed, less its explicit barriers.
+// Runs on every team member: the region's body, timed, less its barriers inside the region.
 void timed_body(void* p) {
   const Body& b = *static_cast<const Body*>(p);
   const uint64_t barriers_before = barrier_ns, t0 = now_ns();
@@ -99,6 +99,14 @@ void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned
 
 void GOMP_barrier() {
   static const BarrierFn real = next_symbol<BarrierFn>("GOMP_barrier");
+  const uint64_t t0 = now_ns();
+  real();
+  barrier_ns += now_ns() - t0;
+}
+
+// The barrier that ends a worksharing loop inside a region (`omp for` without nowait).
+void GOMP_loop_end() {
+  static const BarrierFn real = next_symbol<BarrierFn>("GOMP_loop_end");
   const uint64_t t0 = now_ns();
   real();
   barrier_ns += now_ns() - t0;
