@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <iterator>
 #include <limits>
 
@@ -75,6 +76,26 @@ TEST(Tensor, BadInputGivesError) {
 
 // Shape keeps up to Shape::kMaxDims sizes inline and behaves as the std::vector<int64_t> it
 // replaced; one more dimension, or a bad dim index, throws Error naming the operation.
+TEST(Tensor, FillSetsEveryElementAsSetFlatWould) {
+  for (const DType dt : {DType::F32, DType::F64, DType::BF16, DType::F16, DType::I32, DType::I64}) {
+    for (const double v : {0.0, -0.0, 0.1, -3.0, 65504.0}) {
+      Tensor t = Tensor::empty({3, 5}, dt), want = Tensor::empty({3, 5}, dt);
+      t.fill(v);
+      for (int64_t i = 0; i < want.numel(); ++i)
+        want.set_flat(i, v);
+      EXPECT_EQ(std::memcmp(t.raw_data(), want.raw_data(), t.nbytes()), 0)
+          << dtype_name(dt) << " " << v;
+      // A strided view: only its elements change.
+      Tensor base = Tensor::zeros({3, 5}, dt);
+      base.slice(1, 1, 3).fill(v);
+      for (int64_t r = 0; r < 3; ++r)
+        for (int64_t c = 0; c < 5; ++c)
+          EXPECT_EQ(base.at({r, c}), c >= 1 && c < 3 ? want.at({r, c}) : 0.0)
+              << dtype_name(dt) << " " << v << " at " << r << ", " << c;
+    }
+  }
+}
+
 TEST(Shape, BehavesAsAVectorOfDims) {
   Shape s{2, 3, 4};
   EXPECT_EQ(s.size(), 3u);

@@ -2,8 +2,10 @@
 // they replaced: the bias gradient's column sums (kernels/cpu/matmul), the float32 <-> bf16
 // conversions of mixed precision (nn/internal.hpp's convert), the residual gradient sums
 // (nn/transformer_internal.hpp's add_all), the position table's broadcast add (nn/positional.cpp),
-// the embedding's row copies and gradient sums (ops/embedding.cpp against the reference kernel)
-// and clip_grad_norm's sum of squares (nn/optim.cpp).
+// the embedding's row copies and gradient sums (ops/embedding.cpp against the reference kernel),
+// the weight gradients' accumulation (nn/internal.hpp's accumulate), LayerNorm's sum of its
+// per-chunk partials (kernels/cpu/encoder_ops.hpp) and clip_grad_norm's sum of squares
+// (nn/optim.cpp).
 // The first three are elementwise or keep each sum's order, so they must give the old bits for
 // every thread count; clip_grad_norm's 8-lane sum changes the order, so it is checked against an
 // exact (long double) sum within double rounding, and for its NaN / Inf rules.
@@ -11,12 +13,15 @@
 #include "attn/nn/optim.hpp"
 #include "attn/nn/positional.hpp"
 #include "attn/ops/embedding.hpp"
+#include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
 #include "testing.hpp"
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -92,7 +97,8 @@ TEST(ColumnSum, ThreadedBlocksGiveTheRowByRowLoopsBits) {
 }
 
 TEST(Convert, ChunkedOnThreadsIsTensorTo) {
-  for (const int64_t n : {int64_t{5}, int64_t{65535}, int64_t{65536}, int64_t{200003}}) {
+  for (const int64_t n :
+       {int64_t{5}, int64_t{16383}, int64_t{16384}, int64_t{65536}, int64_t{200003}}) {
     Tensor x = random_tensor({n}, DType::F32, static_cast<uint64_t>(n), -1e3, 1e3);
     // Specials and halfway cases of the rounding.
     const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
@@ -117,6 +123,58 @@ TEST(Convert, ChunkedOnThreadsIsTensorTo) {
       const Tensor strided = x.reshape({n, 1}).transpose(0, 1);
       EXPECT_TRUE(
           same_bits(nn::detail::convert(ctx, strided, DType::BF16), strided.to(DType::BF16)));
+    }
+  }
+}
+
+TEST(Accumulate, SplitOnThreadsIsTheElementwiseLoop) {
+  for (const int64_t n :
+       {int64_t{1}, int64_t{100}, int64_t{16383}, int64_t{16384}, int64_t{40001}}) {
+    for (const DType src : {DType::F32, DType::BF16}) {
+      const Tensor g =
+          random_tensor({n}, DType::F32, static_cast<uint64_t>(7 + n), -10, 10).to(src);
+      const Tensor grad0 = random_tensor({n}, DType::F32, static_cast<uint64_t>(11 + n), -10, 10);
+      Tensor want = grad0.clone();  // grad += g element by element, as the plain loop did
+      for (int64_t i = 0; i < n; ++i)
+        want.data<float>()[i] += static_cast<float>(g.flat(i));
+      for (const int threads : {1, 2, 3, 7}) {
+        Tensor grad = grad0.clone();
+        nn::detail::accumulate(grad, g, threads);
+        EXPECT_TRUE(same_bits(grad, want))
+            << n << " elements of " << dtype_name(src) << ", threads " << threads;
+      }
+    }
+  }
+  // A strided gradient takes the element-by-element path, whatever the threads.
+  const Tensor g = random_tensor({10, 10}, DType::F32, 3, -1, 1).transpose(0, 1);
+  Tensor grad = Tensor::zeros({100}, DType::F32), want = grad.clone();
+  for (int64_t i = 0; i < 100; ++i)
+    want.data<float>()[i] += static_cast<float>(g.flat(i));
+  nn::detail::accumulate(grad, g, 2);
+  EXPECT_TRUE(same_bits(grad, want));
+}
+
+TEST(LayerNormPartials, ChunkByChunkIsTheColumnByColumnSum) {
+  for (const int64_t E : {int64_t{1}, int64_t{7}, int64_t{128}}) {
+    for (const int64_t chunks : {int64_t{1}, int64_t{5}, int64_t{190}}) {
+      const Tensor p = random_tensor({chunks * 2 * E}, DType::F64,
+                                     static_cast<uint64_t>(E * 1000 + chunks), -1e3, 1e3);
+      const double* partial = p.data<double>();
+      std::vector<float> dgamma(static_cast<size_t>(E)), dbeta(static_cast<size_t>(E));
+      cpu::layer_norm_sum_partials_f32(partial, chunks, E, dgamma.data(), dbeta.data());
+      for (int64_t e = 0; e < E; ++e) {
+        double g = 0.0, b = 0.0;  // the chunks in order, one column at a time
+        for (int64_t c = 0; c < chunks; ++c) {
+          g += partial[c * 2 * E + e];
+          b += partial[c * 2 * E + E + e];
+        }
+        EXPECT_EQ(std::bit_cast<uint32_t>(dgamma[static_cast<size_t>(e)]),
+                  std::bit_cast<uint32_t>(static_cast<float>(g)))
+            << "E " << E << " chunks " << chunks << " e " << e;
+        EXPECT_EQ(std::bit_cast<uint32_t>(dbeta[static_cast<size_t>(e)]),
+                  std::bit_cast<uint32_t>(static_cast<float>(b)))
+            << "E " << E << " chunks " << chunks << " e " << e;
+      }
     }
   }
 }
