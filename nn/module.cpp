@@ -70,56 +70,55 @@ void add_range(T* dst, const uint16_t* src, int64_t i0, int64_t i1) {
     dst[i] += static_cast<T>(bf16_to_float(src[i]));
 }
 
-// Ranges of whole cache lines, one per thread, for gradients large enough to pay for a fork: a
-// weight gradient is a few hundred KiB that the backward's activations have pushed out of the
-// caches, added at memory speed while the other threads had nothing to do (about 1% of a
-// training step at 2 threads). Elementwise, so the same bits for any split.
-constexpr int64_t kAccumulatePerThread = int64_t{1} << 13;
+// The elementwise loops below (accumulate, convert) run in tasks of 8K elements (16-32 KiB each
+// side) on the threads when there are two or more: a weight gradient or a weight matrix of a few
+// hundred KiB, which the backward's activations have pushed out of the caches, is worth a fork
+// from 16K elements (a 128 x 128 projection). On one thread, the weight gradients' accumulation
+// took ~1% of a training step at 2 threads and the bf16 weight conversions ~0.5% of a bf16 step
+// while the other thread waited. Elementwise, so the same bits for any split.
+constexpr int64_t kElementsPerTask = int64_t{1} << 13;
 
-template <typename T, typename S>
-void add_all(T* dst, const S* src, int64_t n, int threads) {
-  const int team = static_cast<int>(std::clamp<int64_t>(n / kAccumulatePerThread, 1, threads));
-  const int64_t share = (n + team - 1) / team, step = (share + 15) / 16 * 16;
-  cpu::parallel_for(team, team, [&](int64_t k) {
-    add_range(dst, src, std::min(n, k * step), std::min(n, (k + 1) * step));
+// f(i0, i1) for the tasks' ranges of [0, n), on up to `threads` threads (one task: the caller).
+template <class F>
+void for_tasks(int64_t n, int threads, F&& f) {
+  const int64_t tasks = (n + kElementsPerTask - 1) / kElementsPerTask;
+  cpu::parallel_for(tasks, static_cast<int>(std::min<int64_t>(threads, tasks)), [&](int64_t t) {
+    f(t * kElementsPerTask, std::min(n, (t + 1) * kElementsPerTask));
   });
 }
 
 template <typename T>
 void accumulate_typed(T* dst, const Tensor& g, int threads) {
+  const int64_t n = g.numel();
   if (g.dtype() == dtype_of<T>() && g.is_contiguous()) {
-    add_all(dst, g.data<T>(), g.numel(), threads);
+    const T* src = g.data<T>();
+    for_tasks(n, threads, [&](int64_t i0, int64_t i1) { add_range(dst, src, i0, i1); });
   } else if (g.dtype() == DType::BF16 && g.is_contiguous()) {
-    add_all(dst, static_cast<const uint16_t*>(g.raw_data()), g.numel(), threads);
+    const auto* src = static_cast<const uint16_t*>(g.raw_data());
+    for_tasks(n, threads, [&](int64_t i0, int64_t i1) { add_range(dst, src, i0, i1); });
   } else {
-    for (int64_t i = 0; i < g.numel(); ++i)
+    for (int64_t i = 0; i < n; ++i)
       dst[i] += static_cast<T>(g.flat(i));
   }
 }
 }  // namespace
 
 Tensor convert(const Context& ctx, const Tensor& x, DType dtype) {
-  // Elements per task: 16-32 KiB each side, so that a weight matrix of 16K elements (a 128 x 128
-  // projection, converted to bf16 at every forward under autocast) is split too: converted on
-  // one thread, the model's weights took ~0.5% of a bf16 training step while the other waited.
-  constexpr int64_t kChunk = int64_t{1} << 13;
   const int64_t n = x.numel();
   const bool floats = (x.dtype() == DType::F32 && dtype == DType::BF16) ||
                       (x.dtype() == DType::BF16 && dtype == DType::F32);
   const int threads = ctx.resolved_threads();
-  if (!floats || threads < 2 || n < 2 * kChunk || !x.is_contiguous()) return x.to(dtype);
+  if (!floats || threads < 2 || n < 2 * kElementsPerTask || !x.is_contiguous()) return x.to(dtype);
   Tensor out = Tensor::empty(x.shape(), dtype);
   auto* src = static_cast<const std::byte*>(x.raw_data());
   auto* dst = static_cast<std::byte*>(out.raw_data());
   const int64_t in_size = x.dtype() == DType::F32 ? 4 : 2, out_size = 6 - in_size;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t a = c * kChunk, len = std::min(kChunk, n - a);
-    // Views of the chunk: contiguous on both sides, so copy_from takes the bulk conversion.
-    Tensor to = Tensor::wrap(dst + a * out_size, {len}, dtype);
-    to.copy_from(Tensor::wrap(const_cast<std::byte*>(src) + a * in_size, {len}, x.dtype()));
-  }
+  for_tasks(n, threads, [&](int64_t i0, int64_t i1) {
+    // Views of the task's range: contiguous on both sides, so copy_from takes the bulk
+    // conversion.
+    Tensor to = Tensor::wrap(dst + i0 * out_size, {i1 - i0}, dtype);
+    to.copy_from(Tensor::wrap(const_cast<std::byte*>(src) + i0 * in_size, {i1 - i0}, x.dtype()));
+  });
   return out;
 }
 
