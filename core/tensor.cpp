@@ -422,8 +422,6 @@ Tensor Tensor::select(int d, int64_t index) const {
   return t;
 }
 
-namespace {
-
 // The bulk float32 <-> bfloat16 conversions (mixed precision converts activations and gradients
 // this way at every linear layer). GCC compiles each loop once per listed target and picks one
 // at load time (ifunc): the baseline x86-64 build vectorises them with SSE2 only, and AVX-512
@@ -458,8 +456,6 @@ ATTN_CONVERT_CLONES void bf16_to_floats(const uint16_t* x, float* y, int64_t n) 
 }
 
 #undef ATTN_CONVERT_CLONES
-
-}  // namespace
 
 void Tensor::copy_from(const Tensor& src) {
   require_host("Tensor::copy_from");

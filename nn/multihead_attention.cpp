@@ -209,6 +209,7 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
                       same_tensor(values, values_read);
   saved_.path = fused ? (packed ? Path::kPackedFused : Path::kFused)
                       : (packed ? Path::kPackedHeads : Path::kHeads);
+  saved_.seams = bf16_seams && detail::autocasts(ctx, dtype_);
   saved_.compute_dtype = fused ? cdt : dtype_;
   if (fused) return forward_fused(ctx, queries, keys_read, values_read, o);
   return forward_heads(ctx, queries, keys_read, values_read, valid_lens);
@@ -256,7 +257,8 @@ Tensor MultiHeadAttention::forward_fused(Context& ctx, const Tensor& queries, co
   saved_.core_options = o;
   saved_.core = attn::detail::multi_head_attention_forward(ctx, saved_.Q, saved_.K, saved_.V,
                                                            num_heads_, o);  // O (B, T, E)
-  return detail::convert(ctx, W_o.forward(ctx, saved_.core.output), dtype_);
+  const Tensor out = W_o.forward(ctx, saved_.core.output);
+  return saved_.seams ? out : detail::convert(ctx, out, dtype_);
 }
 
 // kHeads, kPackedHeads: d2l's transpose_qkv to head copies (B*H, T|S, D), DotProductAttention
@@ -281,7 +283,10 @@ Tensor MultiHeadAttention::forward_heads(Context& ctx, const Tensor& queries, co
 AttentionInputGrads MultiHeadAttention::backward(Context& ctx, const Tensor& dout) {
   const char* op = "MultiHeadAttention::backward";
   check(B_ > 0 || T_ > 0, op, "called before forward");
-  check(dout.shape() == Shape({B_, T_, num_hiddens_}) && dout.dtype() == dtype_, op,
+  // (With bf16_seams under autocast, dout may be bf16: W_o's backward rounds it to bf16 anyway.)
+  const bool bf16_dout =
+      bf16_seams && detail::autocasts(ctx, dtype_) && dout.defined() && dout.dtype() == DType::BF16;
+  check(dout.shape() == Shape({B_, T_, num_hiddens_}) && (dout.dtype() == dtype_ || bf16_dout), op,
         "dout has shape {} and dtype {}, expected {} and {}", shape_arg(dout.shape()),
         dtype_name(dout.dtype()), shape_arg({B_, T_, num_hiddens_}), dtype_name(dtype_));
   // forward: out = W_o(concat)
@@ -327,7 +332,8 @@ AttentionInputGrads MultiHeadAttention::backward_packed(Context& ctx, const Tens
     if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E), threads);
     ++i;
   }
-  if (self_attention_input_grad) return {detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};
+  if (self_attention_input_grad)
+    return {saved_.seams ? lg.dx : detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};
   // The three input gradients separately (d2l's contract): dqueries = dQ W_q, and so on, with
   // the weights the forward used (W_qkv_'s rows).
   auto input_grad = [&](const Tensor& dY, int64_t part) {

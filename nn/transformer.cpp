@@ -28,6 +28,12 @@ TransformerEncoderBlock::TransformerEncoderBlock(int64_t num_hiddens, int64_t ff
   // The block only needs the sum dX = dQ + dK + dV of the attention's input gradients: the
   // attention returns it as one tensor (one GEMM on the packed projection; same math).
   attention.self_attention_input_grad = true;
+  // Under autocast the sublayers' outputs and input gradients stay bf16 at the seams, where the
+  // fused AddNorm widens and rounds them on its own pass (the same bits as converting the float
+  // tensors; no pass and no parallel region of their own). Off autocast nothing changes.
+  attention.bf16_seams = true;
+  addnorm1.bf16_seams = true;
+  addnorm2.bf16_seams = true;
 }
 
 std::vector<std::pair<std::string, Parameter*>> TransformerEncoderBlock::named_parameters() {
@@ -56,7 +62,9 @@ Tensor TransformerEncoderBlock::forward(Context& ctx, const Tensor& X, const Ten
   // Self-attention: queries, keys and values are all X. Dropout order: attention weights, then
   // addnorm1's Y, then addnorm2's Y.
   Tensor Y = addnorm1.forward(ctx, X, attention.forward(ctx, X, X, X, valid_lens));
-  return addnorm2.forward(ctx, Y, ffn.forward(ctx, Y));
+  // Under autocast the FFN reads Y rounded to bf16, as its first Linear would round it.
+  const Tensor& Y_ffn = addnorm1.output_bf16().defined() ? addnorm1.output_bf16() : Y;
+  return addnorm2.forward(ctx, Y, ffn.forward(ctx, Y_ffn));
 }
 
 Tensor TransformerEncoderBlock::backward(Context& ctx, const Tensor& dout) {

@@ -151,15 +151,17 @@ void PositionWiseFFN::train(bool on) {
 }
 
 Tensor PositionWiseFFN::forward(Context& ctx, const Tensor& X) {
-  detail::check_input("PositionWiseFFN", "X", X, 0, dtype_);
+  const bool autocast = detail::autocasts(ctx, dtype_);
+  const bool x_bf16 = autocast && X.defined() && X.dtype() == DType::BF16;
+  detail::check_input("PositionWiseFFN", "X", X, 0, x_bf16 ? DType::BF16 : dtype_);
   // Under autocast the hidden layer stays bf16 from dense1's product to dense2's: relu commutes
   // with the rounding (it keeps a value or gives 0), so these are the bits of the float32 round
   // trip (dense1's y widened, relu, rounded again in dense2) without its two conversions. The
   // backward follows: dense2's dx comes back bf16 (its input was), relu_backward in bf16, and
   // dense1 takes the bf16 dy as it would have rounded the float32 one.
-  const DType hidden_dtype = detail::autocasts(ctx, dtype_) ? DType::BF16 : dtype_;
+  const DType hidden_dtype = autocast ? DType::BF16 : dtype_;
   hidden_ = dense1.forward(ctx, X, hidden_dtype);  // (..., F)
-  return dense2.forward(ctx, relu(ctx, hidden_), dtype_);
+  return dense2.forward(ctx, relu(ctx, hidden_), x_bf16 ? DType::BF16 : dtype_);
 }
 
 Tensor PositionWiseFFN::backward(Context& ctx, const Tensor& dout) {
@@ -191,20 +193,30 @@ void AddNorm::train(bool on) {
 Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   const char* op = "AddNorm";
   detail::check_input(op, "X", X, 0, dtype_);
-  detail::check_input(op, "Y", Y, 0, dtype_);
+  const bool autocast = detail::autocasts(ctx, dtype_);
+  if (autocast && Y.defined() && Y.dtype() == DType::BF16) {
+    detail::check_input(op, "Y", Y, 0, DType::BF16);
+  } else {
+    detail::check_input(op, "Y", Y, 0, dtype_);
+  }
   check(X.shape() == Y.shape(), op, "X {} and Y {} must have the same shape", shape_arg(X.shape()),
         shape_arg(Y.shape()));
   check_dropout(op, dropout);
   // Dropout acts on the sublayer output Y only, never on the residual X (d2l).
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) dropout_offset_ = ctx.next_dropout_offset();
+  seams_ = autocast && bf16_seams;
+  out_bf16_ = Tensor();
   // float32 on the CPU fast path: one fused pass per chunk of rows (kernels/cpu/add_norm.hpp),
   // bitwise the separate ops below. Other cases (and a shape LayerNorm rejects) run those ops.
   const int64_t E = ln.weight.value.dim(0);
   fused_ = ctx.backend != Backend::kReference && dtype_ == DType::F32 && X.dim(-1) == E;
   if (!fused_) {
-    Tensor Yd = dropped_ ? attn::dropout(ctx, Y, dropout, ctx.seed, dropout_offset_) : Y;
-    return ln.forward(ctx, detail::add_all({Yd, X}));
+    const Tensor Yf = Y.to(dtype_);
+    Tensor Yd = dropped_ ? attn::dropout(ctx, Yf, dropout, ctx.seed, dropout_offset_) : Yf;
+    Tensor out = ln.forward(ctx, detail::add_all({Yd, X}));
+    if (seams_) out_bf16_ = detail::convert(ctx, out, DType::BF16);
+    return out;
   }
   const Tensor Xc = X.contiguous(), Yc = Y.contiguous();
   const int64_t R = X.numel() / E;
@@ -218,11 +230,18 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
     keep_.resize(static_cast<size_t>(X.numel()));
     drop.keep = keep_.data();
   }
+  cpu::AddNormBf16 bf16;
+  const bool y_bf16 = Yc.dtype() == DType::BF16;
+  if (y_bf16) bf16.y = static_cast<const uint16_t*>(Yc.raw_data());
+  if (seams_) {
+    out_bf16_ = Tensor::empty(X.shape(), DType::BF16);
+    bf16.out = static_cast<uint16_t*>(out_bf16_.raw_data());
+  }
   const Tensor gamma = ln.weight.value.contiguous(), beta = ln.bias.value.contiguous();
-  cpu::add_norm_forward_f32(Xc.data<float>(), Yc.data<float>(), gamma.data<float>(),
-                            beta.data<float>(), z_.data<float>(), out.data<float>(),
-                            mean_.data<float>(), rstd_.data<float>(), R, E, ln.eps,
-                            dropped_ ? &drop : nullptr, ctx.resolved_threads());
+  cpu::add_norm_forward_f32(Xc.data<float>(), y_bf16 ? nullptr : Yc.data<float>(),
+                            gamma.data<float>(), beta.data<float>(), z_.data<float>(),
+                            out.data<float>(), mean_.data<float>(), rstd_.data<float>(), R, E,
+                            ln.eps, dropped_ ? &drop : nullptr, ctx.resolved_threads(), &bf16);
   return out;
 }
 
@@ -233,6 +252,7 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
     Tensor dZ = ln.backward(ctx, dout);
     g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
     g.dX = dZ;
+    if (seams_) g.dY = detail::convert(ctx, g.dY, DType::BF16);
     return g;
   }
   const char* op = "AddNorm::backward";
@@ -240,7 +260,13 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   const Tensor doutc = dout.contiguous();
   const int64_t E = z_.dim(-1), R = z_.numel() / E;
   g.dX = Tensor::empty(z_.shape(), DType::F32);
-  g.dY = dropped_ ? Tensor::empty(z_.shape(), DType::F32) : g.dX;
+  cpu::AddNormBf16 bf16;
+  if (seams_) {
+    g.dY = Tensor::empty(z_.shape(), DType::BF16);
+    bf16.dy = static_cast<uint16_t*>(g.dY.raw_data());
+  } else {
+    g.dY = dropped_ ? Tensor::empty(z_.shape(), DType::F32) : g.dX;
+  }
   Tensor dgamma = Tensor::empty({E}, DType::F32), dbeta = Tensor::empty({E}, DType::F32);
   // The forward's mask (keep_) and p; the stream is not drawn again.
   cpu::AddNormDropout drop;
@@ -249,9 +275,9 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   const Tensor gamma = ln.weight.value.contiguous();
   cpu::add_norm_backward_f32(doutc.data<float>(), z_.data<float>(), gamma.data<float>(),
                              mean_.data<float>(), rstd_.data<float>(), g.dX.data<float>(),
-                             dropped_ ? g.dY.data<float>() : nullptr, dgamma.data<float>(),
-                             dbeta.data<float>(), R, E, dropped_ ? &drop : nullptr,
-                             ctx.resolved_threads());
+                             dropped_ && !seams_ ? g.dY.data<float>() : nullptr,
+                             dgamma.data<float>(), dbeta.data<float>(), R, E,
+                             dropped_ ? &drop : nullptr, ctx.resolved_threads(), &bf16);
   detail::accumulate(ln.weight.grad, dgamma);
   detail::accumulate(ln.bias.grad, dbeta);
   return g;

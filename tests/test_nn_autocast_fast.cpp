@@ -9,11 +9,17 @@
 //   - Linear::forward(ctx, x, BF16) on a float32 x is Linear::forward(ctx, x) rounded to bf16;
 //   - PositionWiseFFN under autocast, whose hidden layer stays bf16 from dense1 to dense2, is the
 //     float32 round trip (dense1's y widened, relu in float32, rounded again by dense2) that it
-//     replaced, output and every gradient.
+//     replaced, output and every gradient;
+//   - the bf16 seams of a TransformerEncoderBlock (its sublayers' bf16 outputs and gradients
+//     handed on as bf16, widened and rounded inside the fused AddNorm and add_all): AddNorm with a
+//     bf16 Y and its bf16 output and dY are the float32 AddNorm's values converted, add_all widens
+//     a bf16 term as .to(F32) would, the FFN on a bf16 input is the FFN on the float32 one, and a
+//     whole block with the seams on is the block with them off, output and every gradient.
 #include "attn/nn/module.hpp"
 #include "attn/nn/transformer.hpp"
 #include "attn/ops/activation.hpp"
 #include "nn/internal.hpp"
+#include "nn/transformer_internal.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -182,6 +188,145 @@ TEST(AutocastFast, FfnWithBf16HiddenIsTheFloat32RoundTrip) {
     expect_same_bits(ffn.dense1.bias.grad, old.dense1.bias.grad, "dense1.bias.grad");
     expect_same_bits(ffn.dense2.weight.grad, old.dense2.weight.grad, "dense2.weight.grad");
     expect_same_bits(ffn.dense2.bias.grad, old.dense2.bias.grad, "dense2.bias.grad");
+  }
+}
+
+// AddNorm under autocast with bf16_seams and a bf16 Y, against the float32 AddNorm on Y.to(F32):
+// the same output; output_bf16() its rounding; dX the same and dY (bf16) the float dY rounded; the
+// same LayerNorm gradients. Over chunk boundaries and the parallel split, with and without
+// dropout. Without autocast the flag changes nothing.
+TEST(AutocastFast, AddNormSeamsAreTheFloat32Conversions) {
+  const int64_t B = 4, T = 301, E = 32;  // 1204 rows: 19 chunks of 64, 38528 elements (parallel)
+  const Tensor X = random_tensor({B, T, E}, DType::F32, 31);
+  const Tensor Y = random_tensor({B, T, E}, DType::F32, 32).to(DType::BF16);
+  const Tensor dout = random_tensor({B, T, E}, DType::F32, 33);
+  for (double p : {0.0, 0.3}) {
+    for (int threads : {1, 2}) {
+      auto make = [&](bool seams) {
+        nn::AddNorm an(E, p, DType::F32);
+        an.ln.weight.value = random_tensor({E}, DType::F32, 21, 0.5, 1.5);
+        an.ln.bias.value = random_tensor({E}, DType::F32, 22);
+        an.train(true);
+        an.bf16_seams = seams;
+        return an;
+      };
+      const std::string what = "p " + std::to_string(p) + ", threads " + std::to_string(threads);
+      Context c1, c2;
+      c1.threads = c2.threads = threads;
+      c1.autocast_bf16 = c2.autocast_bf16 = true;
+      c1.seed = c2.seed = 7;
+      nn::AddNorm seams = make(true), plain = make(false);
+      const Tensor out = seams.forward(c1, X, Y);
+      const Tensor out_plain = plain.forward(c2, X, Y.to(DType::F32));
+      expect_same_bits(out, out_plain, what + ": output");
+      ASSERT_TRUE(seams.output_bf16().defined()) << what;
+      EXPECT_FALSE(plain.output_bf16().defined()) << what;
+      expect_same_bits(seams.output_bf16(), out_plain.to(DType::BF16), what + ": output_bf16");
+      const nn::AddNormGrads g = seams.backward(c1, dout);
+      const nn::AddNormGrads g_plain = plain.backward(c2, dout);
+      expect_same_bits(g.dX, g_plain.dX, what + ": dX");
+      ASSERT_EQ(g.dY.dtype(), DType::BF16) << what;
+      expect_same_bits(g.dY, g_plain.dY.to(DType::BF16), what + ": dY");
+      expect_same_bits(seams.ln.weight.grad, plain.ln.weight.grad, what + ": dgamma");
+      expect_same_bits(seams.ln.bias.grad, plain.ln.bias.grad, what + ": dbeta");
+    }
+  }
+  // Off autocast: a float32 dY and no bf16 output, and a bf16 Y is an error naming AddNorm.
+  Context ctx;
+  nn::AddNorm an(E, 0.0, DType::F32);
+  an.bf16_seams = true;
+  an.forward(ctx, X, Y.to(DType::F32));
+  EXPECT_FALSE(an.output_bf16().defined());
+  EXPECT_EQ(an.backward(ctx, dout).dY.dtype(), DType::F32);
+  try {
+    an.forward(ctx, X, Y);
+    FAIL() << "a bf16 Y without autocast was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("AddNorm"), std::string::npos) << e.what();
+  }
+}
+
+// add_all with bf16 terms after a float32 one: each widened as it is added, the sum of the
+// .to(F32) terms, over several parallel chunks and with a strided term.
+TEST(AutocastFast, AddAllWidensBf16Terms) {
+  const int64_t n = 3 * (int64_t{1} << 14) + 5;
+  const Tensor a = random_tensor({n}, DType::F32, 41);
+  const Tensor b = special_bf16(n, 42);
+  const Tensor wide = special_bf16(2 * n, 43);
+  const Tensor c = wide.reshape({n, 2}).select(1, 1);  // stride 2
+  for (int threads : {1, 2, 3}) {
+    expect_same_bits(nn::detail::add_all({a, b}, threads),
+                     nn::detail::add_all({a, b.to(DType::F32)}, threads), "a + b");
+    expect_same_bits(nn::detail::add_all({a, b, c}, threads),
+                     nn::detail::add_all({a, b.to(DType::F32), c.to(DType::F32)}, threads),
+                     "a + b + c");
+  }
+  EXPECT_THROW(nn::detail::add_all({b, a}), Error);  // bf16 first: not a float32 sum
+}
+
+// The FFN under autocast on a bf16 input: dense1 reads it as it would have rounded the float32
+// input, so the output (bf16) and dX (bf16) are the float32-input values rounded (exactly: both
+// are bf16 results widened there), and the weight gradients are the same.
+TEST(AutocastFast, FfnOnBf16InputIsTheFfnOnTheFloat32Input) {
+  const int64_t B = 3, T = 11, E = 32, F = 64;
+  Context ctx;
+  ctx.threads = 2;
+  ctx.autocast_bf16 = true;
+  nn::PositionWiseFFN a(F, E, DType::F32, 9), b(F, E, DType::F32, 9);
+  const Tensor X = random_tensor({B, T, E}, DType::F32, 21);
+  const Tensor dout = random_tensor({B, T, E}, DType::F32, 22);
+  const Tensor y = a.forward(ctx, X);
+  const Tensor y_bf16 = b.forward(ctx, X.to(DType::BF16));
+  ASSERT_EQ(y_bf16.dtype(), DType::BF16);
+  expect_same_bits(y_bf16.to(DType::F32), y, "output");
+  const Tensor dX = a.backward(ctx, dout);
+  const Tensor dX_bf16 = b.backward(ctx, dout.to(DType::BF16));
+  ASSERT_EQ(dX_bf16.dtype(), DType::BF16);
+  expect_same_bits(dX_bf16.to(DType::F32), dX, "dX");
+  expect_same_bits(a.dense1.weight.grad, b.dense1.weight.grad, "dense1.weight.grad");
+  expect_same_bits(a.dense2.weight.grad, b.dense2.weight.grad, "dense2.weight.grad");
+  expect_same_bits(a.dense2.bias.grad, b.dense2.bias.grad, "dense2.bias.grad");
+}
+
+// A TransformerEncoderBlock under autocast with its bf16 seams (the default) against the same
+// block with them off (every sublayer output and gradient widened to float32 between the
+// sublayers, as before): output, dX and every parameter gradient bit for bit. Padded batch,
+// dropout, 1 and 2 threads.
+TEST(AutocastFast, EncoderBlockSeamsChangeNoBit) {
+  const int64_t B = 4, T = 40, E = 32, H = 4, F = 64;
+  const Tensor X = random_tensor({B, T, E}, DType::F32, 51);
+  const Tensor dout = random_tensor({B, T, E}, DType::F32, 52);
+  const Tensor valid_lens = Tensor::from_vector(std::vector<float>{40, 23, 31, 9}, {B});
+  for (int threads : {1, 2}) {
+    auto run = [&](bool seams, Tensor& out, Tensor& dX) {
+      Context ctx;
+      ctx.threads = threads;
+      ctx.autocast_bf16 = true;
+      ctx.seed = 3;
+      auto blk = std::make_unique<nn::TransformerEncoderBlock>(E, F, H, 0.1, true, DType::F32, 11);
+      blk->attention.bf16_seams = seams;
+      blk->addnorm1.bf16_seams = seams;
+      blk->addnorm2.bf16_seams = seams;
+      blk->train(true);
+      out = blk->forward(ctx, X, valid_lens);
+      dX = blk->backward(ctx, dout);
+      return blk;
+    };
+    Tensor out_on, dX_on, out_off, dX_off;
+    auto on = run(true, out_on, dX_on);
+    auto off = run(false, out_off, dX_off);
+    const std::string what = "threads " + std::to_string(threads);
+    ASSERT_TRUE(on->addnorm1.output_bf16().defined()) << "the seams were not taken";
+    ASSERT_FALSE(off->addnorm1.output_bf16().defined());
+    ASSERT_EQ(out_on.dtype(), DType::F32);
+    ASSERT_EQ(dX_on.dtype(), DType::F32);
+    expect_same_bits(out_on, out_off, what + ": output");
+    expect_same_bits(dX_on, dX_off, what + ": dX");
+    const auto p_on = on->named_parameters(), p_off = off->named_parameters();
+    ASSERT_EQ(p_on.size(), p_off.size());
+    for (size_t i = 0; i < p_on.size(); ++i)
+      expect_same_bits(p_on[i].second->grad, p_off[i].second->grad,
+                       what + ": " + p_on[i].first + ".grad");
   }
 }
 

@@ -2,6 +2,7 @@
 // LayerNorm backward + dropout backward from the saved mask, with the separate ops' arithmetic.
 #include "kernels/cpu/add_norm.hpp"
 
+#include "attn/core/dtype.hpp"
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/layer_norm_simd.hpp"
@@ -40,32 +41,48 @@ int64_t row_chunks(int64_t R) {
 
 void add_norm_forward_f32(const float* x, const float* y, const float* gamma, const float* beta,
                           float* z, float* out, float* mean, float* rstd, int64_t R, int64_t E,
-                          double eps, const AddNormDropout* drop, int threads) {
+                          double eps, const AddNormDropout* drop, int threads,
+                          const AddNormBf16* bf16) {
   const bool dropping = drop != nullptr && drop->p > 0.0;
   const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
+  const uint16_t* y_bf16 = bf16 != nullptr ? bf16->y : nullptr;
+  uint16_t* out_bf16 = bf16 != nullptr ? bf16->out : nullptr;
   const int64_t chunks = row_chunks(R);
   parallel_for(chunks, R * E >= kParallelMin ? threads : 1, [&](int64_t c) {
     const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
-    const int64_t begin = r0 * E, end = r1 * E;
+    const int64_t begin = r0 * E, end = r1 * E, n = end - begin;
+    // The chunk's y as floats: y itself, or the bf16 y widened into a buffer of the thread's.
+    const float* yc = y != nullptr ? y + begin : nullptr;
+    if (y_bf16 != nullptr) {
+      thread_local std::vector<float> widened;
+      widened.resize(static_cast<size_t>(n));
+      bf16_to_floats(y_bf16 + begin, widened.data(), n);
+      yc = widened.data();
+    }
     if (dropping) {
       // z = dropout(y) + x: add_all({dropout(Y), X})'s float sum of dropout_f32's output.
       dropout_keep_range(drop->keep, begin, end, dc.threshold, drop->seed, drop->offset,
                          drop->index_base);
-      dropout_apply_keep_f32(y, drop->keep, x, z, begin, end, dc.scale);
+      dropout_apply_keep_f32(yc, drop->keep + begin, x + begin, z + begin, 0, n, dc.scale);
     } else {
+      const float* xc = x + begin;
+      float* zc = z + begin;
 #pragma omp simd
-      for (int64_t i = begin; i < end; ++i)
-        z[i] = y[i] + x[i];
+      for (int64_t i = 0; i < n; ++i)
+        zc[i] = yc[i] + xc[i];
     }
     layer_norm_forward_rows_f32(z, gamma, beta, out, mean, rstd, r0, r1, E, eps);
+    if (out_bf16 != nullptr) floats_to_bf16(out + begin, out_bf16 + begin, n);
   });
 }
 
 void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
                            const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
-                           int64_t R, int64_t E, const AddNormDropout* drop, int threads) {
+                           int64_t R, int64_t E, const AddNormDropout* drop, int threads,
+                           const AddNormBf16* bf16) {
   const bool dropping = drop != nullptr && drop->p > 0.0;
   const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
+  uint16_t* dy_bf16 = bf16 != nullptr ? bf16->dy : nullptr;
   const int64_t chunks = row_chunks(R);
   // Per chunk: its rows' sums of dout * zhat (dgamma) and dout (dbeta) in double, as
   // cpu::layer_norm_backward_f32.
@@ -74,15 +91,29 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
 #pragma omp parallel num_threads(threads) if (R * E >= kParallelMin)
   {
     std::vector<double> scratch(static_cast<size_t>(2 * E));
+    // bf16 dy with dropout: the float dy of a chunk, before its rounding.
+    std::vector<float> dropped(
+        dy_bf16 != nullptr && dropping ? static_cast<size_t>(kLayerNormChunkRows * E) : 0);
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
+      const int64_t begin = r0 * E, n = (r1 - r0) * E;
       double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
       double* db = gamma != nullptr ? dg + E : nullptr;
       layer_norm_backward_rows_f32(dout, z, gamma, mean, rstd, dx, dg, db, scratch.data(), r0, r1,
                                    E);
       // dy = dropout_backward(dz): the forward's mask and scale.
-      if (dropping) dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, r0 * E, r1 * E, dc.scale);
+      if (dy_bf16 != nullptr) {
+        const float* dyc = dx + begin;
+        if (dropping) {
+          dropout_apply_keep_f32(dx + begin, drop->keep + begin, nullptr, dropped.data(), 0, n,
+                                 dc.scale);
+          dyc = dropped.data();
+        }
+        floats_to_bf16(dyc, dy_bf16 + begin, n);
+      } else if (dropping) {
+        dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, begin, begin + n, dc.scale);
+      }
     }
   }
   if (gamma != nullptr) layer_norm_sum_partials_f32(partial.data(), chunks, E, dgamma, dbeta);

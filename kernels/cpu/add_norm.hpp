@@ -29,18 +29,34 @@ struct AddNormDropout {
   uint8_t* keep = nullptr;
 };
 
+// Mixed precision (autocast) at the seams of a block: the sublayer's output arrives in bfloat16
+// and the next linear layer reads this output, and the backward's dy, rounded to bfloat16. The
+// fused pass does those conversions on the chunk while it is in cache, instead of a pass over
+// the whole tensor each (and a parallel region each) before and after. Bits: y widened exactly,
+// out and dy rounded to nearest even as floats_to_bf16 rounds, so the same as converting the
+// float tensors.
+struct AddNormBf16 {
+  const uint16_t* y = nullptr;  // forward: y as bf16 bits (R, E); the float y is then null
+  uint16_t* out = nullptr;      // forward: out rounded to bf16 as well (R, E), or null
+  uint16_t* dy = nullptr;       // backward: dy as bf16 (R, E) instead of float (the float dy
+                                // is then null); with no drop, dy = dz rounded
+};
+
 // x, y (R, E) -> z = dropout(y) + x (saved for the backward), out = LayerNorm(z) (R, E),
 // mean, rstd (R). gamma, beta (E) or both null. drop null: z = y + x (eval, or p == 0).
 // x, y, z, out must not overlap.
 void add_norm_forward_f32(const float* x, const float* y, const float* gamma, const float* beta,
                           float* z, float* out, float* mean, float* rstd, int64_t R, int64_t E,
-                          double eps, const AddNormDropout* drop, int threads);
+                          double eps, const AddNormDropout* drop, int threads,
+                          const AddNormBf16* bf16 = nullptr);
 
 // dout (R, E), the forward's z, mean, rstd -> dx = dz (R, E); dy = dropout(dz) (R, E) when drop is
 // given (its p and the keep mask its forward wrote; else dy is unused: the gradient for y is dz
-// itself); dgamma, dbeta (E) when gamma is given. dout, dx, dy must not overlap.
+// itself); dgamma, dbeta (E) when gamma is given. dout, dx, dy must not overlap. bf16->dy: dy in
+// bf16 instead (also without drop).
 void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
                            const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
-                           int64_t R, int64_t E, const AddNormDropout* drop, int threads);
+                           int64_t R, int64_t E, const AddNormDropout* drop, int threads,
+                           const AddNormBf16* bf16 = nullptr);
 
 }  // namespace attn::cpu

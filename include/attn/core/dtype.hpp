@@ -86,6 +86,12 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// The same for n contiguous values, vectorised (every element the bits of the scalar functions
+// above). Tensor::copy_from converts with these; fused kernels that write or read a bf16 copy
+// of their float data use them too, so that both give the same bits.
+void floats_to_bf16(const float* x, uint16_t* y, int64_t n);
+void bf16_to_floats(const uint16_t* x, float* y, int64_t n);
+
 // IEEE binary16 <-> float, round to nearest even, with subnormals, infinities and NaN.
 float f16_to_float(uint16_t h);
 uint16_t float_to_f16(float f);

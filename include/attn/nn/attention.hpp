@@ -119,6 +119,12 @@ class MultiHeadAttention : public Module {
   // whose sum it is. Saves two (B, T, E) GEMM outputs and the caller's sum; off by default
   // (d2l's contract). Ignored (three terms returned) when queries, keys, values differ.
   bool self_attention_input_grad = false;
+  // Under autocast (a float32 module, Context::autocast_bf16) only; off by default: when set, the
+  // output stays in bf16 where the fused path computes it in bf16 (W_o's rounding, not widened
+  // to float32), backward also takes dout in bf16, and with self_attention_input_grad the input
+  // gradient comes back in bf16 (the projection's rounding). The next layer widens exactly, so
+  // the values are the same; TransformerEncoderBlock sets it, and its AddNorm reads the bf16.
+  bool bf16_seams = false;
   // Sequence parallelism (not in d2l; null by default): when set, queries, keys, values (and a
   // per-query valid_lens (B, T_local)) are this rank's shard of the sequence, cut as ring_shard
   // cuts it (attn/ops/ring_attention.hpp; layout `sequence_layout`, default zigzag when causal),
@@ -153,6 +159,7 @@ class MultiHeadAttention : public Module {
     // The dtype the projections and the core computed in: the module's, or BF16 for a float32
     // module under Context::autocast_bf16 (fused paths).
     DType compute_dtype = DType::F32;
+    bool seams = false;    // bf16_seams under autocast at this forward
     Tensor Q, K, V;        // fused: (B, T|S, E) projections (slices of one (B, T, 3E) when packed);
                            // ring: head copies (B*H, T_local, D)
     Tensor X;              // packed: the input in the compute dtype

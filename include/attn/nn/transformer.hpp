@@ -69,7 +69,9 @@ class LayerNorm : public Module {
 };
 
 // d2l PositionWiseFFN(ffn_num_hiddens, ffn_num_outputs): dense2(relu(dense1(X))), both
-// LazyLinear with biases. X (..., in) -> (..., ffn_num_outputs).
+// LazyLinear with biases. X (..., in) -> (..., ffn_num_outputs). Under autocast X may also be
+// bfloat16 (as a Linear's input may): the output then stays bf16 (dense2's rounding, not
+// widened), as does dX, and dout may be either.
 class PositionWiseFFN : public Module {
  public:
   PositionWiseFFN(int64_t ffn_num_hiddens, int64_t ffn_num_outputs, DType dtype = DType::F32,
@@ -91,6 +93,8 @@ struct AddNormGrads {
 };
 
 // d2l AddNorm(norm_shape, dropout): ln(dropout(Y) + X). X, Y (..., E) -> (..., E).
+// Under autocast (a float32 module, Context::autocast_bf16) Y may also be bfloat16, a sublayer's
+// bf16 output: it is widened exactly, so the result is that of Y.to(F32).
 class AddNorm : public Module {
  public:
   AddNorm(int64_t norm_shape, double dropout, DType dtype = DType::F32);
@@ -99,10 +103,20 @@ class AddNorm : public Module {
   AddNormGrads backward(Context& ctx, const Tensor& dout);
   void train(bool on = true) override;
 
+  // Under autocast the next layer reads this output, and the sublayer its gradient, in bf16.
+  // When set (TransformerEncoderBlock sets it), forward also keeps the output rounded to bf16
+  // (output_bf16(); the bits of forward(...).to(BF16)) and backward returns dY in bf16 (the
+  // bits of the float dY rounded), both from the fused pass instead of a pass of their own.
+  // Without autocast it changes nothing.
+  bool bf16_seams = false;
+  const Tensor& output_bf16() const { return out_bf16_; }
+
   LayerNorm ln;
   double dropout;
 
  private:
+  Tensor out_bf16_;
+  bool seams_ = false;  // bf16_seams under autocast, for this forward and its backward
   bool dropped_ = false;
   uint64_t dropout_offset_ = 0;
   // The fused float32 CPU path (kernels/cpu/add_norm.hpp) keeps its own saved state: the sum Z,
