@@ -8,13 +8,15 @@
 // (nn/optim.cpp).
 // The first three are elementwise or keep each sum's order, so they must give the old bits for
 // every thread count; clip_grad_norm's 8-lane sum changes the order, so it is checked against an
-// exact (long double) sum within double rounding, and for its NaN / Inf rules.
+// exact (long double) sum within double rounding, and for its NaN / Inf rules, and its tasks of
+// 16K elements (threaded) for the same bits on 1, 2 and 3 threads.
 #include "attn/core/context.hpp"
 #include "attn/nn/optim.hpp"
 #include "attn/nn/positional.hpp"
 #include "attn/ops/embedding.hpp"
 #include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/matmul.hpp"
+#include "kernels/cpu/parallel.hpp"
 #include "nn/internal.hpp"
 #include "nn/transformer_internal.hpp"
 #include "testing.hpp"
@@ -298,6 +300,48 @@ TEST(ClipGradNorm, LaneSumIsTheExactSumWithinDoubleRounding) {
   EXPECT_TRUE(std::isinf(nn::clip_grad_norm(named, 1e30)));
   ps[2].grad.set_flat(3, std::numeric_limits<double>::quiet_NaN());
   EXPECT_TRUE(std::isnan(nn::clip_grad_norm(named, 1e30)));
+}
+
+TEST(ClipGradNorm, ThreadsChangeNoBit) {
+  // Gradients cut into several 16K-element tasks (and odd tails), f32, f64 and bf16: the norm, L2
+  // and max, and the clipped gradients are the same bits on 1, 2 and 3 threads, and the L2 norm
+  // is the exact sum within double rounding.
+  struct ForkAtAnySize {  // so that 1, 2 and 3 threads each take their own split here
+    ForkAtAnySize() { cpu::set_min_flops_per_thread(0); }
+    ~ForkAtAnySize() { cpu::set_min_flops_per_thread(cpu::kMinFlopsPerThread); }
+  } fork_at_any_size;
+  const int64_t sizes[] = {40000, 16384, 16385, 3, 70001};
+  const DType dtypes[] = {DType::F32, DType::F32, DType::F64, DType::BF16, DType::F32};
+  auto make = [&](std::vector<nn::Parameter>& ps, nn::NamedParameters& named) {
+    ps.assign(std::size(sizes), nn::Parameter{});
+    named.clear();
+    for (size_t k = 0; k < ps.size(); ++k) {
+      ps[k].value = Tensor::zeros({sizes[k]}, dtypes[k]);
+      ps[k].grad = random_tensor({sizes[k]}, DType::F32, 40 + k, -1, 1).to(dtypes[k]);
+      named.emplace_back("p" + std::to_string(k), &ps[k]);
+    }
+  };
+  std::vector<nn::Parameter> one_ps;
+  nn::NamedParameters one;
+  make(one_ps, one);
+  long double exact = 0;
+  for (const auto& [n, p] : one)
+    for (int64_t j = 0; j < p->grad.numel(); ++j)
+      exact += static_cast<long double>(p->grad.flat(j)) * p->grad.flat(j);
+  const double norm1 = nn::clip_grad_norm(one, 1e30, 2.0, 1);
+  EXPECT_NEAR(norm1, static_cast<double>(std::sqrt(exact)), 1e-12 * norm1);
+  const double max1 = nn::clip_grad_norm(one, 1e30, INFINITY, 1);
+  nn::clip_grad_norm(one, 0.25 * norm1, 2.0, 1);  // clips
+  for (int threads : {2, 3}) {
+    std::vector<nn::Parameter> ps;
+    nn::NamedParameters named;
+    make(ps, named);
+    EXPECT_EQ(nn::clip_grad_norm(named, 1e30, 2.0, threads), norm1) << "threads " << threads;
+    EXPECT_EQ(nn::clip_grad_norm(named, 1e30, INFINITY, threads), max1) << "threads " << threads;
+    nn::clip_grad_norm(named, 0.25 * norm1, 2.0, threads);
+    for (size_t k = 0; k < ps.size(); ++k)
+      EXPECT_TRUE(same_bits(ps[k].grad, one_ps[k].grad)) << "threads " << threads << " p" << k;
+  }
 }
 
 }  // namespace

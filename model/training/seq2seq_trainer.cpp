@@ -216,7 +216,8 @@ Seq2SeqStepStats Seq2SeqTrainer::train_step(const Seq2SeqBatch& batch) {
   const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.labels, ce);
   detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
   model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.labels, ce));
-  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
+  const double norm =
+      detail::clip_gradients(optimizer_->parameters(), options_.clip_norm, ctx_.resolved_threads());
   optimizer_->threads = ctx_.resolved_threads();
   optimizer_->step();
   ++step_;

@@ -61,9 +61,9 @@ void check_shared_options(const char* op, double clip_norm, int threads) {
   check(threads >= 0, op, "threads must be >= 0, got {}", threads);
 }
 
-double clip_gradients(const nn::NamedParameters& params, double clip_norm) {
-  return nn::clip_grad_norm(params,
-                            clip_norm > 0.0 ? clip_norm : std::numeric_limits<double>::infinity());
+double clip_gradients(const nn::NamedParameters& params, double clip_norm, int threads) {
+  return nn::clip_grad_norm(
+      params, clip_norm > 0.0 ? clip_norm : std::numeric_limits<double>::infinity(), 2.0, threads);
 }
 
 void check_loss_finite(double loss, int64_t step, double lr) {

@@ -36,7 +36,7 @@ void check_shared_options(const char* op, double clip_norm, int threads);
 
 // nn::clip_grad_norm over `params` with max_norm clip_norm, or none (infinity) when clip_norm is 0;
 // returns the norm before clipping.
-double clip_gradients(const nn::NamedParameters& params, double clip_norm);
+double clip_gradients(const nn::NamedParameters& params, double clip_norm, int threads);
 
 // Error("train") when the loss of step `step` (counting from 1) is not finite.
 void check_loss_finite(double loss, int64_t step, double lr);

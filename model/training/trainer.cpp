@@ -134,7 +134,8 @@ StepStats Trainer::train_step(const Batch& batch) {
   const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.targets, ce);
   detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
   model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.targets, ce));
-  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
+  const double norm =
+      detail::clip_gradients(optimizer_->parameters(), options_.clip_norm, ctx_.resolved_threads());
   optimizer_->threads = ctx_.resolved_threads();
   optimizer_->step();
   ++step_;
@@ -215,7 +216,8 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
   }
   const double loss = kept > 0 ? loss_sum[0] / static_cast<double>(kept) : std::nan("");
   detail::check_loss_finite(loss, step_ + 1, options_.adamw.lr);
-  const double norm = detail::clip_gradients(optimizer_->parameters(), options_.clip_norm);
+  const double norm =
+      detail::clip_gradients(optimizer_->parameters(), options_.clip_norm, ctx_.resolved_threads());
   optimizer_->threads = ctx_.resolved_threads();
   optimizer_->step();
   ++step_;

@@ -105,7 +105,9 @@ class AdamW : public Optimizer {
 // torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type): the global norm of all
 // gradients taken together (L2: sqrt(sum of squares); or the max |g| for norm_type = inf); when
 // it exceeds max_norm every gradient is multiplied by max_norm / (norm + 1e-6). Returns the norm
-// before clipping. Parameters without a gradient are skipped.
-double clip_grad_norm(const NamedParameters& params, double max_norm, double norm_type = 2.0);
+// before clipping. Parameters without a gradient are skipped. Large gradients are summed and
+// scaled on up to `threads` OpenMP threads, in a fixed order: the same bits for any count.
+double clip_grad_norm(const NamedParameters& params, double max_norm, double norm_type = 2.0,
+                      int threads = 1);
 
 }  // namespace attn::nn
