@@ -109,11 +109,9 @@ bool unread_rows_finite(const Tensor& X, const std::vector<int64_t>& read) {
   return true;
 }
 
-Tensor zero_unread_padding(const Tensor& X, const Tensor& valid_lens, bool causal, int64_t T,
-                           bool uniform_reads_all) {
+// X itself, or a copy with rows [read[b], S) of each batch row b zeroed (detail::keys_read).
+Tensor zero_unread_padding(const Tensor& X, const std::vector<int64_t>& read) {
   const int64_t B = X.dim(0), S = X.dim(1);
-  const std::vector<int64_t> read =
-      attn::detail::keys_read(valid_lens, causal, B, T, S, uniform_reads_all);
   if (unread_rows_finite(X, read)) return X;
   Tensor clean = X.clone();
   for (int64_t b = 0; b < B; ++b)
@@ -183,8 +181,15 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   if (valid_lens.defined()) {
     check_valid_lens(op, valid_lens, B_, T_, 1);
     const bool uniform = attention.masked_rows == MaskedRowPolicy::kUniform;
-    keys_read = zero_unread_padding(keys, valid_lens, attention.causal, T_, false);
-    values_read = zero_unread_padding(values, valid_lens, attention.causal, T_, uniform);
+    const std::vector<int64_t> k_read =
+        attn::detail::keys_read(valid_lens, attention.causal, B_, T_, S_, false);
+    const std::vector<int64_t> v_read =
+        uniform ? attn::detail::keys_read(valid_lens, attention.causal, B_, T_, S_, true) : k_read;
+    keys_read = zero_unread_padding(keys, k_read);
+    // Self-attention passes one tensor as keys and values: scanned once when both read the same.
+    values_read = same_tensor(keys, values) && v_read == k_read
+                      ? keys_read
+                      : zero_unread_padding(values, v_read);
   }
 
   // The path, chosen once. Fused: no head copies, no (B*H, T, S) weights (attention_weights() is

@@ -50,11 +50,24 @@ std::vector<int32_t> length_key_counts(const MaskOptions& mask, int64_t B, int64
 
 std::vector<int64_t> keys_read(const Tensor& valid_lens, bool causal, int64_t B, int64_t T,
                                int64_t S, bool uniform_reads_all) {
+  std::vector<int64_t> read(static_cast<size_t>(B), 0);
+  if (!valid_lens.defined() || valid_lens.ndim() == 1) {
+    // One count n per batch row (or S): its queries keep n keys, min(n, t + 1) when causal, so
+    // the most any reads is n (min(n, T) when causal) and a query keeps none iff n == 0. No
+    // per-query counts (a B x T vector at every MultiHeadAttention forward).
+    const std::vector<double> lens =
+        valid_lens.defined() ? valid_lens.to_vector() : std::vector<double>{};
+    for (int64_t b = 0; b < B && T > 0; ++b) {
+      const int64_t n = lens.empty() ? S : keys_kept_by_length(lens[static_cast<size_t>(b)], S);
+      read[b] = causal ? std::min(n, T) : n;
+      if (n == 0 && uniform_reads_all) read[b] = S;
+    }
+    return read;
+  }
   MaskOptions mask;
   mask.valid_lens = valid_lens;
   mask.causal = causal;
   const std::vector<int32_t> kept = kept_key_counts(mask, B, T, S);
-  std::vector<int64_t> read(static_cast<size_t>(B), 0);
   for (int64_t b = 0; b < B; ++b) {
     bool some_row_keeps_nothing = false;
     for (int64_t t = 0; t < T; ++t) {

@@ -99,6 +99,26 @@ TEST(MaskLowering, KeysReadIsTheLongestKeptPrefix) {
   EXPECT_EQ(keys_read(lens2, true, 2, 3, 6, false), (std::vector<int64_t>{2, 2}));
 }
 
+// One length per batch row takes a shortcut (no per-query counts): the same answer as the
+// per-query path given that length for every query, causal or not, uniform or not, for lengths
+// that are zero, fractional, negative, NaN or past S, and for T above, at and below S.
+TEST(MaskLowering, KeysReadOfOneLengthPerRowIsThePerQueryAnswer) {
+  const std::vector<double> lens = {0.0, 2.5, 9.0, -1.0, std::nan(""), 6.0, 1.0, 3.0};
+  const int64_t B = static_cast<int64_t>(lens.size()), S = 6;
+  for (int64_t T : {0, 1, 4, 6, 9}) {
+    std::vector<double> per_query;
+    for (double len : lens)
+      per_query.insert(per_query.end(), static_cast<size_t>(T), len);
+    const Tensor lens1 = Tensor::from_vector(lens, {B});
+    const Tensor lens2 = Tensor::from_vector(per_query, {B, T});
+    for (bool causal : {false, true})
+      for (bool uniform : {false, true})
+        EXPECT_EQ(keys_read(lens1, causal, B, T, S, uniform),
+                  keys_read(lens2, causal, B, T, S, uniform))
+            << "T " << T << " causal " << causal << " uniform " << uniform;
+  }
+}
+
 TEST(MaskLowering, RejectsMoreThan2To31Keys) {
   MaskOptions mask;
   EXPECT_THROW(kept_key_counts(mask, 1, 1, int64_t{1} << 31), Error);
