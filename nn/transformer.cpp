@@ -32,8 +32,9 @@ TransformerEncoderBlock::TransformerEncoderBlock(int64_t num_hiddens, int64_t ff
   // fused AddNorm widens and rounds them on its own pass (the same bits as converting the float
   // tensors; no pass and no parallel region of their own). Off autocast nothing changes.
   attention.bf16_seams = true;
-  addnorm1.bf16_seams = true;
-  addnorm2.bf16_seams = true;
+  addnorm1.bf16_output = true;  // the FFN reads it
+  addnorm1.bf16_dy = true;      // the attention's W_o reads it
+  addnorm2.bf16_dy = true;      // the FFN's dense2 reads it (the block's output goes on in f32)
 }
 
 std::vector<std::pair<std::string, Parameter*>> TransformerEncoderBlock::named_parameters() {

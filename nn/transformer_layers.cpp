@@ -205,7 +205,8 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   // Dropout acts on the sublayer output Y only, never on the residual X (d2l).
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) dropout_offset_ = ctx.next_dropout_offset();
-  seams_ = autocast && bf16_seams;
+  const bool out_bf16 = autocast && bf16_output;
+  dy_bf16_ = autocast && bf16_dy;
   out_bf16_ = Tensor();
   // float32 on the CPU fast path: one fused pass per chunk of rows (kernels/cpu/add_norm.hpp),
   // bitwise the separate ops below. Other cases (and a shape LayerNorm rejects) run those ops.
@@ -215,7 +216,7 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
     const Tensor Yf = Y.to(dtype_);
     Tensor Yd = dropped_ ? attn::dropout(ctx, Yf, dropout, ctx.seed, dropout_offset_) : Yf;
     Tensor out = ln.forward(ctx, detail::add_all({Yd, X}));
-    if (seams_) out_bf16_ = detail::convert(ctx, out, DType::BF16);
+    if (out_bf16) out_bf16_ = detail::convert(ctx, out, DType::BF16);
     return out;
   }
   const Tensor Xc = X.contiguous(), Yc = Y.contiguous();
@@ -233,7 +234,7 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
   cpu::AddNormBf16 bf16;
   const bool y_bf16 = Yc.dtype() == DType::BF16;
   if (y_bf16) bf16.y = static_cast<const uint16_t*>(Yc.raw_data());
-  if (seams_) {
+  if (out_bf16) {
     out_bf16_ = Tensor::empty(X.shape(), DType::BF16);
     bf16.out = static_cast<uint16_t*>(out_bf16_.raw_data());
   }
@@ -252,7 +253,7 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
     Tensor dZ = ln.backward(ctx, dout);
     g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
     g.dX = dZ;
-    if (seams_) g.dY = detail::convert(ctx, g.dY, DType::BF16);
+    if (dy_bf16_) g.dY = detail::convert(ctx, g.dY, DType::BF16);
     return g;
   }
   const char* op = "AddNorm::backward";
@@ -261,7 +262,7 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   const int64_t E = z_.dim(-1), R = z_.numel() / E;
   g.dX = Tensor::empty(z_.shape(), DType::F32);
   cpu::AddNormBf16 bf16;
-  if (seams_) {
+  if (dy_bf16_) {
     g.dY = Tensor::empty(z_.shape(), DType::BF16);
     bf16.dy = static_cast<uint16_t*>(g.dY.raw_data());
   } else {
@@ -275,7 +276,7 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   const Tensor gamma = ln.weight.value.contiguous();
   cpu::add_norm_backward_f32(doutc.data<float>(), z_.data<float>(), gamma.data<float>(),
                              mean_.data<float>(), rstd_.data<float>(), g.dX.data<float>(),
-                             dropped_ && !seams_ ? g.dY.data<float>() : nullptr,
+                             dropped_ && !dy_bf16_ ? g.dY.data<float>() : nullptr,
                              dgamma.data<float>(), dbeta.data<float>(), R, E,
                              dropped_ ? &drop : nullptr, ctx.resolved_threads(), &bf16);
   detail::accumulate(ln.weight.grad, dgamma);

@@ -191,10 +191,10 @@ TEST(AutocastFast, FfnWithBf16HiddenIsTheFloat32RoundTrip) {
   }
 }
 
-// AddNorm under autocast with bf16_seams and a bf16 Y, against the float32 AddNorm on Y.to(F32):
-// the same output; output_bf16() its rounding; dX the same and dY (bf16) the float dY rounded; the
-// same LayerNorm gradients. Over chunk boundaries and the parallel split, with and without
-// dropout. Without autocast the flag changes nothing.
+// AddNorm under autocast with bf16_output, bf16_dy and a bf16 Y, against the float32 AddNorm on
+// Y.to(F32): the same output; output_bf16() its rounding; dX the same and dY (bf16) the float dY
+// rounded; the same LayerNorm gradients. Over chunk boundaries and the parallel split, with and
+// without dropout. Without autocast the flag changes nothing.
 TEST(AutocastFast, AddNormSeamsAreTheFloat32Conversions) {
   const int64_t B = 4, T = 301, E = 32;  // 1204 rows: 19 chunks of 64, 38528 elements (parallel)
   const Tensor X = random_tensor({B, T, E}, DType::F32, 31);
@@ -207,7 +207,7 @@ TEST(AutocastFast, AddNormSeamsAreTheFloat32Conversions) {
         an.ln.weight.value = random_tensor({E}, DType::F32, 21, 0.5, 1.5);
         an.ln.bias.value = random_tensor({E}, DType::F32, 22);
         an.train(true);
-        an.bf16_seams = seams;
+        an.bf16_output = an.bf16_dy = seams;
         return an;
       };
       const std::string what = "p " + std::to_string(p) + ", threads " + std::to_string(threads);
@@ -234,7 +234,7 @@ TEST(AutocastFast, AddNormSeamsAreTheFloat32Conversions) {
   // Off autocast: a float32 dY and no bf16 output, and a bf16 Y is an error naming AddNorm.
   Context ctx;
   nn::AddNorm an(E, 0.0, DType::F32);
-  an.bf16_seams = true;
+  an.bf16_output = an.bf16_dy = true;
   an.forward(ctx, X, Y.to(DType::F32));
   EXPECT_FALSE(an.output_bf16().defined());
   EXPECT_EQ(an.backward(ctx, dout).dY.dtype(), DType::F32);
@@ -305,8 +305,8 @@ TEST(AutocastFast, EncoderBlockSeamsChangeNoBit) {
       ctx.seed = 3;
       auto blk = std::make_unique<nn::TransformerEncoderBlock>(E, F, H, 0.1, true, DType::F32, 11);
       blk->attention.bf16_seams = seams;
-      blk->addnorm1.bf16_seams = seams;
-      blk->addnorm2.bf16_seams = seams;
+      blk->addnorm1.bf16_output = blk->addnorm1.bf16_dy = seams;
+      blk->addnorm2.bf16_dy = seams;
       blk->train(true);
       out = blk->forward(ctx, X, valid_lens);
       dX = blk->backward(ctx, dout);

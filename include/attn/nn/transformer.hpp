@@ -103,12 +103,13 @@ class AddNorm : public Module {
   AddNormGrads backward(Context& ctx, const Tensor& dout);
   void train(bool on = true) override;
 
-  // Under autocast the next layer reads this output, and the sublayer its gradient, in bf16.
-  // When set (TransformerEncoderBlock sets it), forward also keeps the output rounded to bf16
-  // (output_bf16(); the bits of forward(...).to(BF16)) and backward returns dY in bf16 (the
-  // bits of the float dY rounded), both from the fused pass instead of a pass of their own.
-  // Without autocast it changes nothing.
-  bool bf16_seams = false;
+  // Under autocast the next layer may read this output, and the sublayer its gradient, in bf16.
+  // bf16_output: forward also keeps the output rounded to bf16 (output_bf16(); the bits of
+  // forward(...).to(BF16)). bf16_dy: backward returns dY in bf16 (the float dY's bits rounded).
+  // Both come from the fused pass instead of a pass of their own; TransformerEncoderBlock sets
+  // them where its next layer reads bf16. Without autocast they change nothing.
+  bool bf16_output = false;
+  bool bf16_dy = false;
   const Tensor& output_bf16() const { return out_bf16_; }
 
   LayerNorm ln;
@@ -116,7 +117,7 @@ class AddNorm : public Module {
 
  private:
   Tensor out_bf16_;
-  bool seams_ = false;  // bf16_seams under autocast, for this forward and its backward
+  bool dy_bf16_ = false;  // bf16_dy under autocast at the forward, for its backward
   bool dropped_ = false;
   uint64_t dropout_offset_ = 0;
   // The fused float32 CPU path (kernels/cpu/add_norm.hpp) keeps its own saved state: the sum Z,
