@@ -64,6 +64,11 @@ TransformerDecoderBlock::TransformerDecoderBlock(int64_t num_hiddens, int64_t ff
   // The block only needs dX = dQ + dK + dV of the self-attention: one GEMM on the packed
   // projection (as the encoder block).
   attention1.self_attention_input_grad = true;
+  // Under autocast the sublayers' outputs and gradients stay bf16 at the seams (as the encoder
+  // block; the same bits): the AddNorms widen and round them in their fused passes.
+  attention1.bf16_seams = attention2.bf16_seams = true;
+  addnorm1.bf16_dy = addnorm2.bf16_dy = addnorm3.bf16_dy = true;
+  addnorm2.bf16_output = true;  // the FFN reads it
   // Every input of every projection is E wide, so nothing needs to stay lazy: the state dict is
   // complete from the start (d2l's LazyLinear needs one forward first).
   for (Linear* l :
@@ -115,7 +120,9 @@ Tensor TransformerDecoderBlock::forward(Context& ctx, const Tensor& X, const Ten
   Tensor Y = addnorm1.forward(ctx, X, attention1.forward(ctx, X, X, X));
   Tensor Z = addnorm2.forward(ctx, Y,
                               attention2.forward(ctx, Y, enc_outputs, enc_outputs, enc_valid_lens));
-  return addnorm3.forward(ctx, Z, ffn.forward(ctx, Z));
+  // Under autocast the FFN reads Z rounded to bf16, as its first Linear would round it.
+  const Tensor& Z_ffn = addnorm2.output_bf16().defined() ? addnorm2.output_bf16() : Z;
+  return addnorm3.forward(ctx, Z, ffn.forward(ctx, Z_ffn));
 }
 
 DecoderBlockGrads TransformerDecoderBlock::backward(Context& ctx, const Tensor& dout) {

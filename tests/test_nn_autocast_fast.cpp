@@ -15,6 +15,7 @@
 //     bf16 Y and its bf16 output and dY are the float32 AddNorm's values converted, add_all widens
 //     a bf16 term as .to(F32) would, the FFN on a bf16 input is the FFN on the float32 one, and a
 //     whole block with the seams on is the block with them off, output and every gradient.
+#include "attn/nn/decoder.hpp"
 #include "attn/nn/module.hpp"
 #include "attn/nn/transformer.hpp"
 #include "attn/ops/activation.hpp"
@@ -322,6 +323,49 @@ TEST(AutocastFast, EncoderBlockSeamsChangeNoBit) {
     ASSERT_EQ(dX_on.dtype(), DType::F32);
     expect_same_bits(out_on, out_off, what + ": output");
     expect_same_bits(dX_on, dX_off, what + ": dX");
+    const auto p_on = on->named_parameters(), p_off = off->named_parameters();
+    ASSERT_EQ(p_on.size(), p_off.size());
+    for (size_t i = 0; i < p_on.size(); ++i)
+      expect_same_bits(p_on[i].second->grad, p_off[i].second->grad,
+                       what + ": " + p_on[i].first + ".grad");
+  }
+}
+
+// The decoder block likewise (causal self-attention, cross-attention on padded encoder outputs,
+// the FFN): seams on against off, output, both input gradients and every parameter gradient.
+TEST(AutocastFast, DecoderBlockSeamsChangeNoBit) {
+  const int64_t B = 3, T = 17, S = 23, E = 32, H = 4, F = 64;
+  const Tensor X = random_tensor({B, T, E}, DType::F32, 61);
+  const Tensor enc = random_tensor({B, S, E}, DType::F32, 62);
+  const Tensor dout = random_tensor({B, T, E}, DType::F32, 63);
+  const Tensor enc_lens = Tensor::from_vector(std::vector<float>{23, 11, 5}, {B});
+  for (int threads : {1, 2}) {
+    auto run = [&](bool seams, Tensor& out, nn::DecoderBlockGrads& g) {
+      Context ctx;
+      ctx.threads = threads;
+      ctx.autocast_bf16 = true;
+      ctx.seed = 4;
+      auto blk = std::make_unique<nn::TransformerDecoderBlock>(E, F, H, 0.1, false, DType::F32, 12);
+      blk->attention1.bf16_seams = blk->attention2.bf16_seams = seams;
+      blk->addnorm1.bf16_dy = blk->addnorm2.bf16_dy = blk->addnorm3.bf16_dy = seams;
+      blk->addnorm2.bf16_output = seams;
+      blk->train(true);
+      out = blk->forward(ctx, X, enc, enc_lens);
+      g = blk->backward(ctx, dout);
+      return blk;
+    };
+    Tensor out_on, out_off;
+    nn::DecoderBlockGrads g_on, g_off;
+    auto on = run(true, out_on, g_on);
+    auto off = run(false, out_off, g_off);
+    const std::string what = "threads " + std::to_string(threads);
+    ASSERT_TRUE(on->addnorm2.output_bf16().defined()) << "the seams were not taken";
+    ASSERT_EQ(out_on.dtype(), DType::F32);
+    ASSERT_EQ(g_on.dX.dtype(), DType::F32);
+    ASSERT_EQ(g_on.denc_outputs.dtype(), DType::F32);
+    expect_same_bits(out_on, out_off, what + ": output");
+    expect_same_bits(g_on.dX, g_off.dX, what + ": dX");
+    expect_same_bits(g_on.denc_outputs, g_off.denc_outputs, what + ": denc_outputs");
     const auto p_on = on->named_parameters(), p_off = off->named_parameters();
     ASSERT_EQ(p_on.size(), p_off.size());
     for (size_t i = 0; i < p_on.size(); ++i)
