@@ -216,9 +216,8 @@ Tensor TransformerDecoder::forward(Context& ctx, const Tensor& ids, const Tensor
         "enc_outputs has shape {}, expected (B, S, E) = ({}, S, {}) for ids {}",
         shape_arg(enc_outputs.shape()), ids.dim(0), num_hiddens_, shape_arg(ids.shape()));
   // d2l: self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
-  Tensor X = detail::scaled(embedding.forward(ctx, ids),
-                            std::sqrt(static_cast<double>(num_hiddens_)), ctx.resolved_threads());
-  X = pos_encoding.forward(ctx, X);
+  Tensor X = pos_encoding.forward_scaled(ctx, embedding.forward(ctx, ids),
+                                         std::sqrt(static_cast<double>(num_hiddens_)));
   for (auto& blk : blks) {
     blk->set_need_weights(need_weights);
     X = blk->forward(ctx, X, enc_outputs, enc_valid_lens);
@@ -240,9 +239,8 @@ Tensor TransformerDecoder::backward(Context& ctx, const Tensor& dlogits) {
                           : g.denc_outputs;
   }
   // forward: X_0 = dropout(embedding(ids) * sqrt(E) + P)
-  dX = pos_encoding.backward(ctx, dX);
-  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_)),
-                                         ctx.resolved_threads()));
+  embedding.backward(
+      ctx, pos_encoding.backward_scaled(ctx, dX, std::sqrt(static_cast<double>(num_hiddens_))));
   return denc;  // undefined without blocks: the logits do not depend on the encoder then
 }
 

@@ -6,8 +6,10 @@
 
 #include "attn/ops/attention.hpp"
 #include "attn/ops/dropout.hpp"
+#include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/parallel_for.hpp"
 #include "nn/internal.hpp"
+#include "nn/transformer_internal.hpp"
 
 #include <algorithm>
 
@@ -124,6 +126,55 @@ Tensor PositionalEncoding::backward(Context& ctx, const Tensor& dout) {
         shape_arg(dout.shape()), num_hiddens_, dtype_name(dtype_));
   if (dropped_) return dropout_backward(ctx, dout, dropout, ctx.seed, dropout_offset_);
   return dout.clone();
+}
+
+namespace {
+
+// The one-pass float32 CPU path of forward_scaled / backward_scaled (p = 1 keeps the separate
+// ops: dropout_f32's everything-dropped case).
+bool fused_input_stage(const Context& ctx, DType dtype, double p) {
+  return ctx.backend != Backend::kReference && dtype == DType::F32 && p < 1.0;
+}
+
+}  // namespace
+
+Tensor PositionalEncoding::forward_scaled(Context& ctx, const Tensor& X, double factor) {
+  const char* op = "PositionalEncoding";
+  check_sequence(op, X, num_hiddens_, dtype_);
+  check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
+  const int threads = ctx.resolved_threads();
+  if (!fused_input_stage(ctx, dtype_, dropout))
+    return forward(ctx, detail::scaled(X, factor, threads));
+  const int64_t B = X.dim(0), T = X.dim(1), E = X.dim(2);
+  const Tensor Xc = X.contiguous();
+  const Tensor& table = P(T);
+  // As forward: a fresh stream offset per call when dropping.
+  dropped_ = training_ && dropout > 0.0;
+  if (dropped_) dropout_offset_ = ctx.next_dropout_offset();
+  Tensor Y = Tensor::empty(X.shape(), DType::F32);
+  // The sample axis is the outermost, as attn::dropout reads it (a data-parallel shard's index).
+  const uint64_t index_base = ctx.dropout_index_base(B > 0 ? static_cast<uint64_t>(T * E) : 0);
+  cpu::scale_add_positions_dropout_f32(
+      Xc.data<float>(), factor, table.data<float>(), table.stride(0), Y.data<float>(), B, T, E,
+      dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_, index_base, threads);
+  return Y;
+}
+
+Tensor PositionalEncoding::backward_scaled(Context& ctx, const Tensor& dout, double factor) {
+  const int threads = ctx.resolved_threads();
+  if (!fused_input_stage(ctx, dtype_, dropout) || !dout.defined() || dout.ndim() != 3 ||
+      dout.dtype() != DType::F32)
+    return detail::scaled(backward(ctx, dout), factor, threads);
+  check(dout.dim(2) == num_hiddens_, "PositionalEncoding::backward",
+        "dout has shape {}, expected (B, T, {}) of {}", shape_arg(dout.shape()), num_hiddens_,
+        dtype_name(dtype_));
+  const Tensor dc = dout.contiguous();
+  Tensor dX = Tensor::empty(dout.shape(), DType::F32);
+  const int64_t B = dout.dim(0), per_sample = dout.dim(1) * dout.dim(2);
+  const uint64_t index_base = ctx.dropout_index_base(B > 0 ? static_cast<uint64_t>(per_sample) : 0);
+  cpu::dropout_scale_f32(dc.data<float>(), factor, dX.data<float>(), dout.numel(),
+                         dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_, index_base, threads);
+  return dX;
 }
 
 // ----------------------------------------------------------------------------------------------

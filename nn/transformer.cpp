@@ -203,17 +203,18 @@ Tensor TransformerEncoder::forward(Context& ctx, const Tensor& ids, const Tensor
   check(dropout >= 0.0 && dropout <= 1.0, op, "dropout probability {} is outside [0, 1]", dropout);
   // Since positional encoding values are between -1 and 1, the embedding values are multiplied
   // by sqrt(E) to rescale before they are summed up (d2l).
-  Tensor X = detail::scaled(embedding.forward(ctx, ids),
-                            std::sqrt(static_cast<double>(num_hiddens_)), ctx.resolved_threads());
+  const double factor = std::sqrt(static_cast<double>(num_hiddens_));
+  Tensor X = embedding.forward(ctx, ids);
   switch (positional_) {
     case PositionalKind::kSinusoidal:
-      X = pos_encoding.forward(ctx, X);
+      X = pos_encoding.forward_scaled(ctx, X, factor);  // scale, add P, dropout: one pass
       break;
     case PositionalKind::kLearned:
-      X = learned_pos->forward(ctx, X);
+      X = learned_pos->forward(ctx, detail::scaled(X, factor, ctx.resolved_threads()));
       break;
     default:
       // No additive table: dropout site 1 acts on the scaled embedding directly.
+      X = detail::scaled(X, factor, ctx.resolved_threads());
       dropped_ = training_ && dropout > 0.0;
       if (dropped_) {
         dropout_offset_ = ctx.next_dropout_offset();
@@ -233,20 +234,21 @@ void TransformerEncoder::backward(Context& ctx, const Tensor& dout,
     dX = blks[static_cast<size_t>(i)]->backward(ctx, dX);
     if (block_done) block_done(i);
   }
+  // forward: X = positional(embedding(ids) * sqrt(E))
+  const double factor = std::sqrt(static_cast<double>(num_hiddens_));
   switch (positional_) {
     case PositionalKind::kSinusoidal:
-      dX = pos_encoding.backward(ctx, dX);
+      dX = pos_encoding.backward_scaled(ctx, dX, factor);  // dropout backward and scale: one pass
       break;
     case PositionalKind::kLearned:
-      dX = learned_pos->backward(ctx, dX);
+      dX = detail::scaled(learned_pos->backward(ctx, dX), factor, ctx.resolved_threads());
       break;
     default:
       if (dropped_) dX = dropout_backward(ctx, dX, dropout, ctx.seed, dropout_offset_);
+      dX = detail::scaled(dX, factor, ctx.resolved_threads());
       break;
   }
-  // forward: X = embedding(ids) * sqrt(E)
-  embedding.backward(ctx, detail::scaled(dX, std::sqrt(static_cast<double>(num_hiddens_)),
-                                         ctx.resolved_threads()));
+  embedding.backward(ctx, dX);
 }
 
 void TransformerEncoder::set_need_weights(bool on) {

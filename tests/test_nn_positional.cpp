@@ -1,8 +1,10 @@
 // nn positional modules: d2l's PositionalEncoding and LearnedPositionalEmbedding, forward against
-// the op and the formula, backward against finite differences, dropout offsets, length limits.
+// the op and the formula, backward against finite differences, dropout offsets, length limits;
+// PositionalEncoding's one-pass forward_scaled / backward_scaled against the separate ops.
 #include "attn/nn/positional.hpp"
 #include "attn/ops/attention.hpp"
 #include "attn/ops/positional.hpp"
+#include "nn/transformer_internal.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -170,6 +172,51 @@ TEST(LearnedPositionalEmbedding, Gradcheck) {
     for (int64_t e = 0; e < 3; ++e)
       EXPECT_EQ(dW.at({6, e}), 0.0);
   }
+}
+
+// forward_scaled(X, f) is forward(scaled(X, f)) and backward_scaled(dout, f) is
+// scaled(backward(dout), f), bit for bit, with the same dropout offsets: dropout 0, 0.1, 0.5 and 1
+// (the separate ops), eval, odd widths, a strided X, a data-parallel shard's first sample, 1 and
+// 2 threads (shapes past the parallel split), float64 (the separate ops).
+TEST(PositionalEncoding, ScaledIsTheSeparateOpsBitwise) {
+  const double factor = std::sqrt(48.0);
+  for (DType dt : {DType::F32, DType::F64})
+    for (double p : {0.0, 0.1, 0.5, 1.0})
+      for (bool training : {true, false})
+        for (int threads : {1, 2})
+          for (int64_t E : {48, 7}) {
+            const int64_t B = 5, T = 137;  // 32880 / 4795 elements: both sides of the split
+            const Tensor wide = random_tensor({B, T, 2 * E}, dt, 5);
+            const Tensor X = wide.slice(2, 0, E);  // strided rows
+            const Tensor dout = random_tensor({B, T, E}, dt, 6);
+            auto run = [&](bool fused, Tensor& out, Tensor& dX, uint64_t& offset) {
+              Context ctx;
+              ctx.threads = threads;
+              ctx.seed = 77;
+              ctx.set_dropout_offset(3);
+              ctx.dropout_first_sample = 2;
+              PositionalEncoding pe(E, p, 16, dt);  // a short cache: P grows
+              pe.train(training);
+              if (fused) {
+                out = pe.forward_scaled(ctx, X, factor);
+                dX = pe.backward_scaled(ctx, dout, factor);
+              } else {
+                out = pe.forward(ctx, attn::nn::detail::scaled(X, factor, threads));
+                dX = attn::nn::detail::scaled(pe.backward(ctx, dout), factor, threads);
+              }
+              offset = ctx.dropout_offset();
+            };
+            Tensor out1, dX1, out2, dX2;
+            uint64_t off1 = 0, off2 = 0;
+            run(true, out1, dX1, off1);
+            run(false, out2, dX2, off2);
+            const std::string what = std::string(dtype_name(dt)) + " p " + std::to_string(p) +
+                                     (training ? " train" : " eval") + " threads " +
+                                     std::to_string(threads) + " E " + std::to_string(E);
+            EXPECT_TRUE(close(out1, out2, 0, 0)) << what;
+            EXPECT_TRUE(close(dX1, dX2, 0, 0)) << what;
+            EXPECT_EQ(off1, off2) << what;
+          }
 }
 
 }  // namespace

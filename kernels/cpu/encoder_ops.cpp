@@ -67,6 +67,58 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
   });
 }
 
+namespace {
+
+// dropout_f32's draw constants for p in (0, 1).
+uint32_t dropout_threshold(double p) {
+  return static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
+}
+
+}  // namespace
+
+void scale_add_positions_dropout_f32(const float* x, double factor, const float* P, int64_t ldp,
+                                     float* y, int64_t B, int64_t T, int64_t E, double p,
+                                     uint64_t seed, uint64_t offset, uint64_t index_base,
+                                     int threads) {
+  const int64_t rows = B * T, n = rows * E;
+  if (n == 0) return;
+  const bool dropping = p > 0.0;
+  const uint32_t threshold = dropping ? dropout_threshold(p) : 0;
+  const double scale = dropping ? 1.0 / (1.0 - p) : 1.0;
+  const int64_t chunk_rows = std::max<int64_t>(1, kChunk / std::max<int64_t>(1, E));
+  parallel_for(chunks_of(rows, chunk_rows), n >= kParallelMin ? threads : 1, [&](int64_t c) {
+    const int64_t r0 = c * chunk_rows, r1 = std::min(rows, r0 + chunk_rows);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * E;
+      const float* pr = P + (r % T) * ldp;
+      float* yr = y + r * E;
+#pragma omp simd
+      for (int64_t e = 0; e < E; ++e)
+        yr[e] = static_cast<float>(static_cast<double>(xr[e]) * factor) + pr[e];
+    }
+    if (dropping)
+      dropout_range_f32(y, y, r0 * E, r1 * E, threshold, scale, seed, offset, index_base);
+  });
+}
+
+void dropout_scale_f32(const float* dy, double factor, float* dx, int64_t n, double p,
+                       uint64_t seed, uint64_t offset, uint64_t index_base, int threads) {
+  const bool dropping = p > 0.0;
+  const uint32_t threshold = dropping ? dropout_threshold(p) : 0;
+  const double scale = dropping ? 1.0 / (1.0 - p) : 1.0;
+  parallel_for(chunks_of(n, kChunk), n >= kParallelMin ? threads : 1, [&](int64_t c) {
+    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+    const float* src = dy;
+    if (dropping) {
+      dropout_range_f32(dy, dx, i0, i1, threshold, scale, seed, offset, index_base);
+      src = dx;
+    }
+#pragma omp simd
+    for (int64_t i = i0; i < i1; ++i)
+      dx[i] = static_cast<float>(static_cast<double>(src[i]) * factor);
+  });
+}
+
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads) {
   const int64_t chunks = chunks_of(n, kChunk);
   parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {

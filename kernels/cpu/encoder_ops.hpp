@@ -28,6 +28,20 @@ constexpr int64_t kLayerNormChunkRows = 64;
 void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, uint64_t offset,
                  uint64_t index_base, int threads);
 
+// The sinusoidal encoder's input stage, d2l's dropout(X * sqrt(E) + P[:T]), in one pass per
+// chunk: y = dropout_f32(float(double(x) * factor) + P[t]) for x, y (B, T, E) contiguous and P's
+// rows t (E floats each, row stride ldp), dropout p in [0, 1) (0: none) of stream (seed, offset,
+// index_base) as dropout_f32 draws it. The bits of scaling, the positional add and dropout_f32
+// in turn. x may alias y.
+void scale_add_positions_dropout_f32(const float* x, double factor, const float* P, int64_t ldp,
+                                     float* y, int64_t B, int64_t T, int64_t E, double p,
+                                     uint64_t seed, uint64_t offset, uint64_t index_base,
+                                     int threads);
+// Its backward: dx = float(double(dropout_f32(dy)) * factor) over n elements (dropout as above;
+// p 0: none). dy may alias dx.
+void dropout_scale_f32(const float* dy, double factor, float* dx, int64_t n, double p,
+                       uint64_t seed, uint64_t offset, uint64_t index_base, int threads);
+
 // x and y (dy, x and dx) must not overlap.
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads);
 void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, int threads);

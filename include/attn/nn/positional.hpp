@@ -16,6 +16,12 @@ class PositionalEncoding : public Module {
   std::vector<std::pair<std::string, Parameter*>> named_parameters() override { return {}; }
   Tensor forward(Context& ctx, const Tensor& X);
   Tensor backward(Context& ctx, const Tensor& dout);  // dX
+  // forward(X * factor) and backward(dout) * factor, the scaling in double and rounded once as
+  // nn's scaled(): d2l's encoder and decoder input, pos_encoding(embedding(X) * sqrt(E)). On
+  // the float32 CPU path each is one pass (scale, add and dropout per chunk, with the separate
+  // ops' bits) instead of three.
+  Tensor forward_scaled(Context& ctx, const Tensor& X, double factor);
+  Tensor backward_scaled(Context& ctx, const Tensor& dout, double factor);
   // The cached (len, E) encoding, grown to at least `len` rows.
   const Tensor& P(int64_t len);
 
