@@ -136,6 +136,12 @@ bool fused_input_stage(const Context& ctx, DType dtype, double p) {
   return ctx.backend != Backend::kReference && dtype == DType::F32 && p < 1.0;
 }
 
+// The dropout stream index of element 0 of t (B, T, E), as attn::dropout takes it: the sample
+// axis is the outermost (a data-parallel shard's first sample, Context::dropout_first_sample).
+uint64_t sample_index_base(const Context& ctx, const Tensor& t) {
+  return ctx.dropout_index_base(t.dim(0) > 0 ? static_cast<uint64_t>(t.dim(1) * t.dim(2)) : 0);
+}
+
 }  // namespace
 
 Tensor PositionalEncoding::forward_scaled(Context& ctx, const Tensor& X, double factor) {
@@ -152,28 +158,24 @@ Tensor PositionalEncoding::forward_scaled(Context& ctx, const Tensor& X, double 
   dropped_ = training_ && dropout > 0.0;
   if (dropped_) dropout_offset_ = ctx.next_dropout_offset();
   Tensor Y = Tensor::empty(X.shape(), DType::F32);
-  // The sample axis is the outermost, as attn::dropout reads it (a data-parallel shard's index).
-  const uint64_t index_base = ctx.dropout_index_base(B > 0 ? static_cast<uint64_t>(T * E) : 0);
   cpu::scale_add_positions_dropout_f32(
       Xc.data<float>(), factor, table.data<float>(), table.stride(0), Y.data<float>(), B, T, E,
-      dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_, index_base, threads);
+      dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_, sample_index_base(ctx, X), threads);
   return Y;
 }
 
 Tensor PositionalEncoding::backward_scaled(Context& ctx, const Tensor& dout, double factor) {
   const int threads = ctx.resolved_threads();
+  // A dout the one-pass path does not take (or a malformed one: backward names the problem)
+  // goes through the separate ops.
   if (!fused_input_stage(ctx, dtype_, dropout) || !dout.defined() || dout.ndim() != 3 ||
-      dout.dtype() != DType::F32)
+      dout.dim(2) != num_hiddens_ || dout.dtype() != DType::F32)
     return detail::scaled(backward(ctx, dout), factor, threads);
-  check(dout.dim(2) == num_hiddens_, "PositionalEncoding::backward",
-        "dout has shape {}, expected (B, T, {}) of {}", shape_arg(dout.shape()), num_hiddens_,
-        dtype_name(dtype_));
   const Tensor dc = dout.contiguous();
   Tensor dX = Tensor::empty(dout.shape(), DType::F32);
-  const int64_t B = dout.dim(0), per_sample = dout.dim(1) * dout.dim(2);
-  const uint64_t index_base = ctx.dropout_index_base(B > 0 ? static_cast<uint64_t>(per_sample) : 0);
   cpu::dropout_scale_f32(dc.data<float>(), factor, dX.data<float>(), dout.numel(),
-                         dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_, index_base, threads);
+                         dropped_ ? dropout : 0.0, ctx.seed, dropout_offset_,
+                         sample_index_base(ctx, dout), threads);
   return dX;
 }
 

@@ -23,6 +23,12 @@ int64_t chunks_of(int64_t n, int64_t chunk) {
   return (n + chunk - 1) / chunk;
 }
 
+// Dropout's keep threshold for p in (0, 1): u = r * 2^-24 >= p (p as float, as the reference
+// compares) <=> r >= ceil(p * 2^24), exact since a float times 2^24 is exact in double.
+uint32_t dropout_threshold(double p) {
+  return static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
+}
+
 // SIMD loops (omp simd; at -O2 GCC keeps a data-dependent branch, which mispredicts on half of
 // the elements). NaN: x < 0 and x > 0 are both false, so relu passes NaN on and its gradient is 0.
 void relu_forward_chunk(const float* __restrict x, float* __restrict y, int64_t n) {
@@ -56,25 +62,13 @@ void dropout_f32(const float* x, float* y, int64_t n, double p, uint64_t seed, u
     return;
   }
   const double scale = 1.0 / (1.0 - p);
-  // u = r * 2^-24 >= p (p as float, as the reference compares) <=> r >= ceil(p * 2^24): exact,
-  // since a float times 2^24 is exact in double.
-  const uint32_t threshold =
-      static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
+  const uint32_t threshold = dropout_threshold(p);
   const int64_t chunks = chunks_of(n, kChunk);
   parallel_for(chunks, n >= kParallelMin ? threads : 1, [&](int64_t c) {
     dropout_range_f32(x, y, c * kChunk, std::min(n, (c + 1) * kChunk), threshold, scale, seed,
                       offset, index_base);
   });
 }
-
-namespace {
-
-// dropout_f32's draw constants for p in (0, 1).
-uint32_t dropout_threshold(double p) {
-  return static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 16777216.0));
-}
-
-}  // namespace
 
 void scale_add_positions_dropout_f32(const float* x, double factor, const float* P, int64_t ldp,
                                      float* y, int64_t B, int64_t T, int64_t E, double p,
