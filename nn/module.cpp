@@ -374,7 +374,18 @@ Parameter make_uniform(const Shape& shape, double bound, DType dtype, uint64_t s
   return p;
 }
 
+// A float32 parameter whose gradient is a contiguous float32 tensor of the value's shape, as
+// make_uniform allocates it: linear_backward_accumulate can add into it.
+bool sums_in_place(const Parameter& p) {
+  return p.value.dtype() == DType::F32 && p.grad.defined() && p.grad.dtype() == DType::F32 &&
+         p.grad.is_contiguous() && p.grad.shape() == p.value.shape();
+}
+
 }  // namespace
+
+bool detail::grads_accumulate_in_place(const Linear& l) {
+  return sums_in_place(l.weight) && (!l.has_bias() || sums_in_place(l.bias));
+}
 
 Linear::Linear(int64_t out_features, int64_t in_features, bool with_bias, DType dtype,
                uint64_t seed)
@@ -470,7 +481,12 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
   check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
         "dy has shape {} and dtype {}, expected {} and {}", shape_arg(dy.shape()),
         dtype_name(dy.dtype()), shape_arg(expected), dtype_name(dtype_));
-  // forward: y = x W^T + b, so dx = dy W, dW += dy^T x, db += sum over rows of dy.
+  // forward: y = x W^T + b, so dx = dy W, dW += dy^T x, db += sum over rows of dy. The sums go
+  // straight into the gradients when they have the layer's dtype and layout (always, unless a
+  // caller replaced them).
+  if (detail::grads_accumulate_in_place(*this))
+    return linear_backward_accumulate(ctx, dy, x_, weight.value, weight.grad,
+                                      has_bias_ ? &bias.grad : nullptr);
   LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_);
   detail::accumulate(weight.grad, g.dW, ctx.resolved_threads());
   if (has_bias_) detail::accumulate(bias.grad, g.db, ctx.resolved_threads());

@@ -9,6 +9,7 @@
 //                                      double accumulation, one rounding
 #include "attn/ops/linear.hpp"
 
+#include "attn/core/dtype.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "kernels/ref/linear.hpp"
 #include "ops/common.hpp"
@@ -144,58 +145,108 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
   return y;
 }
 
-LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                            bool has_bias) {
-  constexpr const char* op = "linear_backward";
+namespace {
+
+// Where the parameter gradients go: fresh tensors (linear_backward) or sums added to in place
+// (linear_backward_accumulate: float32 on the fast path only).
+struct GradTargets {
+  Tensor* dW_sum = nullptr;
+  Tensor* db_sum = nullptr;
+};
+
+// linear_backward's checks; returns the number of rows (the product of x's leading dims).
+int64_t check_linear_backward(const char* op, const Tensor& dy, const Tensor& x, const Tensor& W) {
   const Shape y_shape = check_linear(op, x, W);
   check_linear_dtype(op, "dy", dy);
   detail::check_same_dtype(op, "dy", dy, "x", x);
   check(dy.shape() == y_shape, op, "dy has shape {}, expected (..., out) = {}",
         shape_arg(dy.shape()), shape_arg(y_shape));
-  const int64_t I = W.dim(1), O = W.dim(0);
   // Rows = product of x's leading dims (x.numel() / I fails when I == 0).
   int64_t rows = 1;
   for (int i = 0; i + 1 < x.ndim(); ++i)
     rows *= x.dim(i);
+  return rows;
+}
+
+// The fast path's three products. With `sums`, dW and db are added into *sums.dW_sum and
+// *sums.db_sum (float32) instead of written to grads.dW and grads.db.
+LinearGrads linear_backward_fast(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
+                                 bool has_bias, int64_t rows, const GradTargets& sums) {
+  const int64_t I = W.dim(1), O = W.dim(0);
+  LinearGrads grads;
+  // bf16: each product accumulates in f32 and is rounded to bf16 once as it is stored.
+  grads.dx = Tensor::empty(x.shape(), x.dtype());
+  Tensor dy_store, x_store, w_store;
+  const RowMatrix dym = row_matrix(dy, dy_store), xm = row_matrix(x, x_store),
+                  wm = row_matrix(W, w_store);
+  const int threads = ctx.resolved_threads();
+  // forward: y = x W^T + b
+  // so:      dx (rows, I) = dy (rows, O) * W (O, I)
+  cpu::GemmArgs gx;
+  gx.M = rows, gx.N = I, gx.K = O;
+  gx.A = dym.data, gx.lda = dym.ld;
+  gx.B = wm.data, gx.ldb = wm.ld;
+  set_output(gx, grads.dx, I);
+  cpu::gemm(gx, threads);
+  //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
+  cpu::GemmArgs gw;
+  gw.M = O, gw.N = I, gw.K = rows;
+  gw.A = dym.data, gw.lda = dym.ld, gw.trans_a = true;
+  gw.B = xm.data, gw.ldb = xm.ld;
+  if (sums.dW_sum != nullptr) {
+    gw.C = sums.dW_sum->data<float>(), gw.ldc = I, gw.accumulate = true;
+  } else {
+    grads.dW = Tensor::empty(W.shape(), W.dtype());
+    set_output(gw, grads.dW, I);
+  }
+  cpu::gemm(gw, threads);
+  //          db (O) = sum over rows of dy (bf16: the float sum rounded once to bf16)
+  if (!has_bias) return grads;
+  if (x.dtype() == DType::BF16) {
+    grads.db = Tensor::empty({O}, DType::F32);
+    cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld, grads.db.data<float>(),
+                    false, threads);
+    grads.db = grads.db.to(DType::BF16);
+  } else if (sums.db_sum != nullptr) {
+    cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
+                    sums.db_sum->data<float>(), true, threads);
+  } else {
+    grads.db = Tensor::empty({O}, DType::F32);
+    cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld, grads.db.data<float>(),
+                    false, threads);
+  }
+  return grads;
+}
+
+// sum (contiguous) += g elementwise in sum's dtype (bf16: in float, rounded once).
+void add_into(Tensor& sum, const Tensor& g) {
+  const Tensor gc = g.contiguous();
+  const int64_t n = sum.numel();
+  if (sum.dtype() == DType::BF16) {
+    auto* dst = static_cast<uint16_t*>(sum.raw_data());
+    const auto* src = static_cast<const uint16_t*>(gc.raw_data());
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = float_to_bf16(bf16_to_float(dst[i]) + bf16_to_float(src[i]));
+    return;
+  }
+  detail::dispatch_float(sum.dtype(), [&](auto zero) {
+    using F = decltype(zero);
+    F* dst = sum.data<F>();
+    const F* src = gc.data<F>();
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] += src[i];
+  });
+}
+
+}  // namespace
+
+LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
+                            bool has_bias) {
+  const int64_t rows = check_linear_backward("linear_backward", dy, x, W);
+  if (use_fast_path(ctx, x.dtype())) return linear_backward_fast(ctx, dy, x, W, has_bias, rows, {});
+  const int64_t I = W.dim(1), O = W.dim(0);
   const bool bf16 = x.dtype() == DType::BF16;
   LinearGrads grads;
-  if (use_fast_path(ctx, x.dtype())) {
-    // bf16: each product accumulates in f32 and is rounded to bf16 once as it is stored.
-    grads.dx = Tensor::empty(x.shape(), x.dtype());
-    grads.dW = Tensor::empty(W.shape(), W.dtype());
-    Tensor dy_store, x_store, w_store;
-    const RowMatrix dym = row_matrix(dy, dy_store), xm = row_matrix(x, x_store),
-                    wm = row_matrix(W, w_store);
-    const int threads = ctx.resolved_threads();
-    // forward: y = x W^T + b
-    // so:      dx (rows, I) = dy (rows, O) * W (O, I)
-    cpu::GemmArgs gx;
-    gx.M = rows, gx.N = I, gx.K = O;
-    gx.A = dym.data, gx.lda = dym.ld;
-    gx.B = wm.data, gx.ldb = wm.ld;
-    set_output(gx, grads.dx, I);
-    cpu::gemm(gx, threads);
-    //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
-    cpu::GemmArgs gw;
-    gw.M = O, gw.N = I, gw.K = rows;
-    gw.A = dym.data, gw.lda = dym.ld, gw.trans_a = true;
-    gw.B = xm.data, gw.ldb = xm.ld;
-    set_output(gw, grads.dW, I);
-    cpu::gemm(gw, threads);
-    //          db (O) = sum over rows of dy (bf16: the float sum rounded once to bf16)
-    if (has_bias) {
-      grads.db = Tensor::empty({O}, DType::F32);
-      if (bf16) {
-        cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld,
-                        grads.db.data<float>(), false, threads);
-        grads.db = grads.db.to(DType::BF16);
-      } else {
-        cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
-                        grads.db.data<float>(), false, threads);
-      }
-    }
-    return grads;
-  }
   grads.dx = Tensor::empty(x.shape(), x.dtype());
   grads.dW = Tensor::empty(W.shape(), W.dtype());
   if (has_bias) grads.db = Tensor::empty({O}, x.dtype());
@@ -214,6 +265,28 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
                             O);
   });
   return grads;
+}
+
+Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
+                                  Tensor& dW_sum, Tensor* db_sum) {
+  constexpr const char* op = "linear_backward_accumulate";
+  const int64_t rows = check_linear_backward(op, dy, x, W);
+  auto check_sum = [&](const char* name, const Tensor& t, const Shape& shape) {
+    check(t.defined() && t.shape() == shape && t.dtype() == x.dtype() && t.is_contiguous(), op,
+          "{} is {} {}{}, expected a contiguous {} tensor of shape {} (x's dtype)", name,
+          t.defined() ? dtype_name(t.dtype()) : "undefined",
+          t.defined() ? shape_arg(t.shape()) : shape_arg(Shape{}),
+          t.defined() && !t.is_contiguous() ? " (strided)" : "", dtype_name(x.dtype()),
+          shape_arg(shape));
+  };
+  check_sum("dW_sum", dW_sum, W.shape());
+  if (db_sum != nullptr) check_sum("db_sum", *db_sum, Shape{W.dim(0)});
+  if (use_fast_path(ctx, x.dtype()) && x.dtype() == DType::F32)
+    return linear_backward_fast(ctx, dy, x, W, db_sum != nullptr, rows, {&dW_sum, db_sum}).dx;
+  LinearGrads g = linear_backward(ctx, dy, x, W, db_sum != nullptr);
+  add_into(dW_sum, g.dW);
+  if (db_sum != nullptr) add_into(*db_sum, g.db);
+  return g.dx;
 }
 
 }  // namespace attn

@@ -1,11 +1,15 @@
 // linear / linear_backward: y = x W^T + b against the written-out formula, 2-D and 3-D x,
-// with and without bias, finite-difference gradients (float64) and bad input.
+// with and without bias, finite-difference gradients (float64) and bad input;
+// linear_backward_accumulate against linear_backward followed by the adds, bit for bit.
 #include "attn/ops/linear.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <string>
+#include <tuple>
+#include <vector>
 
 namespace attn {
 namespace {
@@ -79,6 +83,80 @@ TEST(LinearBackward, Gradcheck) {
   check_linear_gradients({2, 3, 4}, false);
 }
 
+bool same_bits(const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  return std::memcmp(ac.raw_data(), bc.raw_data(),
+                     static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
+}
+
+// sum + g elementwise in sum's dtype (bf16: in float, rounded once), on fresh tensors.
+Tensor added(const Tensor& sum, const Tensor& g) {
+  Tensor out = sum.contiguous().clone();
+  for (int64_t i = 0; i < out.numel(); ++i)
+    out.set_flat(i, out.dtype() == DType::F64
+                        ? sum.flat(i) + g.flat(i)
+                        : static_cast<double>(static_cast<float>(sum.flat(i)) +
+                                              static_cast<float>(g.flat(i))));
+  return out;
+}
+
+TEST(LinearBackwardAccumulate, IsTheGradientsAddedBitwise) {
+  // (rows, in, out): small; the model's widths; products oneDNN splits along the contraction on
+  // 2 threads (the weight gradient's K is the row count: (512, 64, 4096) and (16, 16, 20000) as
+  // (out, in, rows)).
+  const std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
+      {5, 3, 2}, {64, 32, 48}, {640, 128, 384}, {4096, 64, 512}, {20000, 16, 16}};
+  for (const auto& [rows, in, out] : shapes) {
+    for (const DType dtype : {DType::F32, DType::F64, DType::BF16}) {
+      for (const Backend backend : {Backend::kAuto, Backend::kReference}) {
+        // The loops of the reference (and of float64) on the small shapes only.
+        const bool loops = backend == Backend::kReference || dtype == DType::F64;
+        if (loops && rows * in * out > (int64_t{1} << 18)) continue;
+        for (const int threads : {1, 2}) {
+          for (const bool from_zero : {true, false}) {
+            Context ctx;
+            ctx.backend = backend;
+            ctx.threads = threads;
+            const uint64_t seed = static_cast<uint64_t>(rows * 7 + in * 3 + out);
+            // x as a slice of a wider tensor (a row stride other than in), 3-D.
+            const Tensor x =
+                random_tensor({2, rows / 2 + rows % 2, in + 3}, dtype, seed).slice(2, 1, in + 1);
+            const Tensor W = random_tensor({out, in}, dtype, seed + 1);
+            Shape y_shape = x.shape();
+            y_shape.back() = out;
+            const Tensor dy = random_tensor(y_shape, dtype, seed + 2);
+            const Tensor dW0 = from_zero ? Tensor::zeros({out, in}, dtype)
+                                         : random_tensor({out, in}, dtype, seed + 3, -4, 4);
+            const Tensor db0 = from_zero ? Tensor::zeros({out}, dtype)
+                                         : random_tensor({out}, dtype, seed + 4, -4, 4);
+            const LinearGrads want = linear_backward(ctx, dy, x, W, true);
+            Tensor dW = dW0.clone(), db = db0.clone();
+            const Tensor dx = linear_backward_accumulate(ctx, dy, x, W, dW, &db);
+            const std::string what =
+                std::to_string(rows) + "x" + std::to_string(in) + "x" + std::to_string(out) + " " +
+                std::string(dtype_name(dtype)) + " threads " + std::to_string(threads) +
+                (from_zero ? " from 0" : "") + (backend == Backend::kReference ? " reference" : "");
+            EXPECT_TRUE(same_bits(dx, want.dx)) << what;
+            EXPECT_TRUE(same_bits(db, added(db0, want.db))) << what;
+            if (from_zero || dtype != DType::F32 || backend == Backend::kReference) {
+              EXPECT_TRUE(same_bits(dW, added(dW0, want.dW))) << what;
+            } else {
+              // oneDNN adds the old sum into its accumulator before the contraction's blocks:
+              // the same sum, rounded in another order.
+              EXPECT_TRUE(close(dW, added(dW0, want.dW), 1e-5, 1e-5)) << what;
+            }
+            // Without a bias sum only the weight gradient moves.
+            Tensor dW_only = dW0.clone();
+            EXPECT_TRUE(same_bits(linear_backward_accumulate(ctx, dy, x, W, dW_only), want.dx));
+            EXPECT_TRUE(same_bits(dW_only, dW)) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(LinearErrors, BadInputNamesTheOp) {
   Context ctx;
   auto expect_error = [](auto&& f, const std::string& op) {
@@ -109,6 +187,24 @@ TEST(LinearErrors, BadInputNamesTheOp) {
         linear_backward(ctx, random_tensor({2, 3}, DType::F32), x, W, true);
       },
       "linear_backward");
+  // The sums: x's dtype, the parameters' shapes, contiguous.
+  Tensor dy = random_tensor({2, 3}), dW = Tensor::zeros({3, 4}, DType::F64);
+  Tensor db = Tensor::zeros({3}, DType::F64), none;
+  Tensor wrong_shape = Tensor::zeros({4, 3}, DType::F64),
+         wrong_dtype = Tensor::zeros({3, 4}, DType::F32);
+  Tensor strided = Tensor::zeros({4, 3}, DType::F64).transpose(0, 1);
+  Tensor short_b = Tensor::zeros({2}, DType::F64);
+  linear_backward_accumulate(ctx, dy, x, W, dW, &db);
+  for (Tensor* bad : {&wrong_shape, &wrong_dtype, &strided, &none})
+    expect_error([&] { linear_backward_accumulate(ctx, dy, x, W, *bad, &db); },
+                 "linear_backward_accumulate");
+  expect_error([&] { linear_backward_accumulate(ctx, dy, x, W, dW, &short_b); },
+               "linear_backward_accumulate");
+  expect_error(
+      [&] {
+        linear_backward_accumulate(ctx, random_tensor({2, 4}), x, W, dW);
+      },
+      "linear_backward_accumulate");
 }
 
 }  // namespace

@@ -63,7 +63,7 @@ std::vector<float> column_sum_loop(const T* dy, int64_t M, int64_t N, int64_t ld
     }
   std::vector<float> out(static_cast<size_t>(N));
   for (int64_t n = 0; n < N; ++n)
-    out[n] = static_cast<float>((accumulate ? static_cast<double>(db0[n]) : 0.0) + acc[n]);
+    out[n] = accumulate ? db0[n] + static_cast<float>(acc[n]) : static_cast<float>(acc[n]);
   return out;
 }
 

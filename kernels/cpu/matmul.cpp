@@ -395,9 +395,10 @@ void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db,
     } else {
       column_block_f32(dy + n0, M, nb, lddy, acc);
     }
+    // With accumulate the sum is rounded to float, then added: as computing db and adding it.
     for (int64_t n = 0; n < nb; ++n)
       db[n0 + n] =
-          static_cast<float>((accumulate ? static_cast<double>(db[n0 + n]) : 0.0) + acc[n]);
+          accumulate ? db[n0 + n] + static_cast<float>(acc[n]) : static_cast<float>(acc[n]);
   }
 }
 

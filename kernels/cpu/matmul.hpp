@@ -90,8 +90,9 @@ void gemm(const GemmArgs& args, int threads);
 void gemm_panels(const GemmArgs& args, int threads);
 
 // db (N) (+)= sum over the M rows of dy (M, N) (row stride lddy): the bias gradient, summed in
-// double in a fixed order (row by row), so it is the same for any thread count. Blocks of 32
-// columns run on up to `threads` OpenMP threads (large enough sums only).
+// double in a fixed order (row by row), so it is the same for any thread count. With accumulate
+// the sum is rounded to float and then added to db in float, bitwise a separate add of the result.
+// Blocks of 32 columns run on up to `threads` OpenMP threads (large enough sums only).
 void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
                 int threads = 1);
 // The same for bfloat16 dy (uint16_t bits): each value widened exactly, summed in double, and

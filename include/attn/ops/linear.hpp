@@ -27,4 +27,17 @@ struct LinearGrads {
 LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
                             bool has_bias);
 
+// The same gradients as a training step keeps them: dW added into dW_sum (out, in) and, when
+// db_sum is given, db added into *db_sum (out); returns dx. The sums are contiguous, of x's dtype
+// (a layer's .grad). In float32 on the fast path the weight-gradient GEMM adds into dW_sum itself
+// (oneDNN's sum post-op) and the column sums into db_sum: no temporaries and no separate pass.
+// Bitwise it is linear_backward followed by dW_sum += dW, db_sum += db (each sum rounded to
+// float32, then added) when dW_sum starts at zero, as a training step's gradients do after
+// zero_grad; on a nonzero dW_sum oneDNN adds the old value into its accumulator before the
+// contraction's blocks, so the last bit may differ from the separate add. db_sum is always the
+// separate add's bits. Other dtypes and backends compute the gradients and add them.
+// tests/test_ops_linear.cpp.
+Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
+                                  Tensor& dW_sum, Tensor* db_sum = nullptr);
+
 }  // namespace attn
