@@ -32,6 +32,7 @@
 #include <array>
 #include <bit>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -220,23 +221,96 @@ Tensor MultiHeadAttention::forward(Context& ctx, const Tensor& queries, const Te
   return forward_heads(ctx, queries, keys_read, values_read, valid_lens);
 }
 
+// Creates W_q, W_k and W_v (each drawing its own initial values, as Linear::materialize does) as
+// row slices of one stacked weight (3E, in), bias (3E) and their gradients. Only when none of the
+// three exists yet, so that no caller holds a tensor of theirs that would stop being the parameter.
+void MultiHeadAttention::stack_projections(int64_t in_features) {
+  for (const Linear* l : {&W_q, &W_k, &W_v})
+    if (l->weight.value.defined() || (l->has_bias() && l->bias.value.defined())) return;
+  for (Linear* l : {&W_q, &W_k, &W_v})
+    l->materialize(in_features, "MultiHeadAttention");
+  const int64_t E = num_hiddens_;
+  const bool bias = W_q.has_bias();
+  qkv_weight_ = Tensor::empty({3 * E, in_features}, W_q.weight.value.dtype());
+  qkv_weight_grad_ = Tensor::zeros({3 * E, in_features}, W_q.weight.grad.dtype());
+  if (bias) {
+    qkv_bias_ = Tensor::empty({3 * E}, W_q.bias.value.dtype());
+    qkv_bias_grad_ = Tensor::zeros({3 * E}, W_q.bias.grad.dtype());
+  }
+  int64_t i = 0;
+  for (Linear* l : {&W_q, &W_k, &W_v}) {
+    Tensor w = qkv_weight_.slice(0, i * E, (i + 1) * E);
+    w.copy_from(l->weight.value);
+    l->weight.value = w;
+    l->weight.grad = qkv_weight_grad_.slice(0, i * E, (i + 1) * E);
+    if (bias) {
+      Tensor b = qkv_bias_.slice(0, i * E, (i + 1) * E);
+      b.copy_from(l->bias.value);
+      l->bias.value = b;
+      l->bias.grad = qkv_bias_grad_.slice(0, i * E, (i + 1) * E);
+    }
+    ++i;
+  }
+}
+
+// Whether W_q, W_k and W_v (values, gradients, biases) are still the stacked tensors' slices.
+bool MultiHeadAttention::projections_stacked() const {
+  if (!qkv_weight_.defined()) return false;
+  const int64_t E = num_hiddens_;
+  // `part` is rows [i E, (i + 1) E) of `whole`, contiguous, of its dtype.
+  auto is_rows = [E](const Tensor& part, const Tensor& whole, int64_t i) {
+    if (!part.defined() || part.dtype() != whole.dtype() || !part.is_contiguous()) return false;
+    Shape shape = whole.shape();
+    shape[0] = E;
+    const int64_t row = whole.numel() / whole.dim(0);
+    return part.shape() == shape &&
+           part.raw_data() == static_cast<const std::byte*>(whole.raw_data()) +
+                                  i * E * row * static_cast<int64_t>(dtype_size(whole.dtype()));
+  };
+  int64_t i = 0;
+  for (const Linear* l : {&W_q, &W_k, &W_v}) {
+    if (!is_rows(l->weight.value, qkv_weight_, i) || !is_rows(l->weight.grad, qkv_weight_grad_, i))
+      return false;
+    if (l->has_bias() &&
+        (!is_rows(l->bias.value, qkv_bias_, i) || !is_rows(l->bias.grad, qkv_bias_grad_, i)))
+      return false;
+    ++i;
+  }
+  return true;
+}
+
 // [Q K V] = X [W_q; W_k; W_v]^T + b (B, T, 3E) in dtype wdt; saved_.Q, K, V become its slices
 // (views with row stride 3E) and saved_.X the input in wdt.
 Tensor MultiHeadAttention::pack_projection(Context& ctx, const Tensor& X, DType wdt) {
   const int64_t E = num_hiddens_;
+  stack_projections(X.dim(2));
   for (Linear* l : {&W_q, &W_k, &W_v})
     l->materialize(X.dim(2), "MultiHeadAttention");
-  // Repacked every forward: the optimizer updates the three weights in place.
-  // (In bf16 under autocast: copy_from rounds the float32 weights.)
-  if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, X.dim(2)}) || W_qkv_.dtype() != wdt)
-    W_qkv_ = Tensor::empty({3 * E, X.dim(2)}, wdt);
   const bool bias = W_q.has_bias();
-  if (bias && (!b_qkv_.defined() || b_qkv_.dtype() != wdt)) b_qkv_ = Tensor::empty({3 * E}, wdt);
-  int64_t i = 0;
-  for (Linear* l : {&W_q, &W_k, &W_v}) {
-    W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
-    if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
-    ++i;
+  saved_.stacked = projections_stacked();
+  if (saved_.stacked && qkv_weight_.dtype() == wdt) {
+    // The parameters themselves, in place.
+    W_qkv_ = qkv_weight_;
+    b_qkv_ = bias ? qkv_bias_ : Tensor();
+  } else if (saved_.stacked) {
+    // Autocast: the float32 weights rounded to bf16 in one pass.
+    W_qkv_ = detail::convert(ctx, qkv_weight_, wdt);
+    b_qkv_ = bias ? qkv_bias_.to(wdt) : Tensor();
+  } else {
+    // Copied every forward: the optimizer updates the three weights in place. (In bf16 under
+    // autocast: copy_from rounds the float32 weights.) Never into the stacked tensors.
+    if (!W_qkv_.defined() || W_qkv_.shape() != Shape({3 * E, X.dim(2)}) || W_qkv_.dtype() != wdt ||
+        W_qkv_.raw_data() == qkv_weight_.raw_data())
+      W_qkv_ = Tensor::empty({3 * E, X.dim(2)}, wdt);
+    if (bias &&
+        (!b_qkv_.defined() || b_qkv_.dtype() != wdt || b_qkv_.raw_data() == qkv_bias_.raw_data()))
+      b_qkv_ = Tensor::empty({3 * E}, wdt);
+    int64_t i = 0;
+    for (Linear* l : {&W_q, &W_k, &W_v}) {
+      W_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->weight.value);
+      if (bias) b_qkv_.slice(0, i * E, (i + 1) * E).copy_from(l->bias.value);
+      ++i;
+    }
   }
   saved_.X = detail::convert(ctx, X, wdt);
   const Tensor QKV = linear(ctx, saved_.X, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
@@ -329,13 +403,27 @@ AttentionInputGrads MultiHeadAttention::backward_packed(Context& ctx, const Tens
   }
   // dX = dQKV [W_q; W_k; W_v] (one GEMM over 3E), dW_qkv = dQKV^T X, db_qkv = column sums.
   const bool bias = W_q.has_bias();
-  LinearGrads lg = linear_backward(ctx, dQKV, saved_.X, W_qkv_, bias);
   const int threads = ctx.resolved_threads();
-  int64_t i = 0;
-  for (Linear* l : {&W_q, &W_k, &W_v}) {
-    detail::accumulate(l->weight.grad, lg.dW.slice(0, i * E, (i + 1) * E), threads);
-    if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E), threads);
-    ++i;
+  LinearGrads lg;
+  if (saved_.stacked && projections_stacked()) {
+    // The three gradients are one stacked tensor: added into in one pass, or (float32 weights
+    // used in place) by the GEMM itself.
+    if (W_qkv_.dtype() == DType::F32 && qkv_weight_grad_.dtype() == DType::F32) {
+      lg.dx = linear_backward_accumulate(ctx, dQKV, saved_.X, W_qkv_, qkv_weight_grad_,
+                                         bias ? &qkv_bias_grad_ : nullptr);
+    } else {
+      lg = linear_backward(ctx, dQKV, saved_.X, W_qkv_, bias);
+      detail::accumulate(qkv_weight_grad_, lg.dW, threads);
+      if (bias) detail::accumulate(qkv_bias_grad_, lg.db, threads);
+    }
+  } else {
+    lg = linear_backward(ctx, dQKV, saved_.X, W_qkv_, bias);
+    int64_t i = 0;
+    for (Linear* l : {&W_q, &W_k, &W_v}) {
+      detail::accumulate(l->weight.grad, lg.dW.slice(0, i * E, (i + 1) * E), threads);
+      if (bias) detail::accumulate(l->bias.grad, lg.db.slice(0, i * E, (i + 1) * E), threads);
+      ++i;
+    }
   }
   if (self_attention_input_grad)
     return {saved_.seams ? lg.dx : detail::convert(ctx, lg.dx, dtype_), Tensor(), Tensor()};

@@ -10,9 +10,11 @@
 // 2. Module level: the fused path (need_weights = false) against the d2l path (need_weights =
 //    true: the reference kernels, double accumulation) within the fp32 tolerances of
 //    tests/test_kernels_flash_cpu.cpp (outputs 2e-6, gradients 1e-5 of the largest entry), and
-//    bitwise equal for 1 and 2 threads.
+//    bitwise equal for 1 and 2 threads. W_q, W_k and W_v stacked by a self-attention forward
+//    against the same layers created apart, bitwise, and after a caller replaces a parameter.
 #include "attention_harness.hpp"
 #include "attn/nn/attention.hpp"
+#include "attn/nn/optim.hpp"
 #include "attn/ops/attention.hpp"
 #include "kernels/cpu/flash_attention.hpp"
 #include "kernels/cpu/flash_bf16.hpp"
@@ -364,6 +366,104 @@ TEST(MhaHeadsModule, AttentionWeightsFollowTheLatestForward) {
   mha.attention.need_weights = true;
   mha.forward(ctx, X, X, X);
   EXPECT_TRUE(mha.attention_weights().defined());
+}
+
+// A self-attention forward creates W_q, W_k and W_v as row slices of one stacked tensor (values,
+// gradients, biases), read in place by the packed projection and summed into in place by its
+// backward. Against a twin whose three layers were created apart before its first forward (so
+// copied per forward, as before the stacking): the same bits through forward, backward and three
+// AdamW steps, in float32, under bf16 autocast and in a bfloat16 module, with and without bias.
+TEST(MhaHeadsModule, StackedProjectionsChangeNoBit) {
+  struct Variant {
+    DType dtype;
+    bool autocast, bias;
+  };
+  for (const Variant v : {Variant{DType::F32, false, true}, Variant{DType::F32, false, false},
+                          Variant{DType::F32, true, true}, Variant{DType::BF16, false, true}}) {
+    SCOPED_TRACE(std::string(dtype_name(v.dtype)) + (v.autocast ? " autocast" : "") +
+                 (v.bias ? " bias" : ""));
+    Context ctx;
+    ctx.threads = 2;
+    ctx.autocast_bf16 = v.autocast;
+    const int64_t E = 32;
+    nn::MultiHeadAttention stacked(E, 4, 0.0, v.bias, v.dtype, 7),
+        apart(E, 4, 0.0, v.bias, v.dtype, 7);
+    for (nn::Linear* l : {&apart.W_q, &apart.W_k, &apart.W_v})
+      l->materialize(24, "test");
+    stacked.attention.need_weights = apart.attention.need_weights = false;  // the fused path
+    const Tensor lens = Tensor::from_vector(std::vector<int64_t>{9, 40}, {2});
+    nn::AdamW opt_s(stacked.named_parameters()), opt_a(apart.named_parameters());
+    for (int step = 0; step < 3; ++step) {
+      const Tensor X = random_tensor({2, 40, 24}, v.dtype, 11 + static_cast<uint64_t>(step));
+      const Tensor dY = random_tensor({2, 40, E}, v.dtype, 21 + static_cast<uint64_t>(step));
+      const Tensor ys = stacked.forward(ctx, X, X, X, lens), ya = apart.forward(ctx, X, X, X, lens);
+      if (step == 0) {
+        // Stacked: W_k's rows follow W_q's in memory; apart: three allocations.
+        const auto* q = static_cast<const std::byte*>(stacked.W_q.weight.value.raw_data());
+        EXPECT_EQ(stacked.W_k.weight.value.raw_data(), q + E * 24 * dtype_size(v.dtype));
+        EXPECT_NE(apart.W_k.weight.value.raw_data(),
+                  static_cast<const std::byte*>(apart.W_q.weight.value.raw_data()) +
+                      E * 24 * dtype_size(v.dtype));
+      }
+      EXPECT_TRUE(bitwise_equal(ys, ya)) << "step " << step;
+      opt_s.zero_grad();
+      opt_a.zero_grad();
+      const nn::AttentionInputGrads gs = stacked.backward(ctx, dY), ga = apart.backward(ctx, dY);
+      EXPECT_TRUE(bitwise_equal(gs.dqueries, ga.dqueries)) << "step " << step;
+      const auto ps = stacked.named_parameters(), pa = apart.named_parameters();
+      ASSERT_EQ(ps.size(), pa.size());
+      for (size_t i = 0; i < ps.size(); ++i) {
+        EXPECT_TRUE(bitwise_equal(ps[i].second->grad, pa[i].second->grad)) << ps[i].first;
+        EXPECT_TRUE(bitwise_equal(ps[i].second->value, pa[i].second->value)) << ps[i].first;
+      }
+      opt_s.step();
+      opt_a.step();
+    }
+  }
+}
+
+// After a caller replaces one stacked parameter (its value or its gradient tensor), the module
+// reads the new value and adds into the new gradient: the stack is no longer used. A load keeps
+// the stack (values are copied in place).
+TEST(MhaHeadsModule, ReplacedParametersLeaveTheStack) {
+  Context ctx;
+  const int64_t E = 16;
+  nn::MultiHeadAttention mha(E, 2, 0.0, true, DType::F32, 3), twin(E, 2, 0.0, true, DType::F32, 3);
+  for (nn::Linear* l : {&twin.W_q, &twin.W_k, &twin.W_v})
+    l->materialize(E, "test");
+  mha.attention.need_weights = twin.attention.need_weights = false;
+  const Tensor X = random_tensor({1, 6, E}, DType::F32, 4),
+               dY = random_tensor({1, 6, E}, DType::F32, 5);
+  mha.forward(ctx, X, X, X);  // stacks
+  twin.forward(ctx, X, X, X);
+  ASSERT_EQ(mha.W_k.weight.value.raw_data(),
+            static_cast<const std::byte*>(mha.W_q.weight.value.raw_data()) + E * E * 4);
+  // A load copies into the stacked slices: both modules then hold the loaded values.
+  const Tensor loaded = random_tensor({E, E}, DType::F32, 6);
+  for (nn::MultiHeadAttention* m : {&mha, &twin}) {
+    nn::StateDict dict = m->state_dict();
+    dict["W_v.weight"] = loaded;
+    m->load_state_dict(dict);
+  }
+  EXPECT_TRUE(bitwise_equal(mha.forward(ctx, X, X, X), twin.forward(ctx, X, X, X)));
+  // Replaced tensors.
+  for (nn::MultiHeadAttention* m : {&mha, &twin}) {
+    m->W_k.weight.value = random_tensor({E, E}, DType::F32, 7);
+    m->W_q.weight.grad = Tensor::zeros({E, E}, DType::F32);
+    m->W_v.bias.grad = Tensor::zeros({E}, DType::F32);
+  }
+  EXPECT_TRUE(bitwise_equal(mha.forward(ctx, X, X, X), twin.forward(ctx, X, X, X)));
+  for (nn::MultiHeadAttention* m : {&mha, &twin})
+    m->zero_grad();
+  mha.backward(ctx, dY);
+  twin.backward(ctx, dY);
+  const auto pm = mha.named_parameters(), pt = twin.named_parameters();
+  for (size_t i = 0; i < pm.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(pm[i].second->grad, pt[i].second->grad)) << pm[i].first;
+  double sum = 0;
+  for (int64_t i = 0; i < E * E; ++i)
+    sum += std::abs(mha.W_q.weight.grad.flat(i));
+  EXPECT_GT(sum, 0.0);  // the new gradient tensor received the sum
 }
 
 }  // namespace

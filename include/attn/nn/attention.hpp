@@ -160,6 +160,7 @@ class MultiHeadAttention : public Module {
     // module under Context::autocast_bf16 (fused paths).
     DType compute_dtype = DType::F32;
     bool seams = false;    // bf16_seams under autocast at this forward
+    bool stacked = false;  // packed: W_qkv_ came from the stacked parameters
     Tensor Q, K, V;        // fused: (B, T|S, E) projections (slices of one (B, T, 3E) when packed);
                            // ring: head copies (B*H, T_local, D)
     Tensor X;              // packed: the input in the compute dtype
@@ -169,8 +170,20 @@ class MultiHeadAttention : public Module {
     RingOptions ring_options;       // ring
   };
   Saved saved_;
-  Tensor W_qkv_, b_qkv_;  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v], packed per forward
+  // [W_q; W_k; W_v] (3E, in) and [b_q; b_k; b_v] as the packed projection reads them: the stacked
+  // parameters themselves (below) or, when those are not stacked or need another dtype, a copy
+  // made per forward.
+  Tensor W_qkv_, b_qkv_;
+  // When a self-attention forward creates W_q, W_k and W_v (they are lazy), their weights, biases
+  // and gradients are made row slices of these stacked tensors: the packed projection then reads
+  // the weights in place and its backward adds into the three gradients in one pass. A layer
+  // created otherwise (a cross-attention forward first, or a load before the first forward) or a
+  // parameter a caller later replaces leaves the stack unused (projections_stacked()), and the
+  // weights are copied per forward as before.
+  Tensor qkv_weight_, qkv_weight_grad_, qkv_bias_, qkv_bias_grad_;
 
+  void stack_projections(int64_t in_features);
+  bool projections_stacked() const;
   Tensor pack_projection(Context& ctx, const Tensor& X, DType wdt);
   Tensor forward_heads(Context& ctx, const Tensor& queries, const Tensor& keys,
                        const Tensor& values, const Tensor& valid_lens);
