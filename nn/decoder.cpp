@@ -129,16 +129,16 @@ DecoderBlockGrads TransformerDecoderBlock::backward(Context& ctx, const Tensor& 
   // forward: out = addnorm3(Z, ffn(Z)); Z reaches out through the residual and the FFN.
   const int threads = ctx.resolved_threads();
   AddNormGrads g3 = addnorm3.backward(ctx, dout);
-  Tensor dZ = detail::add_all({g3.dX, ffn.backward(ctx, g3.dY)}, threads);
+  // dZ = g3.dX + the FFN's input gradient, summed inside addnorm2's backward pass.
   // forward: Z = addnorm2(Y, attention2(Y, enc, enc)); Y is the residual and the queries, enc the
   // keys and the values.
-  AddNormGrads g2 = addnorm2.backward(ctx, dZ);
+  AddNormGrads g2 = addnorm2.backward(ctx, g3.dX, ffn.backward(ctx, g3.dY));
   AttentionInputGrads ga2 = attention2.backward(ctx, g2.dY);
   DecoderBlockGrads g;
   g.denc_outputs = detail::add_all({ga2.dkeys, ga2.dvalues}, threads);
-  Tensor dY = detail::add_all({g2.dX, ga2.dqueries}, threads);
-  // forward: Y = addnorm1(X, attention1(X, X, X)); X reaches Y four times.
-  AddNormGrads g1 = addnorm1.backward(ctx, dY);
+  // forward: Y = addnorm1(X, attention1(X, X, X)); X reaches Y four times. Its output's
+  // gradient, g2.dX + ga2.dqueries, is summed inside addnorm1's backward pass.
+  AddNormGrads g1 = addnorm1.backward(ctx, g2.dX, ga2.dqueries);
   AttentionInputGrads ga1 = attention1.backward(ctx, g1.dY);
   g.dX = ga1.dkeys.defined()
              ? detail::add_all({g1.dX, ga1.dqueries, ga1.dkeys, ga1.dvalues}, threads)

@@ -72,9 +72,9 @@ Tensor TransformerEncoderBlock::backward(Context& ctx, const Tensor& dout) {
   // forward: out = addnorm2(Y, ffn(Y)); Y reaches out twice, through the residual and the FFN.
   AddNormGrads g2 = addnorm2.backward(ctx, dout);
   const int threads = ctx.resolved_threads();
-  Tensor dY = detail::add_all({g2.dX, ffn.backward(ctx, g2.dY)}, threads);
+  // dY = g2.dX + the FFN's input gradient, summed inside addnorm1's backward pass.
   // forward: Y = addnorm1(X, attention(X, X, X)); X reaches Y four times.
-  AddNormGrads g1 = addnorm1.backward(ctx, dY);
+  AddNormGrads g1 = addnorm1.backward(ctx, g2.dX, ffn.backward(ctx, g2.dY));
   AttentionInputGrads ga = attention.backward(ctx, g1.dY);
   if (!ga.dkeys.defined())
     return detail::add_all({g1.dX, ga.dqueries}, threads);  // dqueries = dQ + dK + dV

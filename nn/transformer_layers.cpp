@@ -247,8 +247,22 @@ Tensor AddNorm::forward(Context& ctx, const Tensor& X, const Tensor& Y) {
 }
 
 AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
+  return backward(ctx, dout, Tensor());
+}
+
+AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout, const Tensor& dout_add) {
   // forward: Z = dropout(Y) + X; out = ln(Z). So dX = dZ and dY = dropout_backward(dZ).
   AddNormGrads g;
+  if (dout_add.defined()) {
+    check(dout.defined() && dout_add.shape() == dout.shape() &&
+              (dout_add.dtype() == dout.dtype() ||
+               (dout.dtype() == DType::F32 && dout_add.dtype() == DType::BF16)),
+          "AddNorm::backward", "dout_add has shape {} and dtype {}, expected dout's {} and {}{}",
+          shape_arg(dout_add), dtype_name(dout_add.dtype()), shape_arg(dout),
+          dout.defined() ? dtype_name(dout.dtype()) : "none",
+          dout.defined() && dout.dtype() == DType::F32 ? " (or BF16)" : "");
+    if (!fused_) return backward(ctx, detail::add_all({dout, dout_add}, ctx.resolved_threads()));
+  }
   if (!fused_) {
     Tensor dZ = ln.backward(ctx, dout);
     g.dY = dropped_ ? dropout_backward(ctx, dZ, dropout, ctx.seed, dropout_offset_) : dZ;
@@ -274,11 +288,18 @@ AddNormGrads AddNorm::backward(Context& ctx, const Tensor& dout) {
   drop.p = dropout;
   drop.keep = keep_.data();
   const Tensor gamma = ln.weight.value.contiguous();
+  // dout + dout_add, summed as the pass reads dout.
+  const Tensor addc = dout_add.defined() ? dout_add.contiguous() : Tensor();
+  cpu::AddNormGradTerm add;
+  if (addc.defined() && addc.dtype() == DType::BF16)
+    add.bf16 = static_cast<const uint16_t*>(addc.raw_data());
+  else if (addc.defined())
+    add.f32 = addc.data<float>();
   cpu::add_norm_backward_f32(doutc.data<float>(), z_.data<float>(), gamma.data<float>(),
                              mean_.data<float>(), rstd_.data<float>(), g.dX.data<float>(),
                              dropped_ && !dy_bf16_ ? g.dY.data<float>() : nullptr,
                              dgamma.data<float>(), dbeta.data<float>(), R, E,
-                             dropped_ ? &drop : nullptr, ctx.resolved_threads(), &bf16);
+                             dropped_ ? &drop : nullptr, ctx.resolved_threads(), &bf16, &add);
   detail::accumulate(ln.weight.grad, dgamma);
   detail::accumulate(ln.bias.grad, dbeta);
   return g;

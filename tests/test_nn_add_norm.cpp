@@ -162,6 +162,52 @@ TEST(AddNormFused, CloseToTheReferenceBackend) {
   }
 }
 
+// backward(dout, dout_add), a residual's two gradient terms summed inside the pass, against
+// backward of their float sum: the same bits, float32 or bf16 second term, with dropout, bf16 dy
+// under autocast, fused (kCpu) and not (kReference), 1 and 2 threads.
+TEST(AddNormFused, TwoGradientTermsAreTheirSumBitwise) {
+  for (const Shape& shape : kShapes) {
+    const Tensor X = random_tensor(shape, DType::F32, 31);
+    const Tensor Y = random_tensor(shape, DType::F32, 32, -2.0, 2.0);
+    const Tensor dout = random_tensor(shape, DType::F32, 33);
+    for (const DType add_dtype : {DType::F32, DType::BF16})
+      for (const Backend backend : {Backend::kCpu, Backend::kReference})
+        for (const bool bf16_dy : {false, true})
+          for (const double p : {0.0, 0.3})
+            for (const int threads : {1, 2}) {
+              const Tensor add = random_tensor(shape, add_dtype, 34, -3.0, 3.0);
+              Tensor sum = Tensor::empty(shape, DType::F32);
+              for (int64_t i = 0; i < sum.numel(); ++i)
+                sum.data<float>()[i] = dout.data<float>()[i] + static_cast<float>(add.flat(i));
+              Context ctx;
+              ctx.backend = backend;
+              ctx.threads = threads;
+              ctx.seed = 77;
+              ctx.autocast_bf16 = bf16_dy;
+              std::vector<nn::AddNormGrads> grads;
+              std::vector<Tensor> ln_grads;
+              for (const bool two_terms : {true, false}) {
+                nn::AddNorm an = make_add_norm(X.dim(-1), p, true);
+                an.bf16_dy = bf16_dy;
+                Context c = ctx;
+                an.forward(c, X, Y);
+                grads.push_back(two_terms ? an.backward(c, dout, add) : an.backward(c, sum));
+                ln_grads.push_back(an.ln.weight.grad);
+                ln_grads.push_back(an.ln.bias.grad);
+              }
+              const std::string what = shape_str(shape) + " " + std::string(dtype_name(add_dtype)) +
+                                       (backend == Backend::kCpu ? " fused" : " reference") +
+                                       (bf16_dy ? " bf16 dy" : "") + " p " + std::to_string(p) +
+                                       " threads " + std::to_string(threads);
+              EXPECT_TRUE(same_bits(grads[0].dX, grads[1].dX)) << what;
+              EXPECT_TRUE(same_bits(grads[0].dY, grads[1].dY)) << what;
+              EXPECT_EQ(grads[0].dY.dtype(), grads[1].dY.dtype()) << what;
+              EXPECT_TRUE(same_bits(ln_grads[0], ln_grads[2])) << what << ": dgamma";
+              EXPECT_TRUE(same_bits(ln_grads[1], ln_grads[3])) << what << ": dbeta";
+            }
+  }
+}
+
 TEST(AddNormFused, ChecksAsTheSeparateOps) {
   Context ctx;
   ctx.backend = Backend::kCpu;
@@ -172,6 +218,10 @@ TEST(AddNormFused, ChecksAsTheSeparateOps) {
   an.forward(ctx, Tensor::zeros({2, 8}), Tensor::zeros({2, 8}));
   EXPECT_THROW(an.backward(ctx, Tensor::zeros({2, 9}, DType::F32)), Error);  // dout's shape
   EXPECT_THROW(an.backward(ctx, Tensor::zeros({2, 8}, DType::F64)), Error);  // dout's dtype
+  // The second term: dout's shape, and dout's dtype or bf16.
+  const Tensor dout = Tensor::zeros({2, 8}, DType::F32);
+  EXPECT_THROW(an.backward(ctx, dout, Tensor::zeros({2, 9}, DType::F32)), Error);
+  EXPECT_THROW(an.backward(ctx, dout, Tensor::zeros({2, 8}, DType::F64)), Error);
 }
 
 TEST(AddNormFused, SavedMaskIsDropoutRangesDraw) {

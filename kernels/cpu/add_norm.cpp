@@ -79,8 +79,10 @@ void add_norm_forward_f32(const float* x, const float* y, const float* gamma, co
 void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
                            const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
                            int64_t R, int64_t E, const AddNormDropout* drop, int threads,
-                           const AddNormBf16* bf16) {
+                           const AddNormBf16* bf16, const AddNormGradTerm* dout_add) {
   const bool dropping = drop != nullptr && drop->p > 0.0;
+  const bool adding =
+      dout_add != nullptr && (dout_add->f32 != nullptr || dout_add->bf16 != nullptr);
   const DropConstants dc = drop_constants(dropping ? drop->p : 0.0);
   uint16_t* dy_bf16 = bf16 != nullptr ? bf16->dy : nullptr;
   const int64_t chunks = row_chunks(R);
@@ -94,14 +96,35 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
     // bf16 dy with dropout: the float dy of a chunk, before its rounding.
     std::vector<float> dropped(
         dy_bf16 != nullptr && dropping ? static_cast<size_t>(kLayerNormChunkRows * E) : 0);
+    // dout + dout_add of a chunk.
+    std::vector<float> summed(adding ? static_cast<size_t>(kLayerNormChunkRows * E) : 0);
 #pragma omp for schedule(static)
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
       const int64_t begin = r0 * E, n = (r1 - r0) * E;
       double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
       double* db = gamma != nullptr ? dg + E : nullptr;
-      layer_norm_backward_rows_f32(dout, z, gamma, mean, rstd, dx, dg, db, scratch.data(), r0, r1,
-                                   E);
+      if (adding) {
+        // add_all({dout, dout_add})'s float sums, then the chunk's rows from the buffer.
+        const float* a = dout + begin;
+        float* sc = summed.data();
+        if (dout_add->bf16 != nullptr) {
+          const uint16_t* t = dout_add->bf16 + begin;
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i)
+            sc[i] = a[i] + bf16_to_float(t[i]);
+        } else {
+          const float* t = dout_add->f32 + begin;
+#pragma omp simd
+          for (int64_t i = 0; i < n; ++i)
+            sc[i] = a[i] + t[i];
+        }
+        layer_norm_backward_rows_f32(sc, z + begin, gamma, mean + r0, rstd + r0, dx + begin, dg, db,
+                                     scratch.data(), 0, r1 - r0, E);
+      } else {
+        layer_norm_backward_rows_f32(dout, z, gamma, mean, rstd, dx, dg, db, scratch.data(), r0, r1,
+                                     E);
+      }
       // dy = dropout_backward(dz): the forward's mask and scale.
       if (dy_bf16 != nullptr) {
         const float* dyc = dx + begin;

@@ -42,6 +42,15 @@ struct AddNormBf16 {
                                 // is then null); with no drop, dy = dz rounded
 };
 
+// A second term of the output's gradient (R, E), float32 or bfloat16 bits (one of the two): the
+// backward's dout is then dout + term, summed as each chunk is read (in float, the bf16 term
+// widened exactly), the bits of adding them first (add_all) without that pass over the tensor.
+// A block's residual gives AddNorm its gradient as two such terms.
+struct AddNormGradTerm {
+  const float* f32 = nullptr;
+  const uint16_t* bf16 = nullptr;
+};
+
 // x, y (R, E) -> z = dropout(y) + x (saved for the backward), out = LayerNorm(z) (R, E),
 // mean, rstd (R). gamma, beta (E) or both null. drop null: z = y + x (eval, or p == 0).
 // x, y, z, out must not overlap.
@@ -53,10 +62,12 @@ void add_norm_forward_f32(const float* x, const float* y, const float* gamma, co
 // dout (R, E), the forward's z, mean, rstd -> dx = dz (R, E); dy = dropout(dz) (R, E) when drop is
 // given (its p and the keep mask its forward wrote; else dy is unused: the gradient for y is dz
 // itself); dgamma, dbeta (E) when gamma is given. dout, dx, dy must not overlap. bf16->dy: dy in
-// bf16 instead (also without drop).
+// bf16 instead (also without drop). dout_add: a second term of the gradient, added to dout (it
+// must not overlap dx or dy).
 void add_norm_backward_f32(const float* dout, const float* z, const float* gamma, const float* mean,
                            const float* rstd, float* dx, float* dy, float* dgamma, float* dbeta,
                            int64_t R, int64_t E, const AddNormDropout* drop, int threads,
-                           const AddNormBf16* bf16 = nullptr);
+                           const AddNormBf16* bf16 = nullptr,
+                           const AddNormGradTerm* dout_add = nullptr);
 
 }  // namespace attn::cpu

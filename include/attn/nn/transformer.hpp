@@ -101,6 +101,10 @@ class AddNorm : public Module {
   std::vector<std::pair<std::string, Parameter*>> named_parameters() override;
   Tensor forward(Context& ctx, const Tensor& X, const Tensor& Y);
   AddNormGrads backward(Context& ctx, const Tensor& dout);
+  // The same for an output gradient that comes as two terms, dout + dout_add (a residual's two
+  // paths; dout_add of dout's dtype, or bf16 for a float32 module under autocast): the bits of
+  // backward(add of the two), summed as the fused pass reads them instead of in a pass of its own.
+  AddNormGrads backward(Context& ctx, const Tensor& dout, const Tensor& dout_add);
   void train(bool on = true) override;
 
   // Under autocast the next layer may read this output, and the sublayer its gradient, in bf16.
