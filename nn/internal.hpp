@@ -41,11 +41,6 @@ void fill_with(Tensor& t, Draw&& draw) {
 // are split over up to `threads` OpenMP threads (elementwise: the same bits).
 void accumulate(Tensor& grad, const Tensor& g, int threads = 1);
 
-// Whether a float32 Linear's weight (and bias) gradients can take linear_backward_accumulate's
-// sums in place: contiguous float32 tensors of the parameters' shapes, as the layer allocates
-// them (a caller may have replaced them).
-bool grads_accumulate_in_place(const Linear& l);
-
 // x.to(dtype) (float32 <-> bfloat16, a contiguous x), split into chunks converted on up to
 // ctx.resolved_threads() OpenMP threads when x is large: elementwise, so the same bits as x.to.
 // Any other case is x.to(dtype) itself.

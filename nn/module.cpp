@@ -381,11 +381,13 @@ bool sums_in_place(const Parameter& p) {
          p.grad.is_contiguous() && p.grad.shape() == p.value.shape();
 }
 
-}  // namespace
-
-bool detail::grads_accumulate_in_place(const Linear& l) {
+// Whether a float32 Linear's weight (and bias) gradients can take linear_backward_accumulate's
+// sums in place (a caller may have replaced them).
+bool grads_accumulate_in_place(const Linear& l) {
   return sums_in_place(l.weight) && (!l.has_bias() || sums_in_place(l.bias));
 }
+
+}  // namespace
 
 Linear::Linear(int64_t out_features, int64_t in_features, bool with_bias, DType dtype,
                uint64_t seed)
@@ -484,7 +486,7 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
   // forward: y = x W^T + b, so dx = dy W, dW += dy^T x, db += sum over rows of dy. The sums go
   // straight into the gradients when they have the layer's dtype and layout (always, unless a
   // caller replaced them).
-  if (detail::grads_accumulate_in_place(*this))
+  if (grads_accumulate_in_place(*this))
     return linear_backward_accumulate(ctx, dy, x_, weight.value, weight.grad,
                                       has_bias_ ? &bias.grad : nullptr);
   LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_);

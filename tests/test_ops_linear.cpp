@@ -1,12 +1,12 @@
 // linear / linear_backward: y = x W^T + b against the written-out formula, 2-D and 3-D x,
 // with and without bias, finite-difference gradients (float64) and bad input;
 // linear_backward_accumulate against linear_backward followed by the adds, bit for bit.
+#include "attention_harness.hpp"
 #include "attn/ops/linear.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -14,6 +14,7 @@
 namespace attn {
 namespace {
 
+using testing::bitwise_equal;
 using testing::close;
 using testing::gradcheck;
 using testing::random_tensor;
@@ -83,13 +84,6 @@ TEST(LinearBackward, Gradcheck) {
   check_linear_gradients({2, 3, 4}, false);
 }
 
-bool same_bits(const Tensor& a, const Tensor& b) {
-  if (a.dtype() != b.dtype() || a.shape() != b.shape()) return false;
-  const Tensor ac = a.contiguous(), bc = b.contiguous();
-  return std::memcmp(ac.raw_data(), bc.raw_data(),
-                     static_cast<size_t>(a.numel()) * dtype_size(a.dtype())) == 0;
-}
-
 // sum + g elementwise in sum's dtype (bf16: in float, rounded once), on fresh tensors.
 Tensor added(const Tensor& sum, const Tensor& g) {
   Tensor out = sum.contiguous().clone();
@@ -137,10 +131,10 @@ TEST(LinearBackwardAccumulate, IsTheGradientsAddedBitwise) {
                 std::to_string(rows) + "x" + std::to_string(in) + "x" + std::to_string(out) + " " +
                 std::string(dtype_name(dtype)) + " threads " + std::to_string(threads) +
                 (from_zero ? " from 0" : "") + (backend == Backend::kReference ? " reference" : "");
-            EXPECT_TRUE(same_bits(dx, want.dx)) << what;
-            EXPECT_TRUE(same_bits(db, added(db0, want.db))) << what;
+            EXPECT_TRUE(bitwise_equal(dx, want.dx)) << what;
+            EXPECT_TRUE(bitwise_equal(db, added(db0, want.db))) << what;
             if (from_zero || dtype != DType::F32 || backend == Backend::kReference) {
-              EXPECT_TRUE(same_bits(dW, added(dW0, want.dW))) << what;
+              EXPECT_TRUE(bitwise_equal(dW, added(dW0, want.dW))) << what;
             } else {
               // oneDNN adds the old sum into its accumulator before the contraction's blocks:
               // the same sum, rounded in another order.
@@ -148,8 +142,8 @@ TEST(LinearBackwardAccumulate, IsTheGradientsAddedBitwise) {
             }
             // Without a bias sum only the weight gradient moves.
             Tensor dW_only = dW0.clone();
-            EXPECT_TRUE(same_bits(linear_backward_accumulate(ctx, dy, x, W, dW_only), want.dx));
-            EXPECT_TRUE(same_bits(dW_only, dW)) << what;
+            EXPECT_TRUE(bitwise_equal(linear_backward_accumulate(ctx, dy, x, W, dW_only), want.dx));
+            EXPECT_TRUE(bitwise_equal(dW_only, dW)) << what;
           }
         }
       }
