@@ -61,6 +61,8 @@ run() {
   local out=${OUT:-$bundle/out}
   mkdir -p "$out"
   local start=$SECONDS
+  # Per-binary limit: a hung kernel costs this much device time, not the whole run.
+  local tlimit=${GPU_CHECK_TEST_TIMEOUT:-240}
   if [ ! -x "$bundle/bin/test_cuda_host" ]; then
     echo "gpu-check: $bundle is missing; run 'scripts/gpu-check.sh build' on the build machine" >&2
     echo "and carry build/gpu-check to this one" >&2
@@ -86,6 +88,7 @@ run() {
   local orig_ld=${LD_LIBRARY_PATH:-}
   export LD_LIBRARY_PATH="$libs${orig_ld:+:$orig_ld}"
   nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
+  echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs$(grep -qw amx_bf16 /proc/cpuinfo && echo ', AMX-BF16')"
 
   echo "== 1. tests (every failure reported; log in $out/tests.log)"
   local failed=0 summary=""
@@ -93,7 +96,7 @@ run() {
   for t in "$bundle"/bin/test_cuda_*; do
     local name
     name=$(basename "$t")
-    timeout 240 "$t" --gtest_color=no >"$out/$name.log" 2>&1
+    timeout "$tlimit" "$t" --gtest_color=no >"$out/$name.log" 2>&1
     local rc=$?
     cat "$out/$name.log" >>"$out/tests.log"
     local passed failedn skipped
@@ -105,12 +108,12 @@ run() {
       failed=1
       # Every failing expectation with its case: the lines gtest prints around "Failure".
       grep -B1 -A6 'Failure$' "$out/$name.log" | head -150
-      [ "$rc" -eq 124 ] && echo "$name: timed out after 240 s"
+      [ "$rc" -eq 124 ] && echo "$name: timed out after $tlimit s"
       [ "$skipped" -gt 0 ] && echo "$name: tests skipped on a GPU machine (no device visible?)"
     fi
   done
   # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel.
-  ATTN_CUDA_SIMT_ATTENTION=1 timeout 240 "$bundle/bin/test_cuda_attention" --gtest_color=no \
+  ATTN_CUDA_SIMT_ATTENTION=1 timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
     --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_simt.log" 2>&1
   local rc_simt=$?
   cat "$out/attention_simt.log" >>"$out/tests.log"
