@@ -63,6 +63,10 @@ struct AttentionProblem {
   // Dropout stream (attn/core/rng.hpp): p in [0, 1], 0 disables; (seed, offset) pick the stream.
   float dropout = 0.0f;
   uint64_t seed = 0, offset = 0;
+  // CUDA only: when set, the stream offset is *dropout_offset_device + offset, read on the device
+  // when the kernel runs, so that a step captured once as a CUDA graph replays with each step's
+  // offsets. The CPU kernels ignore it.
+  const uint64_t* dropout_offset_device = nullptr;
   // Stream index of element (0, 0, 0): the global index of this call's first sample times the
   // elements per sample, heads * T * S (Context::dropout_index_base; 0 in a single process).
   uint64_t dropout_index_base = 0;

@@ -44,6 +44,7 @@ struct FlashParams {
   float scale = 1.0f;
   float p = 0.0f;
   uint64_t seed = 0, offset = 0;
+  const uint64_t* offset_dev = nullptr;  // AttentionProblem::dropout_offset_device
   DropoutIndexer drop;
   StridedView<const E> q, k, v;
   StridedView<E> out;
@@ -64,7 +65,8 @@ struct FlashParams {
     return *uniform ? S : lim;
   }
   __device__ float dropout_z(int64_t b, int64_t t, int64_t s) const {
-    return dropout_factor(seed, offset, drop(b, t, s), p);
+    const uint64_t off = offset_dev != nullptr ? *offset_dev + offset : offset;
+    return dropout_factor(seed, off, drop(b, t, s), p);
   }
 };
 
@@ -496,6 +498,7 @@ FlashParams<E> make_params(const AttentionArgs<E>& a, const char* op) {
   P.p = a.dropout;
   P.seed = a.seed;
   P.offset = a.offset;
+  P.offset_dev = a.dropout_offset_device;
   P.drop.base = a.dropout_index_base;
   P.drop.T = a.T;
   P.drop.S = a.S;

@@ -14,6 +14,7 @@
 
 #include <memory>
 #include <unordered_map>
+#include <utility>
 
 namespace attn::cuda {
 namespace {
@@ -81,6 +82,17 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& g) {
                                      static_cast<uint64_t>(c.second_cols), g.lda));
   ATTN_LT(cublasLtMatrixLayoutCreate(&p->c, t, static_cast<uint64_t>(c.m),
                                      static_cast<uint64_t>(c.n), g.ldc));
+  if (g.batch > 1) {
+    const int32_t count = static_cast<int32_t>(g.batch);
+    const std::pair<cublasLtMatrixLayout_t, int64_t> layouts[] = {
+        {p->a, g.stride_b}, {p->b, g.stride_a}, {p->c, g.stride_c}};  // p->a holds B (see above)
+    for (const auto& [layout, stride] : layouts) {
+      ATTN_LT(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                               sizeof(count)));
+      ATTN_LT(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                               &stride, sizeof(stride)));
+    }
+  }
   cublasLtMatmulPreference_t pref = nullptr;
   ATTN_LT(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kWorkspaceBytes;
@@ -106,6 +118,9 @@ void gemm(const GemmArgs& g, StreamHandle stream) {
   if (g.M == 0 || g.N == 0) return;
   // Leading dimensions of the stored matrices (row strides), at least their row lengths.
   const int64_t a_cols = g.trans_a ? g.M : g.K, b_cols = g.trans_b ? g.K : g.N;
+  check(g.batch >= 1 && g.batch < (int64_t{1} << 31) && (g.batch == 1 || g.bias == nullptr), op,
+        "batch {} with{} bias: expected 1 <= batch < 2^31, and no bias with a batch", g.batch,
+        g.bias == nullptr ? "out" : "");
   check(g.lda >= std::max<int64_t>(a_cols, 1) && g.ldb >= std::max<int64_t>(b_cols, 1) &&
             g.ldc >= g.N,
         op, "leading dimensions lda={} ldb={} ldc={} too small for M={} N={} K={}", g.lda, g.ldb,

@@ -15,6 +15,7 @@ namespace attn::cuda {
 struct GemmKey {
   GemmType type = GemmType::kF32;
   int64_t M = 0, N = 0, K = 0, lda = 0, ldb = 0, ldc = 0;
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
   bool trans_a = false, trans_b = false, bias = false, accumulate = false;
   uint8_t alignment = 0;  // bit i: operand i (A, B, C, bias) is 16-byte aligned
   bool operator==(const GemmKey&) const = default;
@@ -30,6 +31,10 @@ inline GemmKey gemm_key(const GemmArgs& g) {
   k.lda = g.lda;
   k.ldb = g.ldb;
   k.ldc = g.ldc;
+  k.batch = g.batch;
+  k.stride_a = g.batch > 1 ? g.stride_a : 0;
+  k.stride_b = g.batch > 1 ? g.stride_b : 0;
+  k.stride_c = g.batch > 1 ? g.stride_c : 0;
   k.trans_a = g.trans_a;
   k.trans_b = g.trans_b;
   k.bias = g.bias != nullptr;
@@ -47,7 +52,8 @@ struct GemmKeyHash {
       h *= 1099511628211ull;
     };
     mix(static_cast<uint64_t>(k.type));
-    for (int64_t v : {k.M, k.N, k.K, k.lda, k.ldb, k.ldc})
+    for (int64_t v :
+         {k.M, k.N, k.K, k.lda, k.ldb, k.ldc, k.batch, k.stride_a, k.stride_b, k.stride_c})
       mix(static_cast<uint64_t>(v));
     mix(static_cast<uint64_t>(k.trans_a) | static_cast<uint64_t>(k.trans_b) << 1 |
         static_cast<uint64_t>(k.bias) << 2 | static_cast<uint64_t>(k.accumulate) << 3 |

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "kernels/attention_problem.hpp"
+#include "kernels/cuda/device_math.hpp"
 
 #include <cstddef>
 #include <cstdint>
@@ -53,6 +54,9 @@ struct GemmArgs {
   const void* bias = nullptr;
   int64_t lda = 0, ldb = 0, ldc = 0;
   float alpha = 1.0f, beta = 0.0f;
+  // A batch of `batch` independent products, matrix i of each operand `stride_*` elements after
+  // matrix i - 1 (cuBLASLt's strided batch); no bias with a batch.
+  int64_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
 };
 void gemm(const GemmArgs& g, StreamHandle stream);
 
@@ -88,6 +92,13 @@ void layer_norm_forward(const float* x, const float* residual, float* sum, const
 void layer_norm_backward(const float* dy, const float* x, const float* gamma, const float* mean,
                          const float* rstd, float* dx, float* dgamma, float* dbeta, int64_t R,
                          int64_t E, StreamHandle stream);
+// The parameter gradients alone (dgamma, dbeta overwritten, either may be null). With `scratch`
+// (2 * kLayerNormChunks * E floats) chunks of rows are summed side by side and then in chunk
+// order (many blocks, for long R); null: one pass per 32 columns. Deterministic either way.
+constexpr int64_t kLayerNormChunks = 64;
+void layer_norm_param_grads(const float* dy, const float* x, const float* mean, const float* rstd,
+                            float* dgamma, float* dbeta, int64_t R, int64_t E, float* scratch,
+                            StreamHandle stream);
 
 // Masked softmax over rows of S (ref::masked_softmax_forward): kept (R) kept-key counts or null.
 void masked_softmax_forward(const float* x, float* y, const int32_t* kept,
@@ -101,6 +112,50 @@ void cross_entropy_forward(const float* logits, const int64_t* targets, const ui
                            float* loss, int64_t N, int64_t V, StreamHandle stream);
 void cross_entropy_backward(const float* logits, const int64_t* targets, const uint8_t* keep,
                             float* dlogits, int64_t N, int64_t V, float scale, StreamHandle stream);
+// The same with the scale read on the device (*scale, e.g. loss_mean's 1 / n_kept), so that a
+// captured graph replays with each batch's scale.
+void cross_entropy_backward(const float* logits, const int64_t* targets, const uint8_t* keep,
+                            float* dlogits, int64_t N, int64_t V, const float* scale,
+                            StreamHandle stream);
+
+// ---- The training step's other kernels (train_ops.cu) -----------------------------------------
+// y = relu(x) (NaN stays NaN, as torch.relu); dx = dy where x > 0, else 0 (torch's gradient at 0).
+void relu_forward(const float* x, float* y, int64_t n, StreamHandle stream);
+void relu_backward(const float* dy, const float* x, float* dx, int64_t n, StreamHandle stream);
+// y = x * Z * scale with Z the dropout stream's element index_base + i at stream offset
+// *offset_base + offset, *offset_base read on the device (a graph replays with each step's
+// offset). Forward and backward alike (the backward multiplies dy by the same Z).
+void dropout_at(const float* x, float* y, int64_t n, float p, uint64_t seed,
+                const uint64_t* offset_base, uint64_t offset, uint64_t index_base, float scale,
+                StreamHandle stream);
+// The classification head's pooling: pooled (B, E) = mean of X (B, T, E) over t < counts[b]
+// (summed in double; 0 for counts[b] = 0), and its backward dX = dpooled[b] / counts[b] there, 0
+// elsewhere.
+void masked_mean_forward(const float* X, const int32_t* counts, float* pooled, int64_t B, int64_t T,
+                         int64_t E, StreamHandle stream);
+void masked_mean_backward(const float* dpooled, const int32_t* counts, float* dX, int64_t B,
+                          int64_t T, int64_t E, StreamHandle stream);
+// Attention's weights as a row op over (R, S) scores (the batched-GEMM attention of the training
+// step): y = masked softmax (masked_softmax_forward's contract) and yd = y * Z, Z the dropout
+// stream's element r * S + s at offset *offset_base + offset (for p = 0 yd is not written); the
+// backward takes dyd (the gradient of yd) and y: dx = y * (dyd Z - sum_s dyd Z y) on kept keys.
+void softmax_dropout_forward(const float* x, float* y, float* yd, const int32_t* kept,
+                             kernels::MaskedRows policy, int64_t R, int64_t S, float p,
+                             uint64_t seed, const uint64_t* offset_base, uint64_t offset,
+                             StreamHandle stream);
+void softmax_dropout_backward(const float* dyd, const float* y, float* dx, const int32_t* kept,
+                              int64_t R, int64_t S, float p, uint64_t seed,
+                              const uint64_t* offset_base, uint64_t offset, StreamHandle stream);
+// The heads of `parts` stacked projections: x (B, T, parts * H * D) -> heads (parts, B * H, T, D)
+// contiguous (to_heads), and back (from_heads), for attention as batched GEMMs.
+void to_heads(const float* x, float* heads, int64_t B, int64_t T, int64_t H, int64_t D,
+              int64_t parts, StreamHandle stream);
+void from_heads(const float* heads, float* x, int64_t B, int64_t T, int64_t H, int64_t D,
+                int64_t parts, StreamHandle stream);
+// The mean loss of the kept rows (keep null: all): *mean = sum / n_kept in double (NaN when none
+// is kept, as PyTorch's 0/0), *scale = 1 / n_kept as float (0 when none).
+void loss_mean(const float* loss, const uint8_t* keep, int64_t N, double* mean, float* scale,
+               StreamHandle stream);
 
 // ---- AdamW (optim.cu) ---------------------------------------------------------------------------
 // One step over n float parameters, bit for bit the CPU's (nn/optim.cpp) for the same inputs.
@@ -110,7 +165,20 @@ struct AdamWStep {
 };
 void adamw_update(float* w, const float* g, float* m, float* v, int64_t n, const AdamWStep& s,
                   StreamHandle stream);
-// Sum of squares of n floats into *out (device, double), for gradient clipping by global norm.
-void sum_squares(const float* x, int64_t n, double* out, StreamHandle stream);
+// The per-step scalars of that update (host arithmetic), and the update reading them from device
+// memory `u`, so that a captured graph replays with each step's bias corrections. With `skip_if`
+// non-null nothing changes when *skip_if is not finite (a training step's loss).
+AdamWElement adamw_element(const AdamWStep& s);
+void adamw_update(float* w, const float* g, float* m, float* v, int64_t n, const AdamWElement* u,
+                  const double* skip_if, StreamHandle stream);
+// Sum of squares of n floats into *out (device, double), for gradient clipping by global norm;
+// `scratch` holds kSumSquaresScratch doubles. A fixed order: the same bits on every run.
+constexpr int64_t kSumSquaresScratch = 128;
+void sum_squares(const float* x, int64_t n, double* out, double* scratch, StreamHandle stream);
+// torch's clip_grad_norm_ on n gradients given their *sum_squares: coef = max_norm / (sqrt(sum)
+// + 1e-6), multiplied into every gradient (in double, rounded once) when below 1; *norm =
+// sqrt(sum). max_norm = infinity never clips.
+void clip_by_norm(float* g, int64_t n, const double* sum_squares, double max_norm, double* norm,
+                  StreamHandle stream);
 
 }  // namespace attn::cuda

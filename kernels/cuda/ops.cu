@@ -10,6 +10,8 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 namespace attn::cuda {
 namespace {
 
@@ -145,19 +147,61 @@ __global__ void layer_norm_backward_kernel(const float* dy, const float* x, cons
     dx[r * E + e] = s * (g - g_mean - xhat * gx_mean);
   }
 }
-// dgamma[e] = sum_r dy * xhat, dbeta[e] = sum_r dy: a thread a column, rows in order (no atomics).
+// dgamma[e] = sum_r dy * xhat, dbeta[e] = sum_r dy: a block per 32 columns and chunk of rows
+// (blockIdx.y), its 32 x 32 threads take every 32nd row of the chunk (8 independent sums each, so
+// that loads overlap), then a fixed tree over the row groups; the chunk's sums go to row
+// blockIdx.y of dgamma / dbeta (E apart), which ln_param_sum_kernel adds in order. Deterministic.
+constexpr int kParamRowGroups = 32;
 __global__ void layer_norm_param_grad_kernel(const float* dy, const float* x, const float* mean,
                                              const float* rstd, float* dgamma, float* dbeta,
-                                             int64_t R, int64_t E) {
-  for (int64_t e = grid_start(); e < E; e += grid_step()) {
-    float dg = 0.0f, db = 0.0f;
-    for (int64_t r = 0; r < R; ++r) {
-      const float g = dy[r * E + e];
-      dg += g * (x[r * E + e] - mean[r]) * rstd[r];
-      db += g;
+                                             int64_t R, int64_t E, int64_t chunk_rows) {
+  __shared__ float sg[kParamRowGroups][kWarp + 1], sb[kParamRowGroups][kWarp + 1];
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
+  const int group = static_cast<int>(threadIdx.y);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * chunk_rows;
+  const int64_t r1 = r0 + chunk_rows < R ? r0 + chunk_rows : R;
+  float dg[8] = {}, db[8] = {};
+  if (e < E) {
+    int64_t r = r0 + group;
+    for (; r + 7 * kParamRowGroups < r1; r += 8 * kParamRowGroups) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int64_t rr = r + u * kParamRowGroups;
+        const float g = dy[rr * E + e];
+        dg[u] += g * (x[rr * E + e] - mean[rr]) * rstd[rr];
+        db[u] += g;
+      }
     }
-    if (dgamma != nullptr) dgamma[e] = dg;
-    if (dbeta != nullptr) dbeta[e] = db;
+    for (int u = 0; r < r1; r += kParamRowGroups, ++u) {
+      const float g = dy[r * E + e];
+      dg[u] += g * (x[r * E + e] - mean[r]) * rstd[r];
+      db[u] += g;
+    }
+  }
+  sg[group][threadIdx.x] =
+      ((dg[0] + dg[1]) + (dg[2] + dg[3])) + ((dg[4] + dg[5]) + (dg[6] + dg[7]));
+  sb[group][threadIdx.x] =
+      ((db[0] + db[1]) + (db[2] + db[3])) + ((db[4] + db[5]) + (db[6] + db[7]));
+  __syncthreads();
+  for (int half = kParamRowGroups / 2; half > 0; half /= 2) {
+    if (group < half) {
+      sg[group][threadIdx.x] += sg[group + half][threadIdx.x];
+      sb[group][threadIdx.x] += sb[group + half][threadIdx.x];
+    }
+    __syncthreads();
+  }
+  if (group == 0 && e < E) {
+    if (dgamma != nullptr) dgamma[blockIdx.y * E + e] = sg[0][threadIdx.x];
+    if (dbeta != nullptr) dbeta[blockIdx.y * E + e] = sb[0][threadIdx.x];
+  }
+}
+// out[e] = sum over the chunks c of part[c * E + e], in chunk order.
+__global__ void ln_param_sum_kernel(const float* part, float* out, int64_t chunks, int64_t E) {
+  for (int64_t e = grid_start(); e < E; e += grid_step()) {
+    float acc = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c)
+      acc += part[c * E + e];
+    out[e] = acc;
   }
 }
 
@@ -229,8 +273,9 @@ __global__ void cross_entropy_forward_kernel(const float* logits, const int64_t*
 }
 __global__ void cross_entropy_backward_kernel(const float* logits, const int64_t* targets,
                                               const uint8_t* keep, float* dlogits, int64_t N,
-                                              int64_t V, float scale) {
+                                              int64_t V, float scale, const float* scale_dev) {
   const int64_t r = warp_row();
+  if (scale_dev != nullptr) scale = *scale_dev;
   const int lane = lane_id();
   if (r >= N) return;
   if (keep != nullptr && keep[r] == 0) {
@@ -302,9 +347,32 @@ void layer_norm_backward(const float* dy, const float* x, const float* gamma, co
                          int64_t E, StreamHandle s) {
   launch_rows("cuda::layer_norm_backward", R, s, layer_norm_backward_kernel, dy, x, gamma, mean,
               rstd, dx, R, E);
-  if (dgamma != nullptr || dbeta != nullptr)
-    launch_elementwise("cuda::layer_norm_backward", E, s, layer_norm_param_grad_kernel, dy, x, mean,
-                       rstd, dgamma, dbeta, R, E);
+  layer_norm_param_grads(dy, x, mean, rstd, dgamma, dbeta, R, E, nullptr, s);
+}
+void layer_norm_param_grads(const float* dy, const float* x, const float* mean, const float* rstd,
+                            float* dgamma, float* dbeta, int64_t R, int64_t E, float* scratch,
+                            StreamHandle s) {
+  if ((dgamma == nullptr && dbeta == nullptr) || E <= 0) return;
+  // With scratch, chunks of rows run side by side (enough blocks for the GPU), summed after.
+  const int64_t chunks =
+      scratch == nullptr ? 1 : std::min<int64_t>(kLayerNormChunks, ceil_div(R, 256));
+  const int64_t chunk_rows = chunks > 1 ? ceil_div(R, chunks) : (R > 0 ? R : 1);
+  const dim3 grid(static_cast<unsigned>(ceil_div(E, kWarp)), static_cast<unsigned>(chunks));
+  const dim3 block(kWarp, kParamRowGroups);
+  float* pg = chunks > 1 ? scratch : dgamma;
+  float* pb = chunks > 1 ? (dbeta != nullptr ? scratch + kLayerNormChunks * E : nullptr) : dbeta;
+  if (chunks > 1 && dgamma == nullptr) pg = nullptr;
+  layer_norm_param_grad_kernel<<<grid, block, 0, as_stream(s)>>>(dy, x, mean, rstd, pg, pb, R, E,
+                                                                 chunk_rows);
+  ATTN_CUDA_CHECK_LAUNCH("cuda::layer_norm_backward");
+  if (chunks > 1) {
+    if (dgamma != nullptr)
+      launch_elementwise("cuda::layer_norm_backward", E, s, ln_param_sum_kernel, pg, dgamma, chunks,
+                         E);
+    if (dbeta != nullptr)
+      launch_elementwise("cuda::layer_norm_backward", E, s, ln_param_sum_kernel, pb, dbeta, chunks,
+                         E);
+  }
 }
 void masked_softmax_forward(const float* x, float* y, const int32_t* kept,
                             kernels::MaskedRows policy, int64_t R, int64_t S, StreamHandle s) {
@@ -324,7 +392,14 @@ void cross_entropy_forward(const float* logits, const int64_t* targets, const ui
 void cross_entropy_backward(const float* logits, const int64_t* targets, const uint8_t* keep,
                             float* dlogits, int64_t N, int64_t V, float scale, StreamHandle s) {
   launch_rows("cuda::cross_entropy_backward", N, s, cross_entropy_backward_kernel, logits, targets,
-              keep, dlogits, N, V, scale);
+              keep, dlogits, N, V, scale, static_cast<const float*>(nullptr));
+}
+
+void cross_entropy_backward(const float* logits, const int64_t* targets, const uint8_t* keep,
+                            float* dlogits, int64_t N, int64_t V, const float* scale,
+                            StreamHandle s) {
+  launch_rows("cuda::cross_entropy_backward", N, s, cross_entropy_backward_kernel, logits, targets,
+              keep, dlogits, N, V, 0.0f, scale);
 }
 
 }  // namespace attn::cuda

@@ -141,7 +141,7 @@ TEST(CudaOps, EmbeddingAndPositionalEncoding) {
 
 TEST(CudaOps, LayerNormAndAddNormForwardBackward) {
   ATTN_SKIP_WITHOUT_GPU();
-  for (auto [R, E] : {std::array<int64_t, 2>{1, 1}, {7, 33}, {4096, 128}, {3, 1000}})
+  for (auto [R, E] : {std::array<int64_t, 2>{1, 1}, {7, 33}, {4096, 128}, {3, 1000}, {20001, 40}})
     for (bool add : {false, true}) {
       const size_t n = static_cast<size_t>(R * E);
       std::vector<double> x = random(n, 9, -2, 3), res = random(n, 10), dy = random(n, 11),
@@ -173,6 +173,12 @@ TEST(CudaOps, LayerNormAndAddNormForwardBackward) {
       expect_close(tag + " dx", widen(download<float>(gx, n)), dx, 1e-4, 1e-5);
       expect_close(tag + " dgamma", widen(download<float>(gg, E)), dg, 1e-4, 1e-5);
       expect_close(tag + " dbeta", widen(download<float>(gb, E)), db, 1e-4, 1e-5);
+      // The chunked parameter sums (the training step's): rows in chunks side by side.
+      Tensor scratch = empty({2 * kLayerNormChunks * E}, DType::F32);
+      layer_norm_param_grads(ptr<float>(dy_d), xin, ptr<float>(m_d), ptr<float>(r_d),
+                             ptr<float>(gg), ptr<float>(gb), R, E, ptr<float>(scratch), nullptr);
+      expect_close(tag + " dgamma (chunked)", widen(download<float>(gg, E)), dg, 1e-4, 1e-5);
+      expect_close(tag + " dbeta (chunked)", widen(download<float>(gb, E)), db, 1e-4, 1e-5);
     }
 }
 
@@ -255,7 +261,16 @@ TEST(CudaOps, AdamWIsTheCpuStepBitForBit) {
     s.eps = o.eps;
     s.weight_decay = o.weight_decay;
     s.step = step;
-    adamw_update(ptr<float>(w), ptr<float>(gd), ptr<float>(m), ptr<float>(v), n, s, nullptr);
+    if (step % 2 == 1) {
+      adamw_update(ptr<float>(w), ptr<float>(gd), ptr<float>(m), ptr<float>(v), n, s, nullptr);
+    } else {  // the scalars from device memory, as a captured training step reads them
+      const AdamWElement e = adamw_element(s);
+      std::vector<AdamWElement> one{e};
+      Tensor ed = upload(one);
+      adamw_update(ptr<float>(w), ptr<float>(gd), ptr<float>(m), ptr<float>(v), n,
+                   ptr<const AdamWElement>(ed), nullptr, nullptr);
+      synchronize(nullptr);
+    }
     const std::vector<float> got = download<float>(w, n);
     int64_t differ = 0;
     for (int64_t j = 0; j < n; ++j)
@@ -264,12 +279,25 @@ TEST(CudaOps, AdamWIsTheCpuStepBitForBit) {
                 static_cast<long long>(differ), static_cast<long long>(n));
     EXPECT_EQ(differ, 0) << "step " << step;
   }
-  Tensor sq = empty({1}, DType::F64);
-  sum_squares(ptr<float>(w), n, ptr<double>(sq), nullptr);
+  Tensor sq = empty({1}, DType::F64), scratch = empty({kSumSquaresScratch}, DType::F64);
+  sum_squares(ptr<float>(w), n, ptr<double>(sq), ptr<double>(scratch), nullptr);
   double want = 0;
-  for (float x : download<float>(w, n))
+  const std::vector<float> wh = download<float>(w, n);
+  for (float x : wh)
     want += double(x) * x;
   expect_close("sum_squares n100003", download<double>(sq, 1), {want}, 1e-12, 0);
+  // Clipping to half the norm: every element times max_norm / (norm + 1e-6), rounded once.
+  Tensor norm = empty({1}, DType::F64);
+  const double max_norm = 0.5 * std::sqrt(want);
+  clip_by_norm(ptr<float>(w), n, ptr<double>(sq), max_norm, ptr<double>(norm), nullptr);
+  const std::vector<float> clipped = download<float>(w, n);
+  const double got_sq = download<double>(sq, 1)[0];
+  const double coef = max_norm / (std::sqrt(got_sq) + 1e-6);
+  int64_t clip_differ = 0;
+  for (int64_t j = 0; j < n; ++j)
+    clip_differ += clipped[j] != static_cast<float>(wh[j] * coef);
+  EXPECT_EQ(clip_differ, 0) << "clip_by_norm";
+  EXPECT_EQ(download<double>(norm, 1)[0], std::sqrt(got_sq));
 }
 
 // A small step (AddNorm, dropout, AdamW on the result) captured once and replayed: the same bits
