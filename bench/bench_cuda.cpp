@@ -10,6 +10,7 @@
 #include "kernels/cuda/kernels.hpp"
 
 #include "attn/core/rng.hpp"
+#include "attn/model/trainer.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -183,6 +184,60 @@ void bench_gemm(cuda::GemmType type, int64_t M, int64_t N, int64_t K, int reps) 
        dt == DType::F32 ? "f32" : "bf16", ms, 2.0 * M * N * K);
 }
 
+// The d2l encoder classifier's training step (`attn train --device cuda`'s Trainer: one CUDA
+// graph per batch shape, the loss and norm copied back every step): E 128, 4 heads, 2 blocks, FFN
+// 256, vocabulary 1000, 2 classes, dropout 0.1, AdamW lr 1e-3, clip 1 (bench/torch_cuda.py's
+// model). Full-length batches, or `padded`: lengths uniform in [T/2, T] (the graph shape stays
+// (B, T)). Reported in microseconds a step, with tokens/s (B * T / step: the padded positions
+// count, as PyTorch computes them too).
+void bench_train(int64_t B, int64_t T, bool padded, int steps) {
+  model::TrainOptions o;
+  o.model.type = model::TaskType::kClassification;
+  o.model.vocab_size = 1000;
+  o.model.num_classes = 2;
+  o.model.num_hiddens = 128;
+  o.model.ffn_num_hiddens = 256;
+  o.model.num_heads = 4;
+  o.model.num_blks = 2;
+  o.model.dropout = 0.1;
+  o.model.max_len = std::max<int64_t>(T, 1000);
+  o.adamw.lr = 1e-3;
+  o.clip_norm = 1.0;
+  o.device = Device::kCuda;
+  model::Trainer trainer(o);
+  Rng rng(11);
+  model::Batch b;
+  b.ids = Tensor::zeros({B, T}, DType::I64);
+  b.valid_lens = Tensor::zeros({B}, DType::I64);
+  b.targets = Tensor::zeros({B}, DType::I64);
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t len =
+        padded ? T / 2 + static_cast<int64_t>(rng.below(static_cast<uint64_t>(T / 2 + 1))) : T;
+    b.valid_lens.data<int64_t>()[i] = len;
+    b.tokens += len;
+    for (int64_t t = 0; t < len; ++t)
+      b.ids.data<int64_t>()[i * T + t] = 2 + static_cast<int64_t>(rng.below(998));
+    b.targets.data<int64_t>()[i] = static_cast<int64_t>(rng.below(2));
+  }
+  for (int i = 0; i < 3; ++i)  // eager, captured, replayed
+    trainer.train_step(b);
+  std::vector<double> t;
+  for (int r = 0; r < 5; ++r) {
+    const auto a = Clock::now();
+    for (int i = 0; i < steps; ++i)
+      trainer.train_step(b);
+    t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - a).count() / steps);
+  }
+  std::sort(t.begin(), t.end());
+  const double ms = t[t.size() / 2];
+  std::printf(
+      "{\"impl\": \"attn\", \"op\": \"train_step\", \"shape\": \"B%lldxT%lld%s\", "
+      "\"dtype\": \"f32\", \"ms\": %.4f, \"us\": %.1f, \"tokens_per_s\": %.0f}\n",
+      static_cast<long long>(B), static_cast<long long>(T), padded ? " padded" : "", ms, ms * 1e3,
+      static_cast<double>(B * T) / ms * 1e3);
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -202,5 +257,8 @@ int main(int argc, char** argv) {
   bench_decode<uint16_t>(1, 4, 2048, 32, reps, 100);
   bench_decode<uint16_t>(32, 4, 2048, 32, reps, 100);
   bench_decode<float>(32, 4, 2048, 32, reps, 100);
+  bench_train(32, 128, false, quick ? 20 : 50);
+  bench_train(32, 128, true, quick ? 20 : 50);
+  bench_train(256, 128, false, quick ? 10 : 20);
   return 0;
 }

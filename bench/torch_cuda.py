@@ -3,12 +3,19 @@ FlashAttention-2 and cuDNN backends at the same shapes, the cuBLAS GEMMs as the 
 JSON object a line on stdout, the fields of bench_cuda's lines; read by bench/gpu_table.py.
 FLOP convention (FlashAttention papers): forward 4*B*H*T*S*D, backward 2.5x forward."""
 import json
+import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "fixtures"))
+from d2l_reference import EncoderClassifier  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 torch.backends.cuda.matmul.allow_tf32 = False
@@ -73,6 +80,48 @@ def sdpa(batch, heads, n, d, dtype, causal, reps, inner):
                               "error": str(ex).splitlines()[0][:80]}), flush=True)
 
 
+def train(batch, length, padded, autocast, steps):
+    """bench_cuda's bench_train in PyTorch eager: d2l's encoder classifier (E 128, 4 heads, 2
+    blocks, FFN 256, vocabulary 1000, 2 classes, dropout 0.1), zero_grad, forward, cross-entropy,
+    backward, clip_grad_norm_(1.0), AdamW(lr 1e-3) step, and loss.item() (attn reads its loss
+    every step too); bf16 autocast around forward and loss when `autocast`."""
+    torch.manual_seed(0)
+    model = EncoderClassifier(1000, 128, 256, 4, 2, 0.1, 2).cuda().train()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(2, 1000, (batch, length), device="cuda")
+    if padded:
+        lens = torch.randint(length // 2, length + 1, (batch,), device="cuda")
+    else:
+        lens = torch.full((batch,), length, dtype=torch.int64, device="cuda")
+    targets = torch.randint(0, 2, (batch,), device="cuda")
+
+    def step():
+        adamw.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = torch.nn.functional.cross_entropy(model(ids, lens), targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        adamw.step()
+        return loss.item()
+
+    for _ in range(3):
+        step()
+    ts = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - start) * 1e3 / steps)
+    ms = statistics.median(ts)
+    row = {"impl": "torch-autocast" if autocast else "torch", "op": "train_step",
+           "shape": f"B{batch}xT{length}" + (" padded" if padded else ""), "dtype": "f32",
+           "ms": round(ms, 4), "us": round(ms * 1e3, 1),
+           "tokens_per_s": round(batch * length / ms * 1e3)}
+    print(json.dumps(row), flush=True)
+
+
 def main():
     reps = 3 if QUICK else 7
     print(json.dumps({"impl": "torch", "version": torch.__version__,
@@ -83,6 +132,10 @@ def main():
     sdpa(32, 4, 128, 32, torch.bfloat16, False, reps, 50)
     sdpa(32, 4, 128, 32, torch.float32, False, reps, 50)
     sdpa(2, 16, 2048, 128, torch.bfloat16, True, reps, 1)
+    for autocast in (False, True):
+        train(32, 128, False, autocast, 10 if QUICK else 30)
+        train(32, 128, True, autocast, 10 if QUICK else 30)
+        train(256, 128, False, autocast, 5 if QUICK else 15)
 
 
 if __name__ == "__main__":

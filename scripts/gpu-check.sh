@@ -3,12 +3,15 @@
 # times everything.
 #
 #   scripts/gpu-check.sh build        on a machine of the CI kind (nvcc, no GPU needed): builds the
-#                                     CUDA tests and bench_cuda (build/cuda) and bundles them with
-#                                     the Debian libraries they need into build/gpu-check (< 50 MB)
+#                                     CUDA tests, bench_cuda and the attn CLI (build/cuda) and
+#                                     bundles them with the Debian libraries they need into
+#                                     build/gpu-check (< 50 MB)
 #   scripts/gpu-check.sh run [--quick]  on the GPU machine, from the repository root, with
 #                                     build/gpu-check carried there: every GPU test (every failure
 #                                     reported, none stops the run), compute-sanitizer memcheck on
-#                                     a small subset, bench_cuda beside PyTorch's SDPA, one table.
+#                                     a small subset, `attn train --device cuda` resumed on the
+#                                     CPU, bench_cuda beside PyTorch (SDPA, the training step), one
+#                                     table.
 #                                     Results also go to $OUT (the device tool's folder) if set.
 #
 # The GPU machine has the NVIDIA driver, the CUDA 13 toolkit (cuBLASLt comes from there: 500 MB
@@ -22,14 +25,14 @@ build() {
   set -e
   source scripts/ccache-env.sh
   cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
-    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=OFF \
+    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=ON \
     -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
-  cmake --build build/cuda --target attn_cuda_tests bench_cuda
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
     -exec cp {} "$bundle/bin/" \;
-  cp build/cuda/bench_cuda "$bundle/bin/"
+  cp build/cuda/bench_cuda build/cuda/attn "$bundle/bin/"
   strip --strip-debug "$bundle"/bin/*
   # Every shared library the binaries load, except glibc's own (the GPU machine's glibc is newer)
   # and the CUDA toolkit's large libraries (the GPU machine has the same CUDA 13 toolkit).
@@ -45,6 +48,8 @@ build() {
       *) cp -L "$lib" "$bundle/lib/" ;;
     esac
   done
+  # Large libraries (oneDNN: ~38 MB) travel xz-compressed; `run` unpacks them.
+  find "$bundle/lib" -type f -size +8M -exec xz -T2 -6 {} \;
   local size
   size=$(du -sm "$bundle" | cut -f1)
   echo "bundle $bundle: ${size} MB"
@@ -77,6 +82,12 @@ run() {
     cublas_dir=$(dirname "$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
   fi
   echo "cuBLASLt from: ${cublas_dir:-(not found)}"
+  for packed in "$bundle"/lib/*.xz; do
+    [ -e "$packed" ] || continue
+    python3 -c 'import lzma, shutil, sys
+with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
+    shutil.copyfileobj(f, o)' "$packed" && rm -f "$packed"
+  done
   local libs="$PWD/$bundle/lib:${cublas_dir}"
   # The binaries need GLIBCXX_3.4.29 (GCC 11); an older system C++ runtime gets the bundled one.
   local sys_cxx
@@ -155,7 +166,27 @@ run() {
   fi
   echo "   ($((SECONDS - start)) s so far)"
 
-  echo "== 3. benchmarks: attn beside PyTorch $(LD_LIBRARY_PATH="$orig_ld" python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
+  echo "== 3. attn train --device cuda (the d2l encoder, shift task), then resumed on the CPU"
+  local train_args=(train --task shift --length 128 --symbols 8 --num-hiddens 128
+    --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 --eval-every 0
+    --eval-examples 256)
+  rm -f "$out/gpu_run.safetensors"
+  if timeout 120 "$bundle/bin/attn" "${train_args[@]}" --steps 400 --device cuda \
+      --checkpoint "$out/gpu_run.safetensors" >"$out/train_gpu.log" 2>&1 &&
+    timeout 60 "$bundle/bin/attn" "${train_args[@]}" --steps 420 --threads "$(nproc)" \
+      --resume "$out/gpu_run.safetensors" >"$out/train_resume_cpu.log" 2>&1; then
+    tail -n 4 "$out/train_gpu.log"
+    echo "-- resumed on the CPU ($(nproc) threads):"
+    tail -n 3 "$out/train_resume_cpu.log"
+  else
+    echo "attn train --device cuda or its CPU resume failed:"
+    tail -n 15 "$out/train_gpu.log" "$out/train_resume_cpu.log" 2>/dev/null
+    failed=1
+  fi
+  rm -f "$out/gpu_run.safetensors"
+  echo "   ($((SECONDS - start)) s so far)"
+
+  echo "== 4. benchmarks: attn beside PyTorch $(LD_LIBRARY_PATH="$orig_ld" python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"
   timeout 150 "$bundle/bin/bench_cuda" $quick >"$out/bench_attn.jsonl" || {
     echo "bench_cuda failed (rc $?)"
     failed=1

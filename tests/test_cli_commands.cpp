@@ -1,6 +1,7 @@
 // End-to-end tests of the `attn` binary (ATTN_CLI_PATH): output formats, numbers against the
 // library, the tour's page and figures, and the error contract (exit status 2, one line on
 // stderr, no output file).
+#include "attn/core/device.hpp"
 #include "attn/ops/positional.hpp"
 #include "testing.hpp"
 #include "viz/xml_check.hpp"
@@ -429,6 +430,29 @@ TEST_F(Cli, VersionPrintsTheProjectVersion) {
   EXPECT_EQ(r.out, "attn " + m[1].str() + "\n");
   EXPECT_EQ(r.err, "");
   EXPECT_NE(run("--help").out.find("--version"), std::string::npos);
+}
+
+// --device cuda: a CPU build names the build option; a CUDA build without a GPU says so; the
+// encoder-decoder tasks say their GPU path is not written. One line, exit 2, no file either way.
+TEST_F(Cli, TrainDeviceCudaIsOneLineWithoutAGpu) {
+  const std::string ckpt = path("c.safetensors");
+  Result r =
+      run("train --task shift --length 8 --steps 2 --eval-every 0 --eval-examples 8 "
+          "--device cuda --checkpoint " +
+          ckpt);
+  EXPECT_EQ(r.status, 2) << r.err;
+  const bool built = attn::cuda_built();
+  EXPECT_NE(r.err.find(built ? "no CUDA device" : "-DATTN_WITH_CUDA=ON"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+  if (built) {
+    r = run("train --task dates --steps 2 --device cuda");
+    EXPECT_EQ(r.status, 2);
+    EXPECT_NE(r.err.find("encoder-decoder (dates) on the GPU is not written yet"),
+              std::string::npos)
+        << r.err;
+  }
+  EXPECT_EQ(files_in_out(), 0u);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
 #include "model/training/checkpoint_io.hpp"
+#include "model/training/device_step.hpp"
 #include "model/training/eval_scope.hpp"
 #include "model/training/train_options.hpp"
 
@@ -97,6 +98,11 @@ Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm
                   Tensor::from_vector(std::vector<int64_t>{1}, {1}));
   model_->train();
   optimizer_ = std::make_unique<nn::AdamW>(model_->named_parameters(), options.adamw);
+  if (options.device == Device::kCuda) {
+    check(comm_->size() == 1, op,
+          "--device cuda trains in one process; data-parallel training on GPUs is not written yet");
+    device_ = detail::make_cuda_train_step(*model_, *optimizer_, options);
+  }
   if (comm_->size() == 1) return;
 
   // Every rank must build the same model: the same options (a hash of their JSON; threads are
@@ -124,7 +130,26 @@ Trainer::Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm
   }
 }
 
+Trainer::~Trainer() = default;
+
+std::string Trainer::device_description() const {
+  return device_ ? device_->description() : "cpu";
+}
+
+void Trainer::sync_host() const {
+  if (!device_ || !host_stale_) return;
+  device_->download();
+  host_stale_ = false;
+}
+
 StepStats Trainer::train_step(const Batch& batch) {
+  if (device_) {
+    const detail::DeviceStepResult r = device_->step(batch, ctx_.dropout_offset());
+    ctx_.set_dropout_offset(ctx_.dropout_offset() + device_->offsets_per_step());
+    host_stale_ = true;
+    ++step_;
+    return {step_, r.loss, r.grad_norm, batch.tokens};
+  }
   if (comm_->size() > 1) return train_step_parallel(batch);
   model_->train();
   optimizer_->zero_grad();
@@ -241,6 +266,7 @@ void argmax_rows(const T* logits, int64_t N, int64_t C, int64_t* out) {
 }  // namespace
 
 Tensor Trainer::predict(const Batch& batch) {
+  sync_host();
   Tensor logits;
   {
     detail::EvalScope scope(*model_, ctx_);  // must not shift the training dropout stream
@@ -258,6 +284,7 @@ Tensor Trainer::predict(const Batch& batch) {
 }
 
 EvalStats Trainer::evaluate(const std::vector<Batch>& batches) {
+  sync_host();
   EvalStats s;
   double loss_sum = 0;
   CrossEntropyOptions ce;
@@ -360,6 +387,7 @@ void Trainer::save_checkpoint(const std::string& path,
 
 void Trainer::save_checkpoint_local(const std::string& path,
                                     const std::map<std::string, std::string>& extra) const {
+  sync_host();
   detail::save_checkpoint_file(path, *model_, *optimizer_, extra,
                                {{"attn.format", kFormat},
                                 {"attn.options", to_json(options_)},
@@ -411,6 +439,10 @@ std::map<std::string, std::string> Trainer::load_checkpoint_local(const std::str
   detail::RestoredState r = detail::restore_checkpoint(f, path, *model_, *optimizer_);
   step_ = r.step;
   ctx_.set_dropout_offset(r.dropout_offset);
+  if (device_) {
+    device_->upload();
+    host_stale_ = false;
+  }
   return std::move(r.extra);
 }
 

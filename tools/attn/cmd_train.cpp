@@ -302,6 +302,10 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
   }
   validate(a);
   if (is_seq2seq_task(a.task)) {
+    check(a.device == "cpu", kOp,
+          "--device {}: the encoder tasks (shift, sorted, tsv, conllu) train on the GPU; the "
+          "encoder-decoder ({}) on the GPU is not written yet",
+          a.device, a.task);
     check(a.precision == "fp32", kOp,
           "--precision {} is for the encoder tasks; the encoder-decoder ({}) trains in fp32",
           a.precision, a.task);
@@ -329,6 +333,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
   o.seed = a.seed;
   o.threads = a.threads;
   o.precision = model::parse_precision(a.precision);
+  o.device = parse_device(a.device);
   const std::shared_ptr<Communicator> comm = world_communicator();
   const bool rank0 = comm->rank() == 0;
   model::Trainer trainer(o, comm);
@@ -367,6 +372,11 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed, a.precision,
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
   progress.line(fmt::format("evaluation: {}", src.eval_name));
+  if (o.device != Device::kCpu)
+    progress.line(
+        fmt::format("device: {} (the step is one CUDA graph per batch shape; "
+                    "evaluation and checkpoints on the CPU)",
+                    trainer.device_description()));
 
   const LoopResult run = run_train_loop(
       history, progress, {a.steps, a.eval_every, a.checkpoint_every}, trainer.step(),
@@ -449,7 +459,7 @@ std::vector<Command> add_train_command(CLI::App& app) {
   (*given)["bucket"] = sub->get_option("--bucket");
   sub->add_option("--threads", a.threads, "threads (0: all); results do not depend on it")
       ->capture_default_str();
-  add_device_option(sub, "train");
+  add_device_option(sub, "train", &a.device);
   sub->add_option_function<std::string>(
          "--precision",
          [&a](const std::string& p) {

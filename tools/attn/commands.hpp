@@ -55,7 +55,9 @@ std::vector<Command> add_self_attention_command(CLI::App& app);
 // --device cpu|cuda on a subcommand. Only cpu runs today: cuda fails at parse time with one line,
 // naming the build option in a build without CUDA, and saying what is missing in one with it
 // (docs/gpu.md).
-void add_device_option(CLI::App* sub, const std::string& command);
+// --device cpu|cuda. With `device` null, cuda stops with one line (the command's GPU path is not
+// written); else the name is stored there for the command to use.
+void add_device_option(CLI::App* sub, const std::string& command, std::string* device = nullptr);
 
 // --- attn pe -------------------------------------------------------------------------------
 
@@ -133,6 +135,7 @@ std::vector<Command> add_data_command(CLI::App& app);
 // but tag_column and precision, and its max_len is num_steps (d2l): the model's length limit.
 struct TrainArgs {
   std::string task = "shift";  // shift | sorted | tsv | conllu
+  std::string device = "cpu";  // cpu | cuda (encoder tasks)
   std::string data, eval_data;
   std::string tag_column = "upos";
   int64_t length = 16, symbols = 8, max_len = 256, min_freq = 1;

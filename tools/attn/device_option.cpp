@@ -5,12 +5,17 @@
 
 namespace attn::cli {
 
-void add_device_option(CLI::App* sub, const std::string& command) {
+void add_device_option(CLI::App* sub, const std::string& command, std::string* device) {
   sub->add_option_function<std::string>(
          "--device",
-         [command](const std::string& name) {
+         [command, device](const std::string& name) {
            // parse_device names the build option when CUDA is not built in.
-           if (parse_device(name) == Device::kCuda)
+           const Device d = parse_device(name);
+           if (device != nullptr) {
+             *device = name;
+             return;
+           }
+           if (d == Device::kCuda)
              throw Error(command, "--device cuda: the CUDA kernels are built in, but the " +
                                       command +
                                       " path on the GPU is not written yet (docs/gpu.md)");

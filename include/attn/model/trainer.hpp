@@ -32,6 +32,7 @@
 
 #include "attn/core/comm.hpp"
 #include "attn/core/context.hpp"
+#include "attn/core/device.hpp"
 #include "attn/model/data.hpp"
 #include "attn/nn/optim.hpp"
 #include "attn/nn/transformer.hpp"
@@ -43,6 +44,10 @@
 #include <vector>
 
 namespace attn::model {
+
+namespace detail {
+class DeviceTrainStep;  // model/training/device_step.hpp
+}
 
 struct ModelConfig {
   TaskType type = TaskType::kTagging;
@@ -70,6 +75,10 @@ struct TrainOptions {
   uint64_t seed = 0;       // parameter initialisation and the dropout stream
   int threads = 0;         // 0: all hardware threads; results do not depend on it
   Precision precision = Precision::kFloat32;  // not in to_json (see Precision)
+  // Where the steps run: kCuda keeps the parameters, gradients and AdamW state on the GPU
+  // (float32, one process; docs/gpu.md) and copies them back for evaluation and checkpoints,
+  // which are the same files as the CPU's. Not in to_json: a GPU run resumes on the CPU.
+  Device device = Device::kCpu;
 };
 
 // JSON text of the options (what a checkpoint stores) and back. threads is not stored: it does
@@ -130,6 +139,7 @@ class Trainer {
   // `comm`: the ranks that train together (null: this process alone). Collective: every rank
   // constructs its Trainer with the same options (checked: Error("Trainer") otherwise).
   explicit Trainer(const TrainOptions& options, std::shared_ptr<Communicator> comm = nullptr);
+  ~Trainer();
 
   // One optimisation step on the global `batch` (with N ranks, each computes its shard; see the
   // file comment). Throws Error("train") when the loss is not finite, when the ranks' batches
@@ -159,9 +169,18 @@ class Trainer {
 
   int64_t step() const { return step_; }
   const TrainOptions& options() const { return options_; }
-  SequenceModel& model() { return *model_; }
+  // "cpu", or the GPU's description with --device cuda.
+  std::string device_description() const;
+  // The host model and optimiser (with --device cuda, refreshed from the GPU first).
+  SequenceModel& model() {
+    sync_host();
+    return *model_;
+  }
   Context& context() { return ctx_; }
-  nn::AdamW& optimizer() { return *optimizer_; }
+  nn::AdamW& optimizer() {
+    sync_host();
+    return *optimizer_;
+  }
   Communicator& communicator() { return *comm_; }
 
  private:
@@ -172,6 +191,9 @@ class Trainer {
     Request request;
   };
   StepStats train_step_parallel(const Batch& batch);
+  // With a device step: copies the device's parameters and AdamW state into the host model and
+  // optimiser when steps ran since the last copy.
+  void sync_host() const;
   void save_checkpoint_local(const std::string& path,
                              const std::map<std::string, std::string>& extra) const;
   std::map<std::string, std::string> load_checkpoint_local(const std::string& path);
@@ -183,6 +205,8 @@ class Trainer {
   std::unique_ptr<SequenceModel> model_;
   std::unique_ptr<nn::AdamW> optimizer_;
   std::vector<Bucket> buckets_;  // by stage (SequenceModel::backward); only with N > 1
+  std::unique_ptr<detail::DeviceTrainStep> device_;  // --device cuda
+  mutable bool host_stale_ = false;                  // device steps since the last sync_host
   int64_t step_ = 0;
 };
 
