@@ -4,7 +4,8 @@
 // "dtype", "ms", "tflops" or "us"}), read by bench/gpu_table.py. FLOP convention (FlashAttention
 // papers): forward 4*B*H*T*S*D, backward 2.5x forward.
 //
-// Usage: bench_cuda [--quick]   (--quick: fewer iterations, for a smoke run)
+// Usage: bench_cuda [--quick | --train-only]   (--quick: fewer iterations, for a smoke run;
+// --train-only: the training steps alone, e.g. with ATTN_CUDA_STEP_PROFILE=1)
 #include "attn/cuda/runtime.hpp"
 #include "kernels/cuda/device_math.hpp"
 #include "kernels/cuda/kernels.hpp"
@@ -242,6 +243,12 @@ void bench_train(int64_t B, int64_t T, bool padded, int steps) {
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  if (argc > 1 && std::strcmp(argv[1], "--train-only") == 0) {
+    // With ATTN_CUDA_STEP_PROFILE=1 each Trainer prints its phases on stderr (eager steps).
+    bench_train(32, 128, false, 10);
+    bench_train(256, 128, false, 5);
+    return 0;
+  }
   if (cuda::device_count() == 0) {
     std::fprintf(stderr, "bench_cuda: no CUDA device\n");
     return 1;

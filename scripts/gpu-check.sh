@@ -196,6 +196,37 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
     echo "bench/torch_cuda.py failed (rc $?)"
   }
   python3 bench/gpu_table.py "$out/bench_attn.jsonl" "$out/bench_torch.jsonl" | tee "$out/table.txt"
+  echo "-- the training step's phases (eager steps, CUDA events; ATTN_CUDA_STEP_PROFILE=1):"
+  ATTN_CUDA_STEP_PROFILE=1 timeout 60 "$bundle/bin/bench_cuda" --train-only 2>&1 >/dev/null |
+    grep 'step profile' | fold -w 150
+  echo
+  echo "== 5. the host's CPU (issue 24): attn's fused attention, B*H=16, T=S=1024, D=64, by threads"
+  : >"$out/cpu_threads.jsonl"
+  local threads_list="1 2 4 8 $(nproc)"
+  for dtype in f32 bf16; do
+    for pass in "" --backward; do
+      for t in $threads_list; do
+        timeout 30 "$bundle/bin/attn" bench attention --batch-heads 16 --queries 1024 \
+          --head-dim 64 --dtype "$dtype" $pass --threads "$t" --repeats 3 \
+          --warmup-seconds 0.2 --json 2>/dev/null | python3 -c \
+          'import json, sys; print(json.dumps(json.load(sys.stdin)))' >>"$out/cpu_threads.jsonl"
+      done
+    done
+  done
+  python3 - "$out/cpu_threads.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+threads = sorted({r["threads"] for r in rows})
+print("GFLOP/s (x the 1-thread rate)   " + "".join(f"{t:>16}" for t in threads))
+for dtype in ("f32", "bf16"):
+    for p in ("forward", "backward"):
+        got = {r["threads"]: r["gflops"] for r in rows if r["dtype"] == dtype and r["pass"] == p}
+        one = got.get(1)
+        cells = "".join(f"{got[t]:>8.0f} ({got[t] / one:4.1f}x)" if t in got and one else f"{'-':>16}"
+                        for t in threads)
+        print(f"{dtype:5} {p:24} {cells}")
+PY
+  echo "   ($((SECONDS - start)) s so far)"
   echo
   echo "== summary ($((SECONDS - start)) s)"
   printf '%s' "$summary"

@@ -27,8 +27,10 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -88,20 +90,26 @@ struct BlockParams {
   double eps1, eps2;
 };
 
-// A batch shape's device buffers and graph state.
-struct Plan {
-  int64_t B = 0, T = 0;
-  InputLayout layout;
-  std::unique_ptr<PinnedBuffer> staging;
-  Tensor inputs;  // device copy of the staging buffer
+// The step's device buffers, sized for the largest shape seen so far (tokens N, scores B H T T):
+// every batch shape's plan uses them (its prefixes), so bucketed batches of 65 lengths cost the
+// memory of the longest, not of all.
+struct Buffers {
   std::vector<Tensor> X, QKV, O, lse, S1, Y, mean1, rstd1, H1, Rl, S2, mean2, rstd2;
   // Attention as batched GEMMs (gemm_attention): per layer the heads of Q, K, V (3, B H, T, D)
   // and the softmax P (B H, T, T); scratch for the scores, dropped P and their gradients.
-  bool gemm_attention = false;
   std::vector<Tensor> heads, P, Pd;  // Pd: P after dropout (only with p > 0)
   Tensor scores, dPd, Oh, dheads;
   Tensor tmpE, tmpE2, pooled, logits, loss_rows, dlogits, dpooled, dX, dS, dF, dR, dH, dY, dO, dQKV,
       delta, ones;
+};
+
+// A batch shape: its inputs' staging buffer and device copy, and whether its graph exists.
+struct Plan : Buffers {
+  int64_t B = 0, T = 0;
+  InputLayout layout;
+  std::unique_ptr<PinnedBuffer> staging;
+  Tensor inputs;  // device copy of the staging buffer
+  bool gemm_attention = false;
   int runs = 0;  // eager runs so far (the second run captures)
 };
 
@@ -140,6 +148,21 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
       sinusoidal_encoding(f32(table_), max_len_, E_, stream());
     }
     upload();
+  }
+
+  ~CudaEncoderStep() override {
+    if (!profile_ || profiled_steps_ == 0) return;
+    // ATTN_CUDA_STEP_PROFILE=1: the eager step's phases, in milliseconds a step (all blocks).
+    std::string line;
+    double total = 0;
+    for (const auto& [name, ms] : phase_ms_) {
+      line += fmt::format(" {} {:.3f}", name, ms / profiled_steps_);
+      total += ms / profiled_steps_;
+    }
+    std::fprintf(stderr, "[attn cuda step profile, %lld steps, ms a step] total %.3f:%s\n",
+                 static_cast<long long>(profiled_steps_), total, line.c_str());
+    for (auto& [name, e] : marks_)
+      (void)cudaEventDestroy(e);
   }
 
   std::string description() const override { return device_description(); }
@@ -209,19 +232,22 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     auto body = [&] {
       ATTN_CUDA_CHECK(kOp, cudaMemcpyAsync(plan.inputs.raw_data(), plan.staging->data(),
                                            plan.layout.bytes, cudaMemcpyHostToDevice, as_stream()));
+      mark("start");
       forward(plan);
       backward(plan);
       optimize(plan);
+      mark("optimizer");
       ATTN_CUDA_CHECK(kOp, cudaMemcpyAsync(results_->data(), reduce_.raw_data(), results_bytes,
                                            cudaMemcpyDeviceToHost, as_stream()));
     };
-    if (plan.runs < 1) {
+    if (plan.runs < 1 || profile_) {
       body();  // eagerly: cuBLASLt's plans for these shapes are made now, outside any capture
       ++plan.runs;
     } else {
       graphs_.run({"encoder_step", {B, T}}, body);
     }
     stream_.synchronize();
+    if (profile_) collect_marks();
     DeviceStepResult r;
     std::memcpy(&r.loss, results_->data(), sizeof(double));
     std::memcpy(&r.grad_norm, results_->data() + sizeof(double), sizeof(double));
@@ -240,6 +266,26 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     nn::Parameter* p;
     size_t offset, numel;
   };
+
+  // Profiling (ATTN_CUDA_STEP_PROFILE set: every step runs eagerly with an event after each phase).
+  void mark(const char* name) {
+    if (!profile_) return;
+    cudaEvent_t e = nullptr;
+    ATTN_CUDA_CHECK(kOp, cudaEventCreate(&e));
+    ATTN_CUDA_CHECK(kOp, cudaEventRecord(e, as_stream()));
+    marks_.emplace_back(name, e);
+  }
+  void collect_marks() {
+    for (size_t i = 1; i < marks_.size(); ++i) {
+      float ms = 0;
+      ATTN_CUDA_CHECK(kOp, cudaEventElapsedTime(&ms, marks_[i - 1].second, marks_[i].second));
+      phase_ms_[marks_[i].first] += ms;
+    }
+    for (auto& [name, e] : marks_)
+      (void)cudaEventDestroy(e);
+    marks_.clear();
+    ++profiled_steps_;
+  }
 
   void* stream() const { return stream_.handle(); }
   cudaStream_t as_stream() const { return static_cast<cudaStream_t>(stream_.handle()); }
@@ -338,58 +384,80 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     p.staging = std::make_unique<PinnedBuffer>(l.bytes);
     std::memset(p.staging->data(), 0, l.bytes);
     p.inputs = empty({static_cast<int64_t>(l.bytes / 4)}, DType::I32, stream());
-    auto f = [&](Shape shape) { return empty(shape, DType::F32, stream()); };
-    for (int64_t i = 0; i <= L_; ++i)
-      p.X.push_back(f({N, E_}));
-    for (int64_t i = 0; i < L_; ++i) {
-      p.QKV.push_back(f({N, 3 * E_}));
-      p.O.push_back(f({N, E_}));
-      p.lse.push_back(f({B * H_ * T}));
-      p.S1.push_back(f({N, E_}));
-      p.Y.push_back(f({N, E_}));
-      p.mean1.push_back(f({N}));
-      p.rstd1.push_back(f({N}));
-      p.H1.push_back(f({N, F_}));
-      p.Rl.push_back(f({N, F_}));
-      p.S2.push_back(f({N, E_}));
-      p.mean2.push_back(f({N}));
-      p.rstd2.push_back(f({N}));
-    }
     // Batched GEMMs and a softmax pass beat the fused SIMT kernel at d2l's short sequences; past
     // 64 MB of scores a layer (or with ATTN_CUDA_TRAIN_ATTENTION=flash) the fused kernel runs.
     const int64_t score_elems = B * H_ * T * T;
     const char* force = std::getenv("ATTN_CUDA_TRAIN_ATTENTION");
     p.gemm_attention = score_elems * 4 <= (int64_t{64} << 20) &&
                        !(force != nullptr && std::string(force) == "flash");
-    if (p.gemm_attention) {
-      for (int64_t i = 0; i < L_; ++i) {
-        p.heads.push_back(f({3 * N * E_}));
-        p.P.push_back(f({score_elems}));
-        if (p_ > 0.0) p.Pd.push_back(f({score_elems}));
+    const int64_t want_scores = p.gemm_attention ? score_elems : 0;
+    if (N > cap_tokens_ || want_scores > cap_scores_) {
+      // Larger buffers: every plan's graph pointed at the old ones, so all are captured again.
+      cap_tokens_ = std::max(cap_tokens_, N);
+      cap_scores_ = std::max(cap_scores_, want_scores);
+      allocate(cap_tokens_, cap_scores_);
+      graphs_.clear();
+      for (auto& [shape, other] : plans_) {
+        static_cast<Buffers&>(other) = work_;
+        other.runs = 0;
       }
-      p.scores = f({score_elems});
-      p.dPd = f({score_elems});
-      p.Oh = f({N * E_});
-      p.dheads = f({3 * N * E_});
     }
-    p.tmpE = f({N, E_});
-    p.tmpE2 = f({N, E_});
-    p.pooled = f({B, E_});
-    p.logits = f({R, C_});
-    p.loss_rows = f({R});
-    p.dlogits = f({R, C_});
-    p.dpooled = f({B, E_});
-    p.dX = f({N, E_});
-    p.dS = f({N, E_});
-    p.dF = f({N, E_});
-    p.dR = f({N, F_});
-    p.dH = f({N, F_});
-    p.dY = f({N, E_});
-    p.dO = f({N, E_});
-    p.dQKV = f({N, 3 * E_});
-    p.delta = f({B * H_ * T});
-    p.ones = to_device(Tensor::full({N}, 1.0), stream());
+    static_cast<Buffers&>(p) = work_;
     return p;
+  }
+
+  // work_ for up to `tokens` positions and `score_elems` attention weights per layer.
+  void allocate(int64_t tokens, int64_t score_elems) {
+    stream_.synchronize();  // the old buffers may still be read by queued work
+    work_ = Buffers{};
+    Buffers& w = work_;
+    const int64_t N = tokens;
+    auto f = [&](Shape shape) { return empty(shape, DType::F32, stream()); };
+    for (int64_t i = 0; i <= L_; ++i)
+      w.X.push_back(f({N, E_}));
+    for (int64_t i = 0; i < L_; ++i) {
+      w.QKV.push_back(f({N, 3 * E_}));
+      w.O.push_back(f({N, E_}));
+      w.lse.push_back(f({N * H_}));
+      w.S1.push_back(f({N, E_}));
+      w.Y.push_back(f({N, E_}));
+      w.mean1.push_back(f({N}));
+      w.rstd1.push_back(f({N}));
+      w.H1.push_back(f({N, F_}));
+      w.Rl.push_back(f({N, F_}));
+      w.S2.push_back(f({N, E_}));
+      w.mean2.push_back(f({N}));
+      w.rstd2.push_back(f({N}));
+    }
+    if (score_elems > 0) {
+      for (int64_t i = 0; i < L_; ++i) {
+        w.heads.push_back(f({3 * N * E_}));
+        w.P.push_back(f({score_elems}));
+        if (p_ > 0.0) w.Pd.push_back(f({score_elems}));
+      }
+      w.scores = f({score_elems});
+      w.dPd = f({score_elems});
+      w.Oh = f({N * E_});
+      w.dheads = f({3 * N * E_});
+    }
+    // The head's rows: B (classification) or N (tagging), at most N.
+    w.tmpE = f({N, E_});
+    w.tmpE2 = f({N, E_});
+    w.pooled = f({N, E_});
+    w.logits = f({N, C_});
+    w.loss_rows = f({N});
+    w.dlogits = f({N, C_});
+    w.dpooled = f({N, E_});
+    w.dX = f({N, E_});
+    w.dS = f({N, E_});
+    w.dF = f({N, E_});
+    w.dR = f({N, F_});
+    w.dH = f({N, F_});
+    w.dY = f({N, E_});
+    w.dO = f({N, E_});
+    w.dQKV = f({N, 3 * E_});
+    w.delta = f({N * H_});
+    w.ones = to_device(Tensor::full({N}, 1.0), stream());
   }
 
   // The batch's inputs into the plan's staging buffer: ids, targets and their keep flags, the
@@ -644,30 +712,36 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
       drop(p, add_table(p, f32(p.tmpE2), factor), X0, N * E_, 0);
     else
       add_table(p, X0, factor);
+    mark("fwd.embedding");
     for (int64_t l = 0; l < L_; ++l) {
       const BlockParams& b = blocks_[static_cast<size_t>(l)];
       const size_t i = static_cast<size_t>(l);
       const float* X = f32(p.X[i]);
       // Self-attention: the stacked projection, the fused kernel on head views (site 1 + 3l).
       linear(X, w(b.wqkv), nullptr, f32(p.QKV[i]), N, E_, 3 * E_);
+      mark("fwd.qkv");
       if (p.gemm_attention)
         attention_forward_gemm(p, l);
       else
         flash_attention_forward(attention_args(p, l), stream());
+      mark("fwd.attention");
       linear(f32(p.O[i]), w(b.wo), nullptr, f32(p.tmpE), N, E_, E_);
       // Y = LayerNorm(dropout(A) + X) (site 2 + 3l).
       const float* Ad = drop(p, f32(p.tmpE), f32(p.tmpE2), N * E_, 2 + 3 * l);
       layer_norm_forward(Ad, X, f32(p.S1[i]), w(b.ln1_w), w(b.ln1_b), f32(p.Y[i]), f32(p.mean1[i]),
                          f32(p.rstd1[i]), N, E_, static_cast<float>(b.eps1), stream());
+      mark("fwd.wo+addnorm1");
       // FFN: dense2(relu(dense1(Y))).
       linear(f32(p.Y[i]), w(b.w1), w(b.b1), f32(p.H1[i]), N, E_, F_);
       relu_forward(f32(p.H1[i]), f32(p.Rl[i]), N * F_, stream());
       linear(f32(p.Rl[i]), w(b.w2), w(b.b2), f32(p.tmpE), N, F_, E_);
+      mark("fwd.ffn");
       // X' = LayerNorm(dropout(F) + Y) (site 3 + 3l).
       const float* Fd = drop(p, f32(p.tmpE), f32(p.tmpE2), N * E_, 3 + 3 * l);
       layer_norm_forward(Fd, f32(p.Y[i]), f32(p.S2[i]), w(b.ln2_w), w(b.ln2_b), f32(p.X[i + 1]),
                          f32(p.mean2[i]), f32(p.rstd2[i]), N, E_, static_cast<float>(b.eps2),
                          stream());
+      mark("fwd.addnorm2");
     }
     const float* Z = f32(p.X[static_cast<size_t>(L_)]);
     if (classification_) {
@@ -682,6 +756,7 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     // reduce_[0] = mean loss (double); the float after the norm slot = 1 / n_kept.
     double* r = static_cast<double*>(reduce_.raw_data());
     loss_mean(f32(p.loss_rows), keep, R, r, reinterpret_cast<float*>(r + 2), stream());
+    mark("fwd.head+loss");
   }
 
   void backward(Plan& p) {
@@ -699,6 +774,7 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
       linear_backward(p, f32(p.dlogits), f32(p.X[static_cast<size_t>(L_)]), w(head_w_), g(head_w_),
                       g(head_b_), f32(p.dX), N, E_, C_);
     }
+    mark("bwd.loss+head");
     for (int64_t l = L_ - 1; l >= 0; --l) {
       const BlockParams& b = blocks_[static_cast<size_t>(l)];
       const size_t i = static_cast<size_t>(l);
@@ -706,17 +782,21 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
       layer_norm_grads(f32(p.dX), f32(p.S2[i]), w(b.ln2_w), f32(p.mean2[i]), f32(p.rstd2[i]),
                        f32(p.dS), g(b.ln2_w), g(b.ln2_b), N);
       const float* dF = drop(p, f32(p.dS), f32(p.dF), N * E_, 3 + 3 * l);
+      mark("bwd.addnorm2");
       // FFN backward; dY = dS (residual) + the FFN's input gradient.
       linear_backward(p, dF, f32(p.Rl[i]), w(b.w2), g(b.w2), g(b.b2), f32(p.dR), N, F_, E_);
       relu_backward(f32(p.dR), f32(p.H1[i]), f32(p.dH), N * F_, stream());
       copy_async(f32(p.dY), f32(p.dS), N * E_);
       linear_backward(p, f32(p.dH), f32(p.Y[i]), w(b.w1), g(b.w1), g(b.b1), f32(p.dY), N, E_, F_,
                       true);
+      mark("bwd.ffn");
       // addnorm1.
       layer_norm_grads(f32(p.dY), f32(p.S1[i]), w(b.ln1_w), f32(p.mean1[i]), f32(p.rstd1[i]),
                        f32(p.dS), g(b.ln1_w), g(b.ln1_b), N);
       const float* dA = drop(p, f32(p.dS), f32(p.dF), N * E_, 2 + 3 * l);
+      mark("bwd.addnorm1");
       linear_backward(p, dA, f32(p.O[i]), w(b.wo), g(b.wo), nullptr, f32(p.dO), N, E_, E_);
+      mark("bwd.wo");
       // Attention backward into the stacked (N, 3E) gradient of Q, K, V.
       const float* dqkv = f32(p.dQKV);
       if (p.gemm_attention) {
@@ -729,10 +809,12 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
                                              {f32(p.dQKV) + 2 * E_, T * ld, D_, ld, 1}};
         flash_attention_backward(attention_args(p, l), ga, f32(p.delta), stream());
       }
+      mark("bwd.attention");
       // dX = dS (residual) + dQKV [W_q; W_k; W_v].
       copy_async(f32(p.dX), f32(p.dS), N * E_);
       linear_backward(p, dqkv, f32(p.X[i]), w(b.wqkv), g(b.wqkv), nullptr, f32(p.dX), N, E_, 3 * E_,
                       true);
+      mark("bwd.qkv");
     }
     // The input: dropout (site 0) and the sqrt(E) scale, then the embedding's scatter-add.
     const float factor = static_cast<float>(std::sqrt(static_cast<double>(E_)));
@@ -742,6 +824,7 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     ATTN_CUDA_CHECK(kOp, cudaMemsetAsync(g(embedding_), 0, emb, as_stream()));
     embedding_backward(f32(p.dS), in<const int64_t>(p, p.layout.ids), g(embedding_), N, E_,
                        stream());
+    mark("bwd.embedding");
   }
 
   // Clipping by the global norm, then AdamW over the whole arena (skipped on a non-finite loss).
@@ -776,7 +859,13 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   Tensor value_, grad_, m_, v_, reduce_, table_, ln_scratch_;
   std::unique_ptr<PinnedBuffer> results_;
   std::map<std::pair<int64_t, int64_t>, Plan> plans_;
+  Buffers work_;  // shared by the plans (plan_for)
+  int64_t cap_tokens_ = 0, cap_scores_ = 0;
   int64_t adam_step_ = 0;
+  const bool profile_ = std::getenv("ATTN_CUDA_STEP_PROFILE") != nullptr;
+  std::vector<std::pair<const char*, cudaEvent_t>> marks_;
+  std::map<std::string, double> phase_ms_;
+  int64_t profiled_steps_ = 0;
 };
 
 }  // namespace

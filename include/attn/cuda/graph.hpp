@@ -79,6 +79,8 @@ class GraphCache {
  public:
   explicit GraphCache(void* stream);  // a non-default stream (capture needs one)
   void run(const GraphKey& key, const std::function<void()>& body) { core_.run(key, body); }
+  // Destroys every graph (their buffers moved, say); the next run of a key captures again.
+  void clear() { core_.clear(); }
   size_t size() const { return core_.size(); }
   uint64_t captures() const { return core_.captures(); }
   uint64_t launches() const { return core_.launches(); }
