@@ -184,6 +184,15 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
     failed=1
   fi
   rm -f "$out/gpu_run.safetensors"
+  echo "-- attn bench attention --device cuda:"
+  for args in "--dtype bf16 --batch-heads 32 --queries 2048 --head-dim 128" \
+    "--dtype bf16 --batch-heads 32 --queries 2048 --head-dim 128 --backward" \
+    "--dtype f32 --batch-heads 128 --queries 128 --head-dim 32"; do
+    # shellcheck disable=SC2086
+    timeout 30 "$bundle/bin/attn" bench attention --device cuda $args --repeats 5 \
+      --warmup-seconds 0.2 2>&1 | head -2 | tr '\n' ' ' || failed=1
+    echo
+  done
   echo "   ($((SECONDS - start)) s so far)"
 
   echo "== 4. benchmarks: attn beside PyTorch $(LD_LIBRARY_PATH="$orig_ld" python3 -c 'import torch; print(torch.__version__)' 2>/dev/null)"

@@ -432,8 +432,9 @@ TEST_F(Cli, VersionPrintsTheProjectVersion) {
   EXPECT_NE(run("--help").out.find("--version"), std::string::npos);
 }
 
-// --device cuda: a CPU build names the build option; a CUDA build without a GPU says so; the
-// encoder-decoder tasks say their GPU path is not written. One line, exit 2, no file either way.
+// --device cuda (train, bench attention): a CPU build names the build option; a CUDA build
+// without a GPU says so; the encoder-decoder tasks say their GPU path is not written. One line,
+// exit 2, no file either way.
 TEST_F(Cli, TrainDeviceCudaIsOneLineWithoutAGpu) {
   const std::string ckpt = path("c.safetensors");
   Result r =
@@ -444,6 +445,12 @@ TEST_F(Cli, TrainDeviceCudaIsOneLineWithoutAGpu) {
   const bool built = attn::cuda_built();
   EXPECT_NE(r.err.find(built ? "no CUDA device" : "-DATTN_WITH_CUDA=ON"), std::string::npos)
       << r.err;
+  EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
+  r = run("bench attention --queries 16 --device cuda");
+  EXPECT_EQ(r.status, 2) << r.err;
+  if (!built) {
+    EXPECT_NE(r.err.find("-DATTN_WITH_CUDA=ON"), std::string::npos) << r.err;
+  }
   EXPECT_EQ(lines(r.err).size(), 1u) << r.err;
   if (built) {
     r = run("train --task dates --steps 2 --device cuda");

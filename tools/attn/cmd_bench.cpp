@@ -14,6 +14,11 @@
 #include "kernels/cpu/flash_attention.hpp"
 #include "tools/attn/commands.hpp"
 
+#ifdef ATTN_WITH_CUDA  // CMakeLists.txt defines it for this file in CUDA builds
+#include "attn/cuda/runtime.hpp"
+#include "kernels/cuda/kernels.hpp"
+#endif
+
 #include <fmt/format.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -21,6 +26,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -40,6 +46,7 @@ struct BenchAttentionArgs {
   int threads = 0, repeats = 10, warmup = 2;
   double warmup_seconds = 1.0;
   std::string backend = "auto";
+  std::string device = "cpu";  // cuda: the CUDA kernels (builds with -DATTN_WITH_CUDA=ON)
 };
 
 // Resident set now and at its peak, in MiB (Linux: /proc/self/statm and getrusage).
@@ -95,7 +102,81 @@ struct BenchResult {
   double rss_before_mib = 0, peak_rss_mib = 0, io_mib = 0;
   std::string peak_target, kernel_target;
   int warmup_runs = 0;
+  std::string gpu;  // the GPU's description with --device cuda (no FMA peak then)
 };
+
+#ifdef ATTN_WITH_CUDA
+// --device cuda: the fused CUDA kernels on (B*H, T|S, D) device tensors, one head per row. Each
+// timed run is `inner` back-to-back calls (at least ~1 ms in all, as a stream of launches), so
+// that microsecond kernels are not timed by a synchronisation each.
+template <class E>
+void run_bench_cuda(const BenchAttentionArgs& a, DType dtype, BenchResult& r) {
+  const int64_t BH = a.batch_heads, T = a.queries, S = r.keys, D = a.head_dim;
+  Rng gen(42);
+  auto dev = [&](int64_t rows, int64_t len) {
+    return cuda::to_device(random_tensor({rows, len, D}, dtype, gen));
+  };
+  const Tensor q = dev(BH, T), k = dev(BH, S), v = dev(BH, S), dout = dev(BH, T);
+  const Tensor out = cuda::empty({BH, T, D}, dtype), dq = cuda::empty({BH, T, D}, dtype),
+               dk = cuda::empty({BH, S, D}, dtype), dv = cuda::empty({BH, S, D}, dtype),
+               lse = cuda::empty({BH * T}, DType::F32), delta = cuda::empty({BH * T}, DType::F32);
+  auto view = [](const Tensor& t, int64_t len, int64_t width) {
+    return kernels::StridedView<E>{static_cast<E*>(t.raw_data()), len * width, 0, width, 1};
+  };
+  kernels::AttentionArgs<E> args;
+  args.B = BH;
+  args.T = T;
+  args.S = S;
+  args.D = D;
+  args.Dv = D;
+  args.causal = a.causal;
+  args.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  args.q = {static_cast<const E*>(q.raw_data()), T * D, 0, D, 1};
+  args.k = {static_cast<const E*>(k.raw_data()), S * D, 0, D, 1};
+  args.v = {static_cast<const E*>(v.raw_data()), S * D, 0, D, 1};
+  args.out = view(out, T, D);
+  args.lse = static_cast<float*>(lse.raw_data());
+  const kernels::AttentionGradArgs<E> grads{
+      {static_cast<const E*>(dout.raw_data()), T * D, 0, D, 1},
+      view(dq, T, D),
+      view(dk, S, D),
+      view(dv, S, D)};
+  auto call = [&] {
+    if (a.backward)
+      cuda::flash_attention_backward(args, grads, static_cast<float*>(delta.raw_data()), nullptr);
+    else
+      cuda::flash_attention_forward(args, nullptr);
+  };
+  cuda::flash_attention_forward(args, nullptr);  // the backward reads its out and lse
+  auto timed = [&](int inner) {
+    cuda::synchronize(nullptr);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < inner; ++i)
+      call();
+    cuda::synchronize(nullptr);
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+               .count() /
+           inner;
+  };
+  double warmed_ms = 0.0;
+  int warmup_runs = 0;
+  double one = timed(1);
+  const int inner = static_cast<int>(std::clamp(std::ceil(1.0 / std::max(one, 1e-4)), 1.0, 1000.0));
+  while (warmup_runs < a.warmup || (warmed_ms < 1e3 * a.warmup_seconds && warmup_runs < 1000)) {
+    warmed_ms += timed(inner) * inner;
+    ++warmup_runs;
+  }
+  std::vector<double> ms;
+  for (int i = 0; i < a.repeats; ++i)
+    ms.push_back(timed(inner));
+  r.warmup_runs = warmup_runs;
+  r.median_ms = median(ms);
+  r.min_ms = *std::min_element(ms.begin(), ms.end());
+  r.gflops = r.flops / (r.median_ms * 1e6);
+  r.gpu = cuda::device_description();
+  r.kernel_target = "cuda";
+}
+#endif
 
 BenchResult run_bench(const BenchAttentionArgs& a) {
   check(a.batch_heads >= 1 && a.queries >= 1 && a.keys >= 0 && a.head_dim >= 1, kOp,
@@ -110,6 +191,32 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   r.args = a;
   r.keys = a.keys > 0 ? a.keys : a.queries;
   const int64_t BH = a.batch_heads, T = a.queries, S = r.keys, D = a.head_dim;
+
+  // FLOPs of the kept pairs; inputs and outputs of the pass timed: q, k, v, out (+ lse) and for
+  // the backward dout and the three gradients (memory beyond them is the kernel's).
+  double pairs = 0;
+  for (int64_t t = 0; t < T; ++t)
+    pairs += static_cast<double>(a.causal ? std::min(t + 1, S) : S);
+  r.flops = 4.0 * static_cast<double>(BH) * pairs * static_cast<double>(D);
+  if (a.backward) r.flops *= 2.5;
+  const double bytes = static_cast<double>(dtype_size(dtype));
+  const double qkvo = static_cast<double>(BH) * static_cast<double>(2 * T * D + 2 * S * D) * bytes;
+  r.io_mib = (a.backward ? 2.0 * qkvo : qkvo) / (1024.0 * 1024.0);
+  if (a.device == "cuda") {
+#ifdef ATTN_WITH_CUDA
+    check(dtype != DType::F64, kOp, "--device cuda: --dtype f32 or bf16 (no f64 kernels)");
+    check(a.backend == "auto", kOp, "--device cuda: --backend {} is a CPU choice", a.backend);
+    r.rss_before_mib = rss_now_mib();
+    if (dtype == DType::BF16)
+      run_bench_cuda<uint16_t>(a, dtype, r);
+    else
+      run_bench_cuda<float>(a, dtype, r);
+    r.peak_rss_mib = rss_peak_mib();
+    return r;
+#else
+    throw Error(kOp, "--device cuda needs an attn built with -DATTN_WITH_CUDA=ON (docs/gpu.md)");
+#endif
+  }
 
   Context ctx;
   ctx.threads = a.threads;
@@ -127,18 +234,6 @@ BenchResult run_bench(const BenchAttentionArgs& a) {
   AttentionOptions opts;
   opts.mask.causal = a.causal;
   opts.need_weights = false;
-
-  // Inputs and outputs of the pass timed: q, k, v, out (+ lse) and for the backward dout and
-  // the three gradients. Memory beyond them is the kernel's.
-  const double bytes = static_cast<double>(dtype_size(dtype));
-  const double qkvo = static_cast<double>(BH) * static_cast<double>(2 * T * D + 2 * S * D) * bytes;
-  r.io_mib = (a.backward ? 2.0 * qkvo : qkvo) / (1024.0 * 1024.0);
-
-  double pairs = 0;
-  for (int64_t t = 0; t < T; ++t)
-    pairs += static_cast<double>(a.causal ? std::min(t + 1, S) : S);
-  r.flops = 4.0 * static_cast<double>(BH) * pairs * static_cast<double>(D);
-  if (a.backward) r.flops *= 2.5;
 
   r.rss_before_mib = rss_now_mib();
   std::vector<double> ms;
@@ -191,6 +286,8 @@ std::string bench_json(const BenchResult& r) {
   const BenchAttentionArgs& a = r.args;
   nlohmann::ordered_json j;
   j["op"] = "attention";
+  j["device"] = a.device;
+  if (!r.gpu.empty()) j["gpu"] = r.gpu;
   j["pass"] = a.backward ? "backward" : "forward";
   j["dtype"] = a.dtype;
   j["backend"] = a.backend;
@@ -206,8 +303,8 @@ std::string bench_json(const BenchResult& r) {
   j["median_ms"] = r.median_ms;
   j["min_ms"] = r.min_ms;
   j["gflops"] = r.gflops;
-  j["peak_gflops"] = r.peak_gflops;
-  j["percent_of_peak"] = 100.0 * r.gflops / r.peak_gflops;
+  j["peak_gflops"] = r.peak_gflops;  // 0 on the GPU: no FMA peak is measured there
+  j["percent_of_peak"] = r.peak_gflops > 0 ? 100.0 * r.gflops / r.peak_gflops : 0.0;
   j["peak_rss_mib"] = r.peak_rss_mib;
   j["rss_before_mib"] = r.rss_before_mib;
   j["inputs_outputs_mib"] = r.io_mib;
@@ -224,8 +321,11 @@ std::string bench_text(const BenchResult& r) {
       a.causal ? " causal" : "", r.threads, r.threads == 1 ? "" : "s", a.backend, r.kernel_target);
   s += fmt::format("  median {:.3f} ms (min {:.3f}) over {} runs: {:.1f} GFLOP/s\n", r.median_ms,
                    r.min_ms, a.repeats, r.gflops);
-  s += fmt::format("  FMA peak measured now: {:.1f} GFLOP/s ({}) -> {:.1f}% of peak\n",
-                   r.peak_gflops, r.peak_target, 100.0 * r.gflops / r.peak_gflops);
+  if (!r.gpu.empty())
+    s += fmt::format("  on {}\n", r.gpu);
+  else
+    s += fmt::format("  FMA peak measured now: {:.1f} GFLOP/s ({}) -> {:.1f}% of peak\n",
+                     r.peak_gflops, r.peak_target, 100.0 * r.gflops / r.peak_gflops);
   s += fmt::format(
       "  memory: peak RSS {:.1f} MiB; {:.1f} MiB before the first call; inputs and "
       "outputs {:.1f} MiB\n",
@@ -271,7 +371,7 @@ std::vector<Command> add_bench_command(CLI::App& app) {
   sub->add_option("--backend", args->backend,
                   "auto, cpu (fused kernels) or reference (the plain-loop oracle: slow)")
       ->capture_default_str();
-  add_device_option(sub, "bench attention");
+  add_device_option(sub, "bench attention", &args->device);
   sub->add_flag("--json", args->json,
                 "print one JSON object (gflops, peak_gflops, median_ms, peak_rss_mib, ...)");
   auto run = [args] {
