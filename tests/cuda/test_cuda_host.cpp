@@ -596,7 +596,19 @@ TEST(CudaHostGemm, PlanKeysSeparateWhatTheHeuristicSees) {
   h.type = GemmType::kBF16;
   EXPECT_FALSE(gemm_key(h) == base);
   hashes.insert(GemmKeyHash{}(gemm_key(h)));
-  EXPECT_EQ(hashes.size(), 4u);
+  // A strided batch is another plan, and so is each stride; without a batch the strides are moot.
+  h = g;
+  h.stride_a = 99;
+  EXPECT_EQ(gemm_key(h), base);
+  h.batch = 8;
+  h.stride_a = h.stride_b = h.stride_c = 16;
+  const GemmKey batched = gemm_key(h);
+  EXPECT_FALSE(batched == base);
+  hashes.insert(GemmKeyHash{}(batched));
+  h.stride_c = 32;
+  EXPECT_FALSE(gemm_key(h) == batched);
+  hashes.insert(GemmKeyHash{}(gemm_key(h)));
+  EXPECT_EQ(hashes.size(), 6u);
 }
 
 TEST(CudaHostGraph, CapturesOncePerKeyAndReplays) {

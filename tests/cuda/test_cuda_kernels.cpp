@@ -85,6 +85,53 @@ TEST(CudaGemm, Fp32AndBf16MatchTheHostProduct) {
           }
 }
 
+// Strided batches (the training step's attention as GEMMs): matrix i of each operand `stride`
+// elements after matrix i - 1, with padding between matrices, every transpose combination.
+TEST(CudaGemm, StridedBatchesMatchTheHostProducts) {
+  ATTN_SKIP_WITHOUT_GPU();
+  const int64_t batch = 5, M = 19, N = 23, K = 11;
+  for (int ta = 0; ta < 2; ++ta)
+    for (int tb = 0; tb < 2; ++tb) {
+      const int64_t lda = ta ? M : K, ldb = tb ? K : N;
+      const int64_t sa = M * K + 3, sb = K * N + 5, sc = M * N + 7;
+      const std::vector<double> A = random(static_cast<size_t>(batch * sa), 4),
+                                B = random(static_cast<size_t>(batch * sb), 5);
+      std::vector<double> want(static_cast<size_t>(batch * sc), 0.0);
+      for (int64_t i = 0; i < batch; ++i)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = 0; n < N; ++n) {
+            double acc = 0;
+            for (int64_t k = 0; k < K; ++k)
+              acc += (ta ? A[i * sa + k * lda + m] : A[i * sa + m * lda + k]) *
+                     (tb ? B[i * sb + n * ldb + k] : B[i * sb + k * ldb + n]);
+            want[i * sc + m * N + n] = 0.5 * acc;
+          }
+      Tensor a = upload(to_f32(A)), b = upload(to_f32(B));
+      Tensor c = upload(std::vector<float>(want.size(), 0.0f));
+      GemmArgs g;
+      g.M = M;
+      g.N = N;
+      g.K = K;
+      g.trans_a = ta;
+      g.trans_b = tb;
+      g.A = a.raw_data();
+      g.B = b.raw_data();
+      g.C = c.raw_data();
+      g.lda = lda;
+      g.ldb = ldb;
+      g.ldc = N;
+      g.alpha = 0.5f;
+      g.batch = batch;
+      g.stride_a = sa;
+      g.stride_b = sb;
+      g.stride_c = sc;
+      gemm(g, nullptr);
+      // The padding between C's matrices stays 0 (the want vector's zeros there).
+      expect_close(fmt::format("batched gemm x{} M{} N{} K{} ta{} tb{}", batch, M, N, K, ta, tb),
+                   widen(download<float>(c, want.size())), want, 1e-5, 1e-5);
+    }
+}
+
 TEST(CudaOps, DropoutDrawsTheCpuMaskBitForBit) {
   ATTN_SKIP_WITHOUT_GPU();
   for (int64_t n : {1, 3, 4, 1000, 100003}) {
@@ -205,6 +252,26 @@ TEST(CudaOps, MaskedSoftmaxForwardBackward) {
       const std::string tag = fmt::format("masked_softmax R{} S{} policy{}", R, S, int(policy));
       expect_close(tag + " y", widen(download<float>(yd, n)), y, 1e-5, 1e-6);
       expect_close(tag + " dx", widen(download<float>(dxd, n)), dx, 1e-4, 1e-6);
+      // The fused softmax + dropout rows (the training step's): y as above, y * Z with the
+      // dropout stream's element r * S + s at the offset read on the device, and the backward of
+      // dy = dyd * Z through the same y.
+      const float p = 0.3f;
+      const uint64_t seed = 21, offset = 4;
+      std::vector<double> yz(n), dyz(n), dxz(n);
+      for (size_t i = 0; i < n; ++i) {
+        const double z = dropout_factor(seed, 2 + offset, i, p);
+        yz[i] = static_cast<float>(y[i]) * z;
+        dyz[i] = static_cast<float>(dy[i]) * z;
+      }
+      ref::masked_softmax_backward<double>(dyz.data(), y.data(), dxz.data(), kept.data(), R, S);
+      Tensor base = upload(std::vector<uint64_t>{2}), pd = empty({R * S}, DType::F32);
+      softmax_dropout_forward(ptr<float>(xd), ptr<float>(yd), ptr<float>(pd), ptr<int32_t>(kd),
+                              policy, R, S, p, seed, ptr<const uint64_t>(base), offset, nullptr);
+      softmax_dropout_backward(ptr<float>(dyd), ptr<float>(yd), ptr<float>(dxd), ptr<int32_t>(kd),
+                               R, S, p, seed, ptr<const uint64_t>(base), offset, nullptr);
+      expect_close(tag + " fused y", widen(download<float>(yd, n)), y, 1e-5, 1e-6);
+      expect_close(tag + " fused y*Z", widen(download<float>(pd, n)), yz, 1e-5, 1e-6);
+      expect_close(tag + " fused dx", widen(download<float>(dxd, n)), dxz, 1e-4, 1e-6);
     }
 }
 
