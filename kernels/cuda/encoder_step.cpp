@@ -122,8 +122,9 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
           "--device cuda trains in fp32 (--precision {} on the GPU is not written yet)",
           model::precision_name(options.precision));
     check(c.positional == nn::PositionalKind::kSinusoidal ||
+              c.positional == nn::PositionalKind::kLearned ||
               c.positional == nn::PositionalKind::kNone,
-          kOp, "--device cuda supports --pe sinusoidal or none, not {}",
+          kOp, "--device cuda supports --pe sinusoidal, learned or none, not {}",
           nn::positional_kind_name(c.positional));
     E_ = c.num_hiddens;
     F_ = c.ffn_num_hiddens;
@@ -309,6 +310,13 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     };
     nn::TransformerEncoder& enc = model_.encoder;
     embedding_ = at(enc.embedding.weight, "embedding.weight");
+    if (enc.learned_pos) {
+      learned_ = true;
+      learned_pos_ = at(enc.learned_pos->weight, "pos_encoding.weight");
+      check(enc.learned_pos->weight.value.dim(0) == max_len_, kOp,
+            "the learned position table has {} rows, max_len is {}",
+            enc.learned_pos->weight.value.dim(0), max_len_);
+    }
     vocab_ = enc.embedding.weight.value.dim(0);
     for (auto& blk : enc.blks) {
       nn::MultiHeadAttention& a = blk->attention;
@@ -692,9 +700,14 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     return a;
   }
 
-  // y = tmpE * sqrt(E) + P[t] (the sinusoidal table).
+  // The positions' table: sinusoidal, learned (a parameter), or none (null).
+  const float* positions() const {
+    if (table_.defined()) return f32(table_);
+    return learned_ ? w(learned_pos_) : nullptr;
+  }
+  // y = tmpE * sqrt(E) + P[t].
   float* add_table(const Plan& p, float* y, float factor) {
-    add_positional(f32(p.tmpE), f32(table_), y, p.B, p.T, E_, factor, stream());
+    add_positional(f32(p.tmpE), positions(), y, p.B, p.T, E_, factor, stream());
     return y;
   }
 
@@ -705,7 +718,7 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     embedding_forward(in<const int64_t>(p, p.layout.ids), w(embedding_), f32(p.tmpE), N, E_,
                       stream());
     float* X0 = f32(p.X[0]);
-    if (!table_.defined())
+    if (positions() == nullptr)
       dropout_at(f32(p.tmpE), X0, N * E_, static_cast<float>(p_), options_.seed, offset_base(p), 0,
                  0, factor, stream());
     else if (p_ > 0.0)
@@ -818,8 +831,30 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     }
     // The input: dropout (site 0) and the sqrt(E) scale, then the embedding's scatter-add.
     const float factor = static_cast<float>(std::sqrt(static_cast<double>(E_)));
-    dropout_at(f32(p.dX), f32(p.dS), N * E_, static_cast<float>(p_), options_.seed, offset_base(p),
-               0, 0, factor, stream());
+    if (learned_) {
+      // forward: dropout(X * sqrt(E) + W[t]): W.grad[t] = sum over b of the dropped gradient.
+      dropout_at(f32(p.dX), f32(p.dF), N * E_, static_cast<float>(p_), options_.seed,
+                 offset_base(p), 0, 0, 1.0f, stream());
+      ATTN_CUDA_CHECK(
+          kOp, cudaMemsetAsync(g(learned_pos_), 0,
+                               static_cast<size_t>(max_len_ * E_) * sizeof(float), as_stream()));
+      GemmArgs sum;
+      sum.M = 1;
+      sum.N = T * E_;
+      sum.K = B;
+      sum.A = f32(p.ones);
+      sum.B = f32(p.dF);
+      sum.C = g(learned_pos_);
+      sum.lda = B;
+      sum.ldb = T * E_;
+      sum.ldc = T * E_;
+      gemm(sum, stream());
+      dropout_at(f32(p.dF), f32(p.dS), N * E_, 0.0f, options_.seed, offset_base(p), 0, 0, factor,
+                 stream());
+    } else {
+      dropout_at(f32(p.dX), f32(p.dS), N * E_, static_cast<float>(p_), options_.seed,
+                 offset_base(p), 0, 0, factor, stream());
+    }
     const size_t emb = static_cast<size_t>(vocab_ * E_) * sizeof(float);
     ATTN_CUDA_CHECK(kOp, cudaMemsetAsync(g(embedding_), 0, emb, as_stream()));
     embedding_backward(f32(p.dS), in<const int64_t>(p, p.layout.ids), g(embedding_), N, E_,
@@ -854,7 +889,8 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   double p_ = 0.0;
   std::vector<Slot> slots_;
   std::vector<BlockParams> blocks_;
-  size_t embedding_ = 0, head_w_ = 0, head_b_ = 0;
+  size_t embedding_ = 0, head_w_ = 0, head_b_ = 0, learned_pos_ = 0;
+  bool learned_ = false;  // --pe learned: the table is the parameter at learned_pos_
   int64_t total_ = 0;
   Tensor value_, grad_, m_, v_, reduce_, table_, ln_scratch_;
   std::unique_ptr<PinnedBuffer> results_;

@@ -138,6 +138,7 @@ TEST(CudaTrainStep, MatchesTheCpuTrainer) {
   run_case("classification_dropout", TaskType::kClassification, 0.2,
            nn::PositionalKind::kSinusoidal);
   run_case("classification_pe_none", TaskType::kClassification, 0.1, nn::PositionalKind::kNone);
+  run_case("tagging_pe_learned", TaskType::kTagging, 0.1, nn::PositionalKind::kLearned);
   // The fused attention kernel instead of the batched GEMMs (what long sequences take).
   setenv("ATTN_CUDA_TRAIN_ATTENTION", "flash", 1);
   run_case("tagging_dropout_flash", TaskType::kTagging, 0.1, nn::PositionalKind::kSinusoidal);
@@ -147,7 +148,7 @@ TEST(CudaTrainStep, MatchesTheCpuTrainer) {
 
 TEST(CudaTrainStep, RefusesWhatItDoesNotCover) {
   ATTN_SKIP_WITHOUT_GPU();
-  TrainOptions o = options(TaskType::kTagging, 0.1, nn::PositionalKind::kLearned);
+  TrainOptions o = options(TaskType::kTagging, 0.1, nn::PositionalKind::kRotary);
   o.device = Device::kCuda;
   EXPECT_THROW(model::Trainer t(o), Error);
   o = options(TaskType::kTagging, 0.1, nn::PositionalKind::kSinusoidal);
