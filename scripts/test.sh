@@ -4,7 +4,7 @@
 #      docs check (scripts/check-docs.py), then installs the Python module for Debian's
 #      /usr/bin/python3,
 #   1b. where nvcc is installed: the CUDA backend configured, compiled and linked (build/cuda: the
-#      library, the CUDA tests and bench_cuda only) and its host-side tests run,
+#      library, the CUDA tests, bench_cuda and the CLI) and its host-side tests run,
 #   2. the fixture generator: what it writes now must equal the committed fixtures,
 #   3. the installed package, consumed through CMake and pkg-config, shared and static,
 #   4. the fuzzers, for a bounded time each (FUZZ_SECONDS, default 30),
@@ -37,9 +37,10 @@ echo "== 1b. CUDA backend: compile and link with nvcc, run the host-side tests"
 # same flags as step 1 (MPI on), so that the CPU objects come from ccache.
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
-    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=OFF \
-    -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON >/dev/null
-  cmake --build build/cuda --target attn_cuda_tests bench_cuda
+    -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=ON \
+    -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF >/dev/null
+  # The CLI too: its `--device cuda` paths (train, bench attention) compile only here.
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn
   ctest --test-dir build/cuda -L cuda-host --output-on-failure
 else
   echo "   nvcc not found: skipped"
