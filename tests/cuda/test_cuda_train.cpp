@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -144,6 +145,43 @@ TEST(CudaTrainStep, MatchesTheCpuTrainer) {
   run_case("tagging_dropout_flash", TaskType::kTagging, 0.1, nn::PositionalKind::kSinusoidal);
   run_case("classification_flash", TaskType::kClassification, 0.2, nn::PositionalKind::kSinusoidal);
   unsetenv("ATTN_CUDA_TRAIN_ATTENTION");
+}
+
+// A step whose loss is not finite throws, as on the CPU, and changes no parameter: AdamW reads the
+// loss on the device and skips its update.
+TEST(CudaTrainStep, NonFiniteLossChangesNothing) {
+  ATTN_SKIP_WITHOUT_GPU();
+  TrainOptions o = options(TaskType::kTagging, 0.0, nn::PositionalKind::kSinusoidal);
+  o.device = Device::kCuda;
+  o.adamw.lr = 1e30;  // the first update makes the weights huge, the next loss infinite or NaN
+  model::Trainer t(o);
+  const Batch b = batch(TaskType::kTagging, 4, 12, 7, o.model.num_classes);
+  int64_t steps = 0;
+  bool threw = false;
+  std::vector<float> before;
+  for (; steps < 5 && !threw; ++steps) {
+    before.clear();
+    for (auto& [name, p] : t.model().named_parameters())
+      for (int64_t j = 0; j < p->value.numel(); ++j)
+        before.push_back(p->value.contiguous().data<float>()[j]);
+    try {
+      t.train_step(b);
+    } catch (const Error& e) {
+      threw = true;
+      EXPECT_NE(std::string(e.what()).find("loss is"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_TRUE(threw) << "the loss stayed finite for " << steps << " steps";
+  std::vector<float> after;
+  for (auto& [name, p] : t.model().named_parameters())
+    for (int64_t j = 0; j < p->value.numel(); ++j)
+      after.push_back(p->value.contiguous().data<float>()[j]);
+  ASSERT_EQ(after.size(), before.size());
+  int64_t changed = 0;
+  for (size_t i = 0; i < after.size(); ++i)
+    changed += std::memcmp(&after[i], &before[i], sizeof(float)) != 0;
+  EXPECT_EQ(changed, 0) << "parameters changed by the step that threw";
+  EXPECT_EQ(t.step(), steps - 1);
 }
 
 TEST(CudaTrainStep, RefusesWhatItDoesNotCover) {
