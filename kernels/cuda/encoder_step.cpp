@@ -529,67 +529,60 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
     return in<const uint64_t>(p, p.layout.scalars + offsetof(StepScalars, dropout_offset));
   }
 
+  // One row-major float32 product (kernels.hpp's GemmArgs): C (M, N) = alpha op(A) op(B) + beta C
+  // (+ bias), A (M, K) or stored (K, M) when ta, B (K, N) or stored (N, K) when tb.
+  struct Product {
+    const float *A = nullptr, *B = nullptr, *bias = nullptr;
+    float* C = nullptr;
+    bool ta = false, tb = false;
+    int64_t M = 0, N = 0, K = 0, lda = 0, ldb = 0, ldc = 0;
+    float alpha = 1.0f, beta = 0.0f;
+    int64_t batch = 1, sa = 0, sb = 0, sc = 0;  // strided batch (per (b, h) attention)
+  };
+  void run(const Product& q) {
+    GemmArgs a;
+    a.M = q.M;
+    a.N = q.N;
+    a.K = q.K;
+    a.trans_a = q.ta;
+    a.trans_b = q.tb;
+    a.A = q.A;
+    a.B = q.B;
+    a.C = q.C;
+    a.bias = q.bias;
+    a.lda = q.lda;
+    a.ldb = q.ldb;
+    a.ldc = q.ldc;
+    a.alpha = q.alpha;
+    a.beta = q.beta;
+    a.batch = q.batch;
+    a.stride_a = q.sa;
+    a.stride_b = q.sb;
+    a.stride_c = q.sc;
+    gemm(a, stream());
+  }
   // y (rows, out) = x (rows, in) W^T (+ bias); W stored (out, in).
   void linear(const float* x, const float* W, const float* bias, float* y, int64_t rows,
               int64_t in_f, int64_t out_f) {
-    GemmArgs a;
-    a.M = rows;
-    a.N = out_f;
-    a.K = in_f;
-    a.trans_b = true;
-    a.A = x;
-    a.B = W;
-    a.C = y;
-    a.bias = bias;
-    a.lda = in_f;
-    a.ldb = in_f;
-    a.ldc = out_f;
-    gemm(a, stream());
+    run({.A = x, .B = W, .bias = bias, .C = y, .tb = true, .M = rows, .N = out_f, .K = in_f,
+         .lda = in_f, .ldb = in_f, .ldc = out_f});
+  }
+  // The column sums of x (rows, n) into out (n): 1^T x, one GEMM against p.ones.
+  void column_sums(const Plan& p, const float* x, float* out, int64_t rows, int64_t n) {
+    run({.A = f32(p.ones), .B = x, .C = out, .M = 1, .N = n, .K = rows, .lda = rows, .ldb = n,
+         .ldc = n});
   }
   // dW (out, in) = dy^T x; db (out) = 1^T dy when db is non-null; dx (rows, in) = dy W (+ dx
   // itself when accumulate).
   void linear_backward(const Plan& p, const float* dy, const float* x, const float* W, float* dW,
                        float* db, float* dx, int64_t rows, int64_t in_f, int64_t out_f,
                        bool accumulate = false) {
-    GemmArgs a;
-    a.M = out_f;
-    a.N = in_f;
-    a.K = rows;
-    a.trans_a = true;
-    a.A = dy;
-    a.B = x;
-    a.C = dW;
-    a.lda = out_f;
-    a.ldb = in_f;
-    a.ldc = in_f;
-    gemm(a, stream());
-    if (db != nullptr) {
-      GemmArgs s;
-      s.M = 1;
-      s.N = out_f;
-      s.K = rows;
-      s.A = f32(p.ones);
-      s.B = dy;
-      s.C = db;
-      s.lda = rows;
-      s.ldb = out_f;
-      s.ldc = out_f;
-      gemm(s, stream());
-    }
-    if (dx != nullptr) {
-      GemmArgs d;
-      d.M = rows;
-      d.N = in_f;
-      d.K = out_f;
-      d.A = dy;
-      d.B = W;
-      d.C = dx;
-      d.lda = out_f;
-      d.ldb = in_f;
-      d.ldc = in_f;
-      d.beta = accumulate ? 1.0f : 0.0f;
-      gemm(d, stream());
-    }
+    run({.A = dy, .B = x, .C = dW, .ta = true, .M = out_f, .N = in_f, .K = rows, .lda = out_f,
+         .ldb = in_f, .ldc = in_f});
+    if (db != nullptr) column_sums(p, dy, db, rows, out_f);
+    if (dx != nullptr)
+      run({.A = dy, .B = W, .C = dx, .M = rows, .N = in_f, .K = out_f, .lda = out_f, .ldb = in_f,
+           .ldc = in_f, .beta = accumulate ? 1.0f : 0.0f});
   }
   // LayerNorm's backward: dx, then dgamma and dbeta over row chunks side by side.
   void layer_norm_grads(const float* dy, const float* x, const float* gamma, const float* mean,
@@ -602,24 +595,8 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   void batched(const float* A, bool ta, int64_t lda, int64_t sa, const float* Bm, bool tb,
                int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc, int64_t M, int64_t N,
                int64_t K, int64_t batch, float alpha) {
-    GemmArgs a;
-    a.M = M;
-    a.N = N;
-    a.K = K;
-    a.trans_a = ta;
-    a.trans_b = tb;
-    a.A = A;
-    a.B = Bm;
-    a.C = C;
-    a.lda = lda;
-    a.ldb = ldb;
-    a.ldc = ldc;
-    a.alpha = alpha;
-    a.batch = batch;
-    a.stride_a = sa;
-    a.stride_b = sb;
-    a.stride_c = sc;
-    gemm(a, stream());
+    run({.A = A, .B = Bm, .C = C, .ta = ta, .tb = tb, .M = M, .N = N, .K = K, .lda = lda,
+         .ldb = ldb, .ldc = ldc, .alpha = alpha, .batch = batch, .sa = sa, .sb = sb, .sc = sc});
   }
 
   // Attention of layer l as batched GEMMs: scores = scale Q K^T, P = masked softmax, dropout,
@@ -838,17 +815,7 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
       ATTN_CUDA_CHECK(
           kOp, cudaMemsetAsync(g(learned_pos_), 0,
                                static_cast<size_t>(max_len_ * E_) * sizeof(float), as_stream()));
-      GemmArgs sum;
-      sum.M = 1;
-      sum.N = T * E_;
-      sum.K = B;
-      sum.A = f32(p.ones);
-      sum.B = f32(p.dF);
-      sum.C = g(learned_pos_);
-      sum.lda = B;
-      sum.ldb = T * E_;
-      sum.ldc = T * E_;
-      gemm(sum, stream());
+      column_sums(p, f32(p.dF), g(learned_pos_), B, T * E_);
       dropout_at(f32(p.dF), f32(p.dS), N * E_, 0.0f, options_.seed, offset_base(p), 0, 0, factor,
                  stream());
     } else {

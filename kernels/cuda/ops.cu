@@ -7,6 +7,7 @@
 #include "kernels/cuda/device_math.hpp"
 #include "kernels/cuda/kernels.hpp"
 #include "kernels/cuda/launch.hpp"
+#include "kernels/cuda/warp_reduce.cuh"
 
 #include <cuda_runtime.h>
 
@@ -15,18 +16,6 @@
 namespace attn::cuda {
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
-
-__device__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1)
-    x += __shfl_xor_sync(kFull, x, o);
-  return x;
-}
-__device__ float warp_max(float x) {
-  for (int o = 16; o > 0; o >>= 1)
-    x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
-  return x;
-}
 __device__ int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
 }
@@ -106,9 +95,9 @@ __global__ void layer_norm_forward_kernel(const float* x, const float* residual,
   }
   for (int o = 16; o > 0; o >>= 1) {
     WelfordState other;
-    other.mean = __shfl_xor_sync(kFull, st.mean, o);
-    other.m2 = __shfl_xor_sync(kFull, st.m2, o);
-    other.count = __shfl_xor_sync(kFull, st.count, o);
+    other.mean = __shfl_xor_sync(kFullWarp, st.mean, o);
+    other.m2 = __shfl_xor_sync(kFullWarp, st.m2, o);
+    other.count = __shfl_xor_sync(kFullWarp, st.count, o);
     st = WelfordState::combine(st, other);
   }
   const float mean = st.mean, rstd = rsqrtf(st.variance() + eps);

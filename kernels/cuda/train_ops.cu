@@ -8,6 +8,7 @@
 #include "kernels/cuda/device_math.hpp"
 #include "kernels/cuda/kernels.hpp"
 #include "kernels/cuda/launch.hpp"
+#include "kernels/cuda/warp_reduce.cuh"
 
 #include <cuda_runtime.h>
 
@@ -73,17 +74,6 @@ __global__ void masked_mean_backward_kernel(const float* dpooled, const int32_t*
   }
 }
 
-constexpr unsigned kFull = 0xffffffffu;
-__device__ float warp_sum(float x) {
-  for (int o = 16; o > 0; o >>= 1)
-    x += __shfl_xor_sync(kFull, x, o);
-  return x;
-}
-__device__ float warp_max(float x) {
-  for (int o = 16; o > 0; o >>= 1)
-    x = fmaxf(x, __shfl_xor_sync(kFull, x, o));
-  return x;
-}
 
 // A warp a row of the (R, S) scores: y = masked softmax (d2l's policy or zeros for rows without
 // kept keys, as masked_softmax_forward), yd = y * Z with Z of stream element r * S + s at offset
