@@ -99,7 +99,7 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
   local orig_ld=${LD_LIBRARY_PATH:-}
   export LD_LIBRARY_PATH="$libs${orig_ld:+:$orig_ld}"
   nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
-  echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs$(grep -qw amx_bf16 /proc/cpuinfo && echo ', AMX-BF16')"
+  echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs ($(lscpu | sed -n 's/^Thread(s) per core: *//p' | head -1) threads a core)$(grep -qw amx_bf16 /proc/cpuinfo && echo ', AMX-BF16')"
 
   echo "== 1. tests (every failure reported; log in $out/tests.log)"
   local failed=0 summary=""

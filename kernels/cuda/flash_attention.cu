@@ -13,8 +13,9 @@
 //             dQ over query blocks (the forward's shape) and dK, dV over key blocks (queries
 //             stream through shared memory). No atomics: every gradient element has one writer,
 //             so results are the same bits on every run.
-//   decode    block = one (b, t) row; its 8 warps take interleaved keys, each key's dot product
-//             spread over the lanes, then merge their softmax states (SoftmaxState::merge).
+//   decode    block = one (b, t) row; keys in chunks of 1024: each thread scores its own keys into
+//             shared memory, the block reduces max and sum, the warps accumulate interleaved
+//             keys' V rows into their lanes' columns, then add their rows in order.
 // Dropout multiplies the normalised weights by Z (0 or 1/(1-p)) from the Philox dropout stream at
 // the CPU's index for (b, t, s), so the CUDA and CPU paths drop the same weights.
 #include "kernels/cuda/check.hpp"
@@ -396,54 +397,90 @@ __global__ void __launch_bounds__(kWarp* kWarpsPerBlock) flash_dkdv_kernel(const
   }
 }
 
-// Decode: one block per (b, t). Warp w takes keys w, w + kDecodeWarps, ...
+// Decode: one block per (b, t) row, its keys in chunks of kDecodeChunk. Per chunk every thread
+// scores its own keys into shared memory (a key's dot product is one thread's loop, so 256 keys
+// are in flight at once instead of one per warp), the block reduces the chunk's max and updates
+// the online softmax, and then warp w accumulates keys w, w + kDecodeWarps, ... of the chunk into
+// its lanes' output columns (V rows read across the lanes). The warps' sums are added in warp
+// order at the end: deterministic.
+__device__ float block_reduce(float x, float* red, bool max_op) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  x = max_op ? warp_max(x) : warp_sum(x);
+  __syncthreads();  // red may still be read by the previous reduction
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float r = red[0];
+  for (int w = 1; w < kDecodeWarps; ++w)
+    r = max_op ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
 template <class E>
 __global__ void __launch_bounds__(kWarp* kDecodeWarps) flash_decode_kernel(const FlashParams<E> P) {
   extern __shared__ float smem[];
   const int64_t t = blockIdx.x, b = blockIdx.y;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  float* state = smem;                    // (kDecodeWarps, 2): m, l
-  float* part = smem + 2 * kDecodeWarps;  // (kDecodeWarps, Dv)
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  float* qs = smem;                       // (D)
+  float* sc = qs + P.D;                   // (kDecodeChunk) scores, then weights
+  float* red = sc + kDecodeChunk;         // (kDecodeWarps)
+  float* part = red + kDecodeWarps;       // (kDecodeWarps, Dv)
   bool uniform = false;
   const int64_t lim = P.limit(b, t, &uniform);
-
-  float q[kMaxPerLane], acc[kMaxPerLane];
   const E* qr = P.q.data + P.row_off(b, P.q.sb, P.q.sh) + t * P.q.st;
-#pragma unroll
-  for (int i = 0; i < kMaxPerLane; ++i) {
-    const int64_t d = lane + kWarp * i;
-    q[i] = d < P.D ? load_f(qr + d * P.q.sd) : 0.0f;
-    acc[i] = 0.0f;
-  }
+  for (int64_t d = tid; d < P.D; d += blockDim.x)
+    qs[d] = load_f(qr + d * P.q.sd);
   const E* kb = P.k.data + P.row_off(b, P.k.sb, P.k.sh);
   const E* vb = P.v.data + P.row_off(b, P.v.sb, P.v.sh);
-  SoftmaxState st;
-  for (int64_t s = warp; s < lim; s += kDecodeWarps) {
-    float score = 0.0f;
-    if (!uniform) {
-      float dot = 0.0f;
+  float acc[kMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kMaxPerLane; ++i)
+    acc[i] = 0.0f;
+  float m = -INFINITY, l = 0.0f;
+  __syncthreads();
+  for (int64_t s0 = 0; s0 < lim; s0 += kDecodeChunk) {
+    const int n = static_cast<int>(lim - s0 < kDecodeChunk ? lim - s0 : kDecodeChunk);
+    // Scores of the chunk, each thread its keys; the chunk's max.
+    float cmax = -INFINITY;
+    for (int j = tid; j < n; j += blockDim.x) {
+      float score = 0.0f;
+      if (!uniform) {
+        const E* kr = kb + (s0 + j) * P.k.st;
+        float dot = 0.0f;
+        for (int64_t d = 0; d < P.D; ++d)
+          dot += qs[d] * load_f(kr + d * P.k.sd);
+        score = dot * P.scale;
+      }
+      sc[j] = score;
+      cmax = fmaxf(cmax, score);
+    }
+    cmax = block_reduce(cmax, red, true);
+    const float m_new = fmaxf(m, cmax);
+    const float alpha = SoftmaxState::rescale(m, m_new);
+    m = m_new;
+    // Weights: exp(score - m) enter l undropped; the dropped ones enter the output.
+    float csum = 0.0f;
+    for (int j = tid; j < n; j += blockDim.x) {
+      float pj = expf(sc[j] - m_new);
+      csum += pj;
+      if (P.p > 0.0f) pj *= P.dropout_z(b, t, s0 + j);
+      sc[j] = pj;
+    }
+    csum = block_reduce(csum, red, false);  // its __syncthreads also publishes sc
+    l = l * alpha + csum;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i)
+      acc[i] *= alpha;
+#pragma unroll 4
+    for (int j = warp; j < n; j += kDecodeWarps) {
+      const float pj = sc[j];
+      const E* vr = vb + (s0 + j) * P.v.st;
 #pragma unroll
       for (int i = 0; i < kMaxPerLane; ++i) {
-        const int64_t d = lane + kWarp * i;
-        if (d < P.D) dot += q[i] * load_f(kb + s * P.k.st + d * P.k.sd);
+        const int64_t c = lane + kWarp * i;
+        if (c < P.Dv) acc[i] += pj * load_f(vr + c * P.v.sd);
       }
-      score = warp_sum(dot) * P.scale;
     }
-    const float m_new = fmaxf(st.m, score);
-    const float alpha = SoftmaxState::rescale(st.m, m_new);
-    float p = expf(score - m_new);
-    st.l = st.l * alpha + p;
-    st.m = m_new;
-    if (P.p > 0.0f) p *= P.dropout_z(b, t, s);
-#pragma unroll
-    for (int i = 0; i < kMaxPerLane; ++i) {
-      const int64_t c = lane + kWarp * i;
-      acc[i] = acc[i] * alpha + (c < P.Dv ? p * load_f(vb + s * P.v.st + c * P.v.sd) : 0.0f);
-    }
-  }
-  if (lane == 0) {
-    state[2 * warp] = st.m;
-    state[2 * warp + 1] = st.l;
+    __syncthreads();  // sc is rewritten by the next chunk
   }
 #pragma unroll
   for (int i = 0; i < kMaxPerLane; ++i) {
@@ -451,30 +488,16 @@ __global__ void __launch_bounds__(kWarp* kDecodeWarps) flash_decode_kernel(const
     if (c < P.Dv) part[warp * P.Dv + c] = acc[i];
   }
   __syncthreads();
-
-  // Merge the warps' states; every thread repeats the (cheap) merge of the 8 states.
-  SoftmaxState total;
-  float w[kDecodeWarps];
-  for (int k = 0; k < kDecodeWarps; ++k) {
-    SoftmaxState s_k;
-    s_k.m = state[2 * k];
-    s_k.l = state[2 * k + 1];
-    float wa, wb;
-    total = SoftmaxState::merge(total, s_k, &wa, &wb);
-    for (int j = 0; j < k; ++j)
-      w[j] *= wa;
-    w[k] = wb;
-  }
-  const float inv = lim > 0 ? 1.0f / total.l : 0.0f;
+  const float inv = lim > 0 ? 1.0f / l : 0.0f;
   E* orow = P.out.data + P.row_off(b, P.out.sb, P.out.sh) + t * P.out.st;
-  for (int64_t c = threadIdx.x; c < P.Dv; c += blockDim.x) {
+  for (int64_t c = tid; c < P.Dv; c += blockDim.x) {
     float o = 0.0f;
-    for (int k = 0; k < kDecodeWarps; ++k)
-      o += w[k] * part[k * P.Dv + c];
+    for (int w = 0; w < kDecodeWarps; ++w)
+      o += part[w * P.Dv + c];
     store_f(orow + c * P.out.sd, o * inv);
   }
-  if (threadIdx.x == 0 && P.lse != nullptr)
-    P.lse[b * P.T + t] = (lim == 0 || uniform) ? -INFINITY : total.lse();
+  if (tid == 0 && P.lse != nullptr)
+    P.lse[b * P.T + t] = (lim == 0 || uniform) ? -INFINITY : m + logf(l);
 }
 
 template <class E>

@@ -63,20 +63,22 @@ inline LaunchConfig flash_dkdv_config(int64_t B, int64_t S, int64_t D, int64_t D
   return c;
 }
 
-// Decode (T small, S long: one new token against the KV cache): a block per (b, t) row; warp w
-// takes keys w, w + 8, ...; a key's dot product is spread over the lanes (coalesced row reads, a
-// shuffle reduction), each lane keeps Dv / 32 outputs; the warps then merge their softmax states
-// (SoftmaxState::merge) and partial outputs through shared memory: (m, l) and a Dv row each.
+// Decode (T small, S long: one new token against the KV cache): a block per (b, t) row, keys in
+// chunks of kDecodeChunk. Each thread scores its own keys of a chunk into shared memory (256 dot
+// products in flight), the block reduces the chunk's max and sum (online softmax), then warp w
+// accumulates keys w, w + 8, ... into its lanes' Dv / 32 outputs; the warps' rows are added in
+// order at the end. Shared memory: q (D), a chunk's scores, 8 reduction slots, 8 rows of Dv.
 constexpr int kDecodeWarps = 8;
-inline size_t flash_decode_smem(int64_t Dv) {
-  return static_cast<size_t>(kDecodeWarps * (2 + Dv)) * sizeof(float);
+constexpr int kDecodeChunk = 1024;  // keys scored per pass into shared memory
+inline size_t flash_decode_smem(int64_t D, int64_t Dv) {
+  return static_cast<size_t>(D + kDecodeChunk + kDecodeWarps + kDecodeWarps * Dv) * sizeof(float);
 }
 inline LaunchConfig flash_decode_config(int64_t B, int64_t T, int64_t D, int64_t Dv) {
   LaunchConfig c;
   c.grid.x = static_cast<unsigned>(T);
   c.grid.y = static_cast<unsigned>(B);
   c.block.x = kWarp * kDecodeWarps;
-  c.smem_bytes = flash_decode_smem(Dv);
+  c.smem_bytes = flash_decode_smem(D, Dv);
   return c;
 }
 

@@ -313,19 +313,22 @@ TEST(CudaFlashAttention, ForwardAndBackwardMatchTheReference) {
 
 TEST(CudaFlashAttention, DecodeStepMatchesTheReference) {
   ATTN_SKIP_WITHOUT_GPU();
+  // Keys in chunks of 1024 (kDecodeChunk): one chunk, a chunk and a key, several; head dims of
+  // one to four outputs a lane.
   for (bool bf16 : {false, true})
     for (int64_t T : {1, 2})
-      for (int64_t S : {1, 31, 257, 2000})
+      for (int64_t S : {1, 31, 257, 1024, 1025, 2000, 4100})
         for (Mask m : {Mask::kNone, Mask::kLens1d}) {
           Case c;
           c.batch = 3;
           c.heads = 2;
           c.T = T;
           c.S = S;
-          c.D = c.Dv = 64;
+          c.D = c.Dv = S == 1025 ? 32 : (S == 4100 ? 128 : 64);
           c.mask = m;
           c.bf16 = bf16;
-          c.dropout = S == 257 ? 0.2f : 0.0f;
+          c.dropout = S == 257 || S == 4100 ? 0.2f : 0.0f;
+          if (S == 1025 && m == Mask::kLens1d) c.policy = kernels::MaskedRows::kZero;
           if (bf16)
             run_case<uint16_t>(c, true);
           else

@@ -288,7 +288,7 @@ TEST(CudaHostLaunch, GridsCoverTheProblem) {
       EXPECT_LE(f.smem_bytes, size_t{163} << 10);
       EXPECT_LE(flash_forward_smem(D, D, true), size_t{163} << 10);
       EXPECT_LE(flash_dkdv_smem(D, D), size_t{163} << 10);
-      EXPECT_LE(flash_decode_smem(D), size_t{48} << 10);
+      EXPECT_LE(flash_decode_smem(D, D), size_t{48} << 10);
     }
   EXPECT_EQ(rows_config(1).grid.x, 1u);
   EXPECT_EQ(rows_config(kRowWarps + 1).grid.x, 2u);
