@@ -420,10 +420,10 @@ __global__ void __launch_bounds__(kWarp* kDecodeWarps) flash_decode_kernel(const
   extern __shared__ float smem[];
   const int64_t t = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  float* qs = smem;                       // (D)
-  float* sc = qs + P.D;                   // (kDecodeChunk) scores, then weights
-  float* red = sc + kDecodeChunk;         // (kDecodeWarps)
-  float* part = red + kDecodeWarps;       // (kDecodeWarps, Dv)
+  float* qs = smem;                  // (D)
+  float* sc = qs + P.D;              // (kDecodeChunk) scores, then weights
+  float* red = sc + kDecodeChunk;    // (kDecodeWarps)
+  float* part = red + kDecodeWarps;  // (kDecodeWarps, Dv)
   bool uniform = false;
   const int64_t lim = P.limit(b, t, &uniform);
   const E* qr = P.q.data + P.row_off(b, P.q.sb, P.q.sh) + t * P.q.st;

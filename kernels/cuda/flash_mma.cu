@@ -42,6 +42,7 @@ struct MmaParams {
   bool causal, zero_rows;
   float scale, p;
   uint64_t seed, offset;
+  const uint64_t* offset_dev;  // AttentionProblem::dropout_offset_device (null: offset alone)
   DropoutIndexer drop;
   const uint16_t *q, *k, *v;
   uint16_t* out;
@@ -87,6 +88,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
 
   const int64_t b = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const uint64_t offset = P.offset_dev != nullptr ? *P.offset_dev + P.offset : P.offset;
   const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const int64_t t0 = t_block + warp * 16;  // this warp's first row
   const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
@@ -185,7 +187,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
         float pv = x == -INFINITY ? 0.0f : expf(x - m[i]);
         row_sum[i] += pv;
         if (P.p > 0.0f && pv != 0.0f)
-          pv *= dropout_factor(P.seed, P.offset,
+          pv *= dropout_factor(P.seed, offset,
                                P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
         pe[e] = pv;
       }
@@ -235,9 +237,14 @@ template <int D>
 void launch_mma(const MmaParams& P, void* stream) {
   const char* op = "cuda::flash_attention_forward";
   const size_t smem = flash_mma_smem(D);
-  ATTN_CUDA_CHECK(op, cudaFuncSetAttribute(flash_mma_forward_kernel<D>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem)));
+  // Beyond 48 KB a kernel must opt in, once (a driver call per launch cost as much as a d2l-sized
+  // kernel). The sizes here stay below it; the check keeps a larger tile honest.
+  if (smem > 48 * 1024) {
+    static const cudaError_t opted =
+        cudaFuncSetAttribute(flash_mma_forward_kernel<D>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    ATTN_CUDA_CHECK(op, opted);
+  }
   const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
   flash_mma_forward_kernel<D>
       <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
@@ -251,7 +258,8 @@ size_t flash_mma_smem(int64_t D) {
 }
 
 bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
-  if (std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr) return false;  // A/B switch
+  static const bool simt_only = std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr;  // A/B
+  if (simt_only) return false;
   if (a.D != a.Dv || (a.D != 32 && a.D != 64 && a.D != 128)) return false;
   if (a.q.sd != 1 || a.k.sd != 1 || a.v.sd != 1 || a.out.sd != 1) return false;
   // 32-bit loads and stores of bf16 pairs: even strides and 4-byte aligned bases.
@@ -277,6 +285,7 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
   P.p = a.dropout;
   P.seed = a.seed;
   P.offset = a.offset;
+  P.offset_dev = a.dropout_offset_device;
   P.drop = DropoutIndexer{a.dropout_index_base,
                           a.T,
                           a.S,
