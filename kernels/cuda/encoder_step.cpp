@@ -564,12 +564,28 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   // y (rows, out) = x (rows, in) W^T (+ bias); W stored (out, in).
   void linear(const float* x, const float* W, const float* bias, float* y, int64_t rows,
               int64_t in_f, int64_t out_f) {
-    run({.A = x, .B = W, .bias = bias, .C = y, .tb = true, .M = rows, .N = out_f, .K = in_f,
-         .lda = in_f, .ldb = in_f, .ldc = out_f});
+    run({.A = x,
+         .B = W,
+         .bias = bias,
+         .C = y,
+         .tb = true,
+         .M = rows,
+         .N = out_f,
+         .K = in_f,
+         .lda = in_f,
+         .ldb = in_f,
+         .ldc = out_f});
   }
   // The column sums of x (rows, n) into out (n): 1^T x, one GEMM against p.ones.
   void column_sums(const Plan& p, const float* x, float* out, int64_t rows, int64_t n) {
-    run({.A = f32(p.ones), .B = x, .C = out, .M = 1, .N = n, .K = rows, .lda = rows, .ldb = n,
+    run({.A = f32(p.ones),
+         .B = x,
+         .C = out,
+         .M = 1,
+         .N = n,
+         .K = rows,
+         .lda = rows,
+         .ldb = n,
          .ldc = n});
   }
   // dW (out, in) = dy^T x; db (out) = 1^T dy when db is non-null; dx (rows, in) = dy W (+ dx
@@ -577,12 +593,28 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   void linear_backward(const Plan& p, const float* dy, const float* x, const float* W, float* dW,
                        float* db, float* dx, int64_t rows, int64_t in_f, int64_t out_f,
                        bool accumulate = false) {
-    run({.A = dy, .B = x, .C = dW, .ta = true, .M = out_f, .N = in_f, .K = rows, .lda = out_f,
-         .ldb = in_f, .ldc = in_f});
+    run({.A = dy,
+         .B = x,
+         .C = dW,
+         .ta = true,
+         .M = out_f,
+         .N = in_f,
+         .K = rows,
+         .lda = out_f,
+         .ldb = in_f,
+         .ldc = in_f});
     if (db != nullptr) column_sums(p, dy, db, rows, out_f);
     if (dx != nullptr)
-      run({.A = dy, .B = W, .C = dx, .M = rows, .N = in_f, .K = out_f, .lda = out_f, .ldb = in_f,
-           .ldc = in_f, .beta = accumulate ? 1.0f : 0.0f});
+      run({.A = dy,
+           .B = W,
+           .C = dx,
+           .M = rows,
+           .N = in_f,
+           .K = out_f,
+           .lda = out_f,
+           .ldb = in_f,
+           .ldc = in_f,
+           .beta = accumulate ? 1.0f : 0.0f});
   }
   // LayerNorm's backward: dx, then dgamma and dbeta over row chunks side by side.
   void layer_norm_grads(const float* dy, const float* x, const float* gamma, const float* mean,
@@ -595,8 +627,22 @@ class CudaEncoderStep final : public model::detail::DeviceTrainStep {
   void batched(const float* A, bool ta, int64_t lda, int64_t sa, const float* Bm, bool tb,
                int64_t ldb, int64_t sb, float* C, int64_t ldc, int64_t sc, int64_t M, int64_t N,
                int64_t K, int64_t batch, float alpha) {
-    run({.A = A, .B = Bm, .C = C, .ta = ta, .tb = tb, .M = M, .N = N, .K = K, .lda = lda,
-         .ldb = ldb, .ldc = ldc, .alpha = alpha, .batch = batch, .sa = sa, .sb = sb, .sc = sc});
+    run({.A = A,
+         .B = Bm,
+         .C = C,
+         .ta = ta,
+         .tb = tb,
+         .M = M,
+         .N = N,
+         .K = K,
+         .lda = lda,
+         .ldb = ldb,
+         .ldc = ldc,
+         .alpha = alpha,
+         .batch = batch,
+         .sa = sa,
+         .sb = sb,
+         .sc = sc});
   }
 
   // Attention of layer l as batched GEMMs: scores = scale Q K^T, P = masked softmax, dropout,

@@ -74,7 +74,6 @@ __global__ void masked_mean_backward_kernel(const float* dpooled, const int32_t*
   }
 }
 
-
 // A warp a row of the (R, S) scores: y = masked softmax (d2l's policy or zeros for rows without
 // kept keys, as masked_softmax_forward), yd = y * Z with Z of stream element r * S + s at offset
 // *offset_base + offset (yd may be null when p = 0).
