@@ -326,6 +326,52 @@ TEST(GemmCpu, PanelsMatchTheBoundAndAnyThreadCount) {
   }
 }
 
+// gemm() on 2+ threads cuts the plain and trans_b products into slices of rows, one
+// single-thread primitive each (matmul.cpp, gemm_slices). Every flag, strided and misaligned, f32
+// and bf16 inputs, f32 and bf16 outputs: within the bound, and the bits of the single-thread
+// product for 2 and 3 threads, at row counts around the cuts (16-row multiples, at least 32 rows a
+// slice) and below them (few rows with many columns stay with oneDNN's threads: same bits too).
+TEST(GemmCpu, SlicedProductsAreTheSingleThreadBits) {
+  struct Shape3 {
+    int64_t M, N, K;
+  };
+  for (const Shape3 s : {Shape3{3040, 128, 128}, Shape3{97, 130, 129}, Shape3{64, 40, 65},
+                         Shape3{63, 40, 65}, Shape3{100, 33, 300}, Shape3{8, 130, 700},
+                         Shape3{16, 96, 64}}) {
+    for (int flags = 0; flags < 8; ++flags) {
+      Problem p{s.M, s.N, s.K, false, bool(flags & 1), bool(flags & 2), bool(flags & 4),
+                (flags & 1) ? 3 : 0};
+      p.fill(700 + s.M + flags);
+      std::vector<float> one = p.c, two = p.c, three = p.c;
+      cpu::gemm(p.args(one.data()), 1);
+      cpu::gemm(p.args(two.data()), 2);
+      cpu::gemm(p.args(three.data()), 3);
+      ASSERT_TRUE(p.verify(two));
+      ASSERT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0)
+          << p.name() << ": 1 and 2 threads differ";
+      ASSERT_EQ(std::memcmp(one.data(), three.data(), one.size() * sizeof(float)), 0)
+          << p.name() << ": 1 and 3 threads differ";
+      // bfloat16 inputs, f32 then bf16 output.
+      const Problem::Bf16 m16 = p.as_bf16();
+      std::vector<float> one16 = p.c, two16 = p.c;
+      cpu::gemm(p.bf16_args(m16, one16.data()), 1);
+      cpu::gemm(p.bf16_args(m16, two16.data()), 2);
+      ASSERT_TRUE(p.verify(two16, round_bf16));
+      ASSERT_EQ(std::memcmp(one16.data(), two16.data(), one16.size() * sizeof(float)), 0)
+          << p.name() << ": bf16 inputs, 1 and 2 threads differ";
+      std::vector<uint16_t> c_one(p.c.size(), 0), c_two(p.c.size(), 0);
+      std::vector<float> unused = p.c;
+      cpu::GemmArgs g = p.bf16_args(m16, unused.data());
+      g.C = nullptr;
+      g.C_bf16 = c_one.data() + Problem::kOffset;
+      cpu::gemm(g, 1);
+      g.C_bf16 = c_two.data() + Problem::kOffset;
+      cpu::gemm(g, 2);
+      ASSERT_EQ(c_one, c_two) << p.name() << ": bf16 output, 1 and 2 threads differ";
+    }
+  }
+}
+
 TEST(GemmCpu, Bf16InputsF32Output) {
   std::mt19937_64 rng(5);
   auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };

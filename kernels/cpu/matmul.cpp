@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -271,6 +272,43 @@ ThreadPlan& thread_plan(const GemmKey& key) {
   return plans.emplace(key, std::move(tp)).first->second;
 }
 
+// How gemm() shares a product between threads: `parts` slices of the output's rows (M), each one
+// single-thread primitive, all in one parallel region of the caller's. oneDNN's own partition of
+// a primitive built for several threads left one thread waiting at the region's end: 2-thread runs
+// on Zen 5 of the linear forward (x W^T, 3040 x 128 x 128 and 3584 x 256 x 128) took 268-276 and
+// 486-586 us where two half-row slices took 204-208 and 470-480 us, and the training loop's
+// threads idled 2% of the wall at oneDNN's end barriers (bench/omp_trace.py). A slice boundary is
+// a multiple of 16 rows and each slice keeps at least kMinSlice rows; fewer rows, and the weight
+// gradient's product (trans_a), stay with oneDNN's threads. Only slices of rows keep the bits: a
+// row of a plain or trans_b product comes out the same from a slice as from the whole product on
+// one thread (tests/test_kernels_matmul_cpu.cpp, SlicedProductsAreTheSingleThreadBits), while a
+// single-thread primitive's bits depend on M for trans_a (512 x 512 x 2048: half the rows gave
+// other bits) and on N when columns were cut (8 x 130 x 700).
+constexpr int64_t kMinSlice = 32, kSliceAlign = 16;
+
+// The slices gemm() cuts a product into on `threads` threads; 1: none.
+int gemm_slices(const GemmArgs& g, int threads) {
+  if (threads <= 1 || g.trans_a || omp_in_parallel()) return 1;
+  return g.M >= threads * kMinSlice ? threads : 1;
+}
+
+// Start of slice `part` of `parts` over `extent`: rounded down to kSliceAlign, the last at extent.
+int64_t slice_start(int64_t extent, int part, int parts) {
+  if (part >= parts) return extent;
+  return extent * part / parts / kSliceAlign * kSliceAlign;
+}
+
+// Rows [begin, end) of the output as a product of their own.
+GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
+  const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
+  GemmArgs s = g;
+  s.M = end - begin;
+  s.A = static_cast<const std::byte*>(g.A) + static_cast<size_t>(begin * g.lda) * in_bytes;
+  if (g.C != nullptr) s.C = g.C + begin * g.ldc;
+  if (g.C_bf16 != nullptr) s.C_bf16 = g.C_bf16 + begin * g.ldc;
+  return s;
+}
+
 }  // namespace
 
 void gemm(const GemmArgs& g, int threads) {
@@ -284,6 +322,24 @@ void gemm(const GemmArgs& g, int threads) {
   }
   if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
   threads = gemm_threads(g, threads);
+  if (const int slices = gemm_slices(g, threads); slices > 1) {
+    // No exception may leave the region: the first one is kept and rethrown after it.
+    std::exception_ptr error;
+#pragma omp parallel num_threads(slices)
+    {
+      const int part = omp_get_thread_num(), parts = omp_get_num_threads();
+      try {
+        const int64_t begin = slice_start(g.M, part, parts);
+        const int64_t end = slice_start(g.M, part + 1, parts);
+        if (end > begin) gemm(gemm_rows(g, begin, end), 1);
+      } catch (...) {
+#pragma omp critical(attn_gemm_slice_error)
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (error) std::rethrow_exception(error);
+    return;
+  }
   const GemmKey key{g.M,
                     g.N,
                     g.K,

@@ -24,10 +24,14 @@
 // configuration, so the plain loop below computes it (correct but slow: single-threaded, no
 // blocking).
 //
-// Threads: oneDNN runs on OpenMP. `threads` (resolve Context::threads first, >= 1) is applied
-// with omp_set_num_threads around primitive creation and execution and restored afterwards, and
-// is part of the cache key, because oneDNN fixes its work partition when the primitive is
-// created. Call from outside an OpenMP parallel region (inside one, oneDNN runs serially).
+// Threads: `threads` (resolve Context::threads first, >= 1). A plain or trans_b product of at
+// least 32 rows per thread is cut into that many slices of rows (multiples of 16), each a
+// single-thread oneDNN primitive, in one OpenMP region: even work per thread, and a slice's rows
+// have the single-thread product's bits (matmul.cpp has the figures). Any other product runs on
+// oneDNN's own threads: `threads` is applied with omp_set_num_threads around primitive creation
+// and execution and restored afterwards, and is part of the cache key, because oneDNN fixes its
+// work partition when the primitive is created. Call from outside an OpenMP parallel region
+// (inside one, everything runs on the calling thread).
 // Determinism: for a fixed `threads` results are bitwise reproducible run to run. Across thread
 // counts oneDNN 2.6 gives no promise, and we probed it (1 vs 2 threads,
 // tests/test_kernels_matmul_cpu.cpp and a sweep M, N in 1..512, K in 1e3..1e5): the plain and
