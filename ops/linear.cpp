@@ -187,7 +187,41 @@ LinearGrads linear_backward_fast(Context& ctx, const Tensor& dy, const Tensor& x
   gx.A = dym.data, gx.lda = dym.ld;
   gx.B = wm.data, gx.ldb = wm.ld;
   set_output(gx, grads.dx, I);
-  cpu::gemm(gx, threads);
+  //          db (O) = sum over rows of dy (bf16: the float sum rounded once to bf16), in the same
+  //          region as dx's product, each thread a share of the columns after its rows of dx.
+  const bool bf16 = x.dtype() == DType::BF16;
+  float* db = nullptr;
+  bool db_accumulate = false;
+  if (has_bias) {
+    if (!bf16 && sums.db_sum != nullptr) {
+      db = sums.db_sum->data<float>(), db_accumulate = true;
+    } else {
+      grads.db = Tensor::empty({O}, DType::F32);
+      db = grads.db.data<float>();
+    }
+  }
+  struct BiasGradient {
+    const void* dy;
+    int64_t rows, O, ld;
+    float* db;
+    bool accumulate, bf16;
+  } bias_gradient{dym.data, rows, O, dym.ld, db, db_accumulate, bf16};
+  cpu::RegionTask task;
+  if (has_bias) {
+    task.data = &bias_gradient;
+    task.run = [](void* data, int part, int parts) {
+      const auto& t = *static_cast<const BiasGradient*>(data);
+      if (t.bf16) {
+        cpu::column_sum_part(static_cast<const uint16_t*>(t.dy), t.rows, t.O, t.ld, t.db,
+                             t.accumulate, part, parts);
+      } else {
+        cpu::column_sum_part(static_cast<const float*>(t.dy), t.rows, t.O, t.ld, t.db, t.accumulate,
+                             part, parts);
+      }
+    };
+  }
+  cpu::gemm_then(gx, threads, task);
+  if (has_bias && bf16) grads.db = grads.db.to(DType::BF16);
   //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
   cpu::GemmArgs gw;
   gw.M = O, gw.N = I, gw.K = rows;
@@ -200,21 +234,6 @@ LinearGrads linear_backward_fast(Context& ctx, const Tensor& dy, const Tensor& x
     set_output(gw, grads.dW, I);
   }
   cpu::gemm(gw, threads);
-  //          db (O) = sum over rows of dy (bf16: the float sum rounded once to bf16)
-  if (!has_bias) return grads;
-  if (x.dtype() == DType::BF16) {
-    grads.db = Tensor::empty({O}, DType::F32);
-    cpu::column_sum(static_cast<const uint16_t*>(dym.data), rows, O, dym.ld, grads.db.data<float>(),
-                    false, threads);
-    grads.db = grads.db.to(DType::BF16);
-  } else if (sums.db_sum != nullptr) {
-    cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld,
-                    sums.db_sum->data<float>(), true, threads);
-  } else {
-    grads.db = Tensor::empty({O}, DType::F32);
-    cpu::column_sum(static_cast<const float*>(dym.data), rows, O, dym.ld, grads.db.data<float>(),
-                    false, threads);
-  }
   return grads;
 }
 

@@ -16,6 +16,8 @@
 #include "kernels/cpu/parallel.hpp"
 #include "testing.hpp"
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -335,11 +337,17 @@ TEST(GemmCpu, SlicedProductsAreTheSingleThreadBits) {
   struct Shape3 {
     int64_t M, N, K;
   };
-  for (const Shape3 s : {Shape3{3040, 128, 128}, Shape3{97, 130, 129}, Shape3{64, 40, 65},
-                         Shape3{63, 40, 65}, Shape3{100, 33, 300}, Shape3{8, 130, 700},
-                         Shape3{16, 96, 64}}) {
+  for (const Shape3 s :
+       {Shape3{3040, 128, 128}, Shape3{97, 130, 129}, Shape3{64, 40, 65}, Shape3{63, 40, 65},
+        Shape3{100, 33, 300}, Shape3{8, 130, 700}, Shape3{16, 96, 64}}) {
     for (int flags = 0; flags < 8; ++flags) {
-      Problem p{s.M, s.N, s.K, false, bool(flags & 1), bool(flags & 2), bool(flags & 4),
+      Problem p{s.M,
+                s.N,
+                s.K,
+                false,
+                bool(flags & 1),
+                bool(flags & 2),
+                bool(flags & 4),
                 (flags & 1) ? 3 : 0};
       p.fill(700 + s.M + flags);
       std::vector<float> one = p.c, two = p.c, three = p.c;
@@ -368,6 +376,62 @@ TEST(GemmCpu, SlicedProductsAreTheSingleThreadBits) {
       g.C_bf16 = c_two.data() + Problem::kOffset;
       cpu::gemm(g, 2);
       ASSERT_EQ(c_one, c_two) << p.name() << ": bf16 output, 1 and 2 threads differ";
+    }
+  }
+}
+
+// gemm_then: the task runs once per part of the product's region (once as (0, 1) when the
+// product is not cut), after the product; column_sum_part over all parts is column_sum's bits.
+TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
+  for (const int64_t M : {8, 100, 3040}) {
+    for (const int threads : {1, 2, 3}) {
+      Problem p{M, 70, 33, false, true, true, false, 0};
+      p.fill(40 + M);
+      std::vector<float> out = p.c, alone = p.c;
+      struct Seen {
+        std::array<std::atomic<int>, 8> parts{};
+        std::atomic<int> count{0};
+      } seen;
+      cpu::RegionTask task{[](void* data, int part, int parts) {
+                             auto& s = *static_cast<Seen*>(data);
+                             ++s.parts[part];
+                             s.count = parts;
+                           },
+                           &seen};
+      cpu::gemm_then(p.args(out.data()), threads, task);
+      cpu::gemm(p.args(alone.data()), 1);
+      EXPECT_EQ(out, alone) << p.name() << " threads " << threads;
+      ASSERT_GE(seen.count, 1);
+      for (int part = 0; part < seen.count; ++part)
+        EXPECT_EQ(seen.parts[part], 1) << "part " << part << " of " << seen.count;
+      if (M < 64 || threads == 1) {
+        EXPECT_EQ(seen.count, 1) << "M " << M;
+      }
+    }
+  }
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (const int64_t N : {1, 31, 32, 33, 200}) {
+    const int64_t M = 57, ld = N + 3;
+    std::vector<float> dy(M * ld);
+    for (auto& v : dy)
+      v = u(rng);
+    std::vector<uint16_t> dy16(dy.size());
+    for (size_t i = 0; i < dy.size(); ++i)
+      dy16[i] = float_to_bf16(dy[i]);
+    for (const bool accumulate : {false, true}) {
+      std::vector<float> whole(N, 0.25f), whole16(N, 0.25f);
+      cpu::column_sum(dy.data(), M, N, ld, whole.data(), accumulate, 1);
+      cpu::column_sum(dy16.data(), M, N, ld, whole16.data(), accumulate, 1);
+      for (const int parts : {1, 2, 3, 7}) {
+        std::vector<float> cut(N, 0.25f), cut16(N, 0.25f);
+        for (int part = 0; part < parts; ++part) {
+          cpu::column_sum_part(dy.data(), M, N, ld, cut.data(), accumulate, part, parts);
+          cpu::column_sum_part(dy16.data(), M, N, ld, cut16.data(), accumulate, part, parts);
+        }
+        EXPECT_EQ(cut, whole) << "N " << N << " parts " << parts;
+        EXPECT_EQ(cut16, whole16) << "N " << N << " parts " << parts << " (bf16)";
+      }
     }
   }
 }

@@ -309,18 +309,30 @@ GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
   return s;
 }
 
+void gemm_one(const GemmArgs& g, const GemmKey& key);  // below
+
 }  // namespace
 
 void gemm(const GemmArgs& g, int threads) {
-  if (g.M <= 0 || g.N <= 0) return;
+  gemm_then(g, threads, {});
+}
+
+void gemm_then(const GemmArgs& g, int threads, RegionTask task) {
+  const auto run_task_after = [&task] {
+    if (task.run != nullptr) task.run(task.data, 0, 1);
+  };
+  if (g.M <= 0 || g.N <= 0) return run_task_after();
   if (g.K <= 0) {
     // Empty contraction: the product is zero, only bias and the old C remain.
     for (int64_t m = 0; m < g.M; ++m)
       for (int64_t n = 0; n < g.N; ++n)
         store(g, m * g.ldc + n, g.bias ? g.bias[n] : 0.f);
-    return;
+    return run_task_after();
   }
-  if (force_fallback.load(std::memory_order_relaxed)) return gemm_fallback(g);
+  if (force_fallback.load(std::memory_order_relaxed)) {
+    gemm_fallback(g);
+    return run_task_after();
+  }
   threads = gemm_threads(g, threads);
   if (const int slices = gemm_slices(g, threads); slices > 1) {
     // No exception may leave the region: the first one is kept and rethrown after it.
@@ -332,6 +344,7 @@ void gemm(const GemmArgs& g, int threads) {
         const int64_t begin = slice_start(g.M, part, parts);
         const int64_t end = slice_start(g.M, part + 1, parts);
         if (end > begin) gemm(gemm_rows(g, begin, end), 1);
+        if (task.run != nullptr) task.run(task.data, part, parts);
       } catch (...) {
 #pragma omp critical(attn_gemm_slice_error)
         if (!error) error = std::current_exception();
@@ -353,7 +366,17 @@ void gemm(const GemmArgs& g, int threads) {
                     g.bias != nullptr,
                     g.accumulate,
                     g.C_bf16 != nullptr};
-  ScopedOmpThreads omp_threads(threads);
+  {
+    ScopedOmpThreads omp_threads(threads);
+    gemm_one(g, key);
+  }
+  run_task_after();
+}
+
+namespace {
+
+// One product on oneDNN's threads (as many as the key says), or the small-product path.
+void gemm_one(const GemmArgs& g, const GemmKey& key) {
   if (small_gemm(g)) return small_gemm_f32(g);
   try {
     ThreadPlan& tp = thread_plan(key);
@@ -372,6 +395,8 @@ void gemm(const GemmArgs& g, int threads) {
     gemm_fallback(g);
   }
 }
+
+}  // namespace
 
 void gemm_panels(const GemmArgs& g, int threads) {
   constexpr int64_t kTargetPanels = 16, kRowAlign = 16;
@@ -432,6 +457,22 @@ ATTN_MATMUL_CLONES void column_block_bf16(const uint16_t* dy, int64_t M, int64_t
   column_block(dy, M, nb, lddy, acc);
 }
 
+// Block j of kColumnBlock columns: its sums, rounded to float, into db (added with accumulate).
+template <typename T>
+void column_sum_block(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
+                      int64_t j) {
+  const int64_t n0 = j * kColumnBlock, nb = std::min(kColumnBlock, N - n0);
+  double acc[kColumnBlock];
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    column_block_bf16(dy + n0, M, nb, lddy, acc);
+  } else {
+    column_block_f32(dy + n0, M, nb, lddy, acc);
+  }
+  // With accumulate the sum is rounded to float, then added: as computing db and adding it.
+  for (int64_t n = 0; n < nb; ++n)
+    db[n0 + n] = accumulate ? db[n0 + n] + static_cast<float>(acc[n]) : static_cast<float>(acc[n]);
+}
+
 template <typename T>
 void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
                      int threads) {
@@ -443,19 +484,17 @@ void column_sum_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db,
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
 #pragma omp parallel for schedule(static) num_threads( \
     std::max(1, threads)) if (threads > 1 && blocks > 1 && M * N >= (int64_t{1} << 15))
-  for (int64_t j = 0; j < blocks; ++j) {
-    const int64_t n0 = j * kColumnBlock, nb = std::min(kColumnBlock, N - n0);
-    double acc[kColumnBlock];
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      column_block_bf16(dy + n0, M, nb, lddy, acc);
-    } else {
-      column_block_f32(dy + n0, M, nb, lddy, acc);
-    }
-    // With accumulate the sum is rounded to float, then added: as computing db and adding it.
-    for (int64_t n = 0; n < nb; ++n)
-      db[n0 + n] =
-          accumulate ? db[n0 + n] + static_cast<float>(acc[n]) : static_cast<float>(acc[n]);
-  }
+  for (int64_t j = 0; j < blocks; ++j)
+    column_sum_block(dy, M, N, lddy, db, accumulate, j);
+}
+
+// Blocks [blocks * part / parts, blocks * (part + 1) / parts).
+template <typename T>
+void column_sum_part_impl(const T* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                          bool accumulate, int part, int parts) {
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+  for (int64_t j = blocks * part / parts; j < blocks * (part + 1) / parts; ++j)
+    column_sum_block(dy, M, N, lddy, db, accumulate, j);
 }
 
 }  // namespace
@@ -468,6 +507,16 @@ void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, 
 void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
                 int threads) {
   column_sum_impl(dy, M, N, lddy, db, accumulate, threads);
+}
+
+void column_sum_part(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                     bool accumulate, int part, int parts) {
+  column_sum_part_impl(dy, M, N, lddy, db, accumulate, part, parts);
+}
+
+void column_sum_part(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                     bool accumulate, int part, int parts) {
+  column_sum_part_impl(dy, M, N, lddy, db, accumulate, part, parts);
 }
 
 void gemm_force_fallback(bool on) {

@@ -83,6 +83,19 @@ struct GemmArgs {
 // C = op(A) op(B) (+ bias) (+ C), on `threads` OpenMP threads (>= 1).
 void gemm(const GemmArgs& args, int threads);
 
+// Work that shares gemm()'s parallel region: run(data, part, parts) on each of the region's
+// `parts` threads after its slice of the product (part = the thread's number). A task splits its
+// own work by part: sharing the region saves a second region's start and end barrier, and the
+// serial code between the two.
+struct RegionTask {
+  void (*run)(void* data, int part, int parts) = nullptr;
+  void* data = nullptr;
+};
+
+// gemm(args, threads), and `task` in the same region: once per thread when the product is cut
+// into slices, else once as (0, 1) on the calling thread after the product.
+void gemm_then(const GemmArgs& args, int threads, RegionTask task);
+
 // The same product as gemm(), cut into panels of about M/16 output rows (multiples of 16, the
 // cut fixed by M alone) that `threads` OpenMP threads take on a dynamic schedule, each panel one
 // single-thread oneDNN call. gemm()'s threads split the work evenly and wait for each other: when
@@ -103,6 +116,14 @@ void column_sum(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db, 
 // db stays float (the caller rounds it to bf16 once).
 void column_sum(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db, bool accumulate,
                 int threads = 1);
+
+// column_sum's blocks of 32 columns that belong to `part` of `parts` (contiguous ranges of
+// blocks, as column_sum's threads take them): run by every part, the same bits as column_sum.
+// For a RegionTask that adds the bias gradient to a product's region.
+void column_sum_part(const float* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                     bool accumulate, int part, int parts);
+void column_sum_part(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, float* db,
+                     bool accumulate, int part, int parts);
 
 // Tests only: while on, every gemm() runs the plain-loop fallback that otherwise serves the
 // configurations oneDNN rejects (so that path stays tested on CPUs where oneDNN takes all).
