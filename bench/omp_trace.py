@@ -110,6 +110,7 @@ def main():
     region_time = collections.Counter()
     count = collections.Counter()
     idle_by_thread = collections.Counter()
+    idle_by_caller_thread = collections.Counter()  # (caller, thread) -> ns
     gaps = collections.Counter()        # (previous caller, next caller) -> ns
     gap_count = collections.Counter()
     sizes = []
@@ -126,6 +127,7 @@ def main():
                 idle = max(0, length - b)
                 inside[who] += idle
                 idle_by_thread[t] += idle
+                idle_by_caller_thread[(who, t)] += idle
         if i + 1 < len(regions):
             gap = max(0, regions[i + 1][0] - end)
             sizes.append(gap)
@@ -150,9 +152,13 @@ def main():
     for (a, b), ns in gaps.most_common(args.top):
         print(f"  {share(ns):5.2f}%  {gap_count[(a, b)]:6d} x {ns / gap_count[(a, b)] / 1e3:7.1f} us  "
               f"after {a}  before {b}")
-    print(f"idle inside regions, by the caller that started them, top {args.top}:")
+    print(f"idle inside regions, by the caller that started them, top {args.top}"
+          " (mean region length; each thread's mean idle per region):")
     for who, ns in inside.most_common(args.top):
-        print(f"  {share(ns):5.2f}%  of {share(region_time[who]):5.1f}% in {count[who]:6d} regions  {who}")
+        per_thread = " / ".join(f"{idle_by_caller_thread[(who, t)] / count[who] / 1e3:.1f}"
+                                for t in range(teams) if (who, t) in idle_by_caller_thread)
+        print(f"  {share(ns):5.2f}%  of {share(region_time[who]):5.1f}% in {count[who]:6d} regions  "
+              f"{region_time[who] / count[who] / 1e3:7.1f} us, idle {per_thread} us  {who}")
     return 0
 
 
