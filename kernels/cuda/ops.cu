@@ -5,6 +5,7 @@
 // Glossary: R rows, E row width, S keys of a softmax row, N tokens, V classes, n elements.
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/kernels.hpp"
 #include "kernels/cuda/launch.hpp"
 #include "kernels/cuda/warp_reduce.cuh"
@@ -15,19 +16,6 @@
 
 namespace attn::cuda {
 namespace {
-
-__device__ int64_t warp_row() {
-  return static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
-}
-__device__ int lane_id() {
-  return static_cast<int>(threadIdx.x % kWarp);
-}
-__device__ int64_t grid_start() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ int64_t grid_step() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
 
 cudaStream_t as_stream(StreamHandle s) {
   return static_cast<cudaStream_t>(s);
@@ -200,8 +188,7 @@ __global__ void masked_softmax_forward_kernel(const float* x, float* y, const in
   const int64_t r = warp_row();
   const int lane = lane_id();
   if (r >= R) return;
-  int64_t n = kept != nullptr ? kept[r] : S;
-  n = n < 0 ? 0 : (n > S ? S : n);
+  const int64_t n = kept_keys(kept, r, S);
   if (n == 0) {  // d2l: every score ties at -1e6, so 1/S everywhere; SDPA's policy: zeros
     const float fill = zero_rows ? 0.0f : 1.0f / static_cast<float>(S);
     for (int64_t s = lane; s < S; s += kWarp)
@@ -226,8 +213,7 @@ __global__ void masked_softmax_backward_kernel(const float* dy, const float* y, 
   const int64_t r = warp_row();
   const int lane = lane_id();
   if (r >= R) return;
-  int64_t n = kept != nullptr ? kept[r] : S;
-  n = n < 0 ? 0 : (n > S ? S : n);
+  const int64_t n = kept_keys(kept, r, S);
   float dot = 0.0f;
   for (int64_t s = lane; s < n; s += kWarp)
     dot += dy[r * S + s] * y[r * S + s];
@@ -278,20 +264,6 @@ __global__ void cross_entropy_backward_kernel(const float* logits, const int64_t
     dlogits[r * V + c] = scale * (expf(logits[r * V + c] - lse) - (c == target ? 1.0f : 0.0f));
 }
 
-template <class Kernel, class... Args>
-void launch_elementwise(const char* op, int64_t n, StreamHandle s, Kernel kernel, Args... args) {
-  if (n <= 0) return;
-  const LaunchConfig c = elementwise_config(n);
-  kernel<<<c.grid.x, c.block.x, 0, as_stream(s)>>>(args...);
-  ATTN_CUDA_CHECK_LAUNCH(op);
-}
-template <class Kernel, class... Args>
-void launch_rows(const char* op, int64_t rows, StreamHandle s, Kernel kernel, Args... args) {
-  if (rows <= 0) return;
-  const LaunchConfig c = rows_config(rows);
-  kernel<<<c.grid.x, c.block.x, 0, as_stream(s)>>>(args...);
-  ATTN_CUDA_CHECK_LAUNCH(op);
-}
 
 }  // namespace
 

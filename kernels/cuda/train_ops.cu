@@ -6,6 +6,7 @@
 // Glossary: B sequences, T positions, E width, N rows, n elements.
 #include "kernels/cuda/check.hpp"
 #include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/grid.cuh"
 #include "kernels/cuda/kernels.hpp"
 #include "kernels/cuda/launch.hpp"
 #include "kernels/cuda/warp_reduce.cuh"
@@ -14,21 +15,6 @@
 
 namespace attn::cuda {
 namespace {
-
-__device__ int64_t grid_start() {
-  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-}
-__device__ int64_t grid_step() {
-  return static_cast<int64_t>(gridDim.x) * blockDim.x;
-}
-
-template <class Kernel, class... Args>
-void launch_elementwise(const char* op, int64_t n, StreamHandle s, Kernel kernel, Args... args) {
-  if (n <= 0) return;
-  const LaunchConfig c = elementwise_config(n);
-  kernel<<<c.grid.x, c.block.x, 0, static_cast<cudaStream_t>(s)>>>(args...);
-  ATTN_CUDA_CHECK_LAUNCH(op);
-}
 
 __global__ void relu_forward_kernel(const float* x, float* y, int64_t n) {
   for (int64_t i = grid_start(); i < n; i += grid_step()) {
@@ -81,12 +67,11 @@ __global__ void softmax_dropout_forward_kernel(const float* x, float* y, float* 
                                                const int32_t* kept, bool zero_rows, int64_t R,
                                                int64_t S, float p, uint64_t seed,
                                                const uint64_t* offset_base, uint64_t offset) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
-  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const int64_t r = warp_row();
+  const int lane = lane_id();
   if (r >= R) return;
   const uint64_t off = *offset_base + offset;
-  int64_t n = kept != nullptr ? kept[r] : S;
-  n = n < 0 ? 0 : (n > S ? S : n);
+  const int64_t n = kept_keys(kept, r, S);
   const float* xr = x + r * S;
   float m = -INFINITY;
   for (int64_t s = lane; s < n; s += kWarp)
@@ -109,12 +94,11 @@ __global__ void softmax_dropout_backward_kernel(const float* dyd, const float* y
                                                 const int32_t* kept, int64_t R, int64_t S, float p,
                                                 uint64_t seed, const uint64_t* offset_base,
                                                 uint64_t offset) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / kWarp;
-  const int lane = static_cast<int>(threadIdx.x % kWarp);
+  const int64_t r = warp_row();
+  const int lane = lane_id();
   if (r >= R) return;
   const uint64_t off = *offset_base + offset;
-  int64_t n = kept != nullptr ? kept[r] : S;
-  n = n < 0 ? 0 : (n > S ? S : n);
+  const int64_t n = kept_keys(kept, r, S);
   constexpr int kHeld = 8;  // rows up to 256 keys keep dy in registers between the two passes
   float held[kHeld];
   float dot = 0.0f;
@@ -224,21 +208,15 @@ void softmax_dropout_forward(const float* x, float* y, float* yd, const int32_t*
                              kernels::MaskedRows policy, int64_t R, int64_t S, float p,
                              uint64_t seed, const uint64_t* offset_base, uint64_t offset,
                              StreamHandle s) {
-  if (R <= 0) return;
-  const LaunchConfig c = rows_config(R);
-  softmax_dropout_forward_kernel<<<c.grid.x, c.block.x, 0, static_cast<cudaStream_t>(s)>>>(
-      x, y, p > 0.0f ? yd : nullptr, kept, policy == kernels::MaskedRows::kZero, R, S, p, seed,
-      offset_base, offset);
-  ATTN_CUDA_CHECK_LAUNCH("cuda::softmax_dropout_forward");
+  launch_rows("cuda::softmax_dropout_forward", R, s, softmax_dropout_forward_kernel, x, y,
+              p > 0.0f ? yd : nullptr, kept, policy == kernels::MaskedRows::kZero, R, S, p, seed,
+              offset_base, offset);
 }
 void softmax_dropout_backward(const float* dyd, const float* y, float* dx, const int32_t* kept,
                               int64_t R, int64_t S, float p, uint64_t seed,
                               const uint64_t* offset_base, uint64_t offset, StreamHandle s) {
-  if (R <= 0) return;
-  const LaunchConfig c = rows_config(R);
-  softmax_dropout_backward_kernel<<<c.grid.x, c.block.x, 0, static_cast<cudaStream_t>(s)>>>(
-      dyd, y, dx, kept, R, S, p, seed, offset_base, offset);
-  ATTN_CUDA_CHECK_LAUNCH("cuda::softmax_dropout_backward");
+  launch_rows("cuda::softmax_dropout_backward", R, s, softmax_dropout_backward_kernel, dyd, y, dx,
+              kept, R, S, p, seed, offset_base, offset);
 }
 void loss_mean(const float* loss, const uint8_t* keep, int64_t N, double* mean, float* scale,
                StreamHandle s) {
