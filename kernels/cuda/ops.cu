@@ -264,7 +264,6 @@ __global__ void cross_entropy_backward_kernel(const float* logits, const int64_t
     dlogits[r * V + c] = scale * (expf(logits[r * V + c] - lse) - (c == target ? 1.0f : 0.0f));
 }
 
-
 }  // namespace
 
 void dropout_forward(const float* x, float* y, int64_t n, float p, uint64_t seed, uint64_t offset,
