@@ -7,7 +7,7 @@ and formatting, allocation, page faults and page clearing, copies (memmove/memcp
 locks and OpenMP waits (a libgomp address: a thread idle at a barrier). Exits 1 when an overhead
 symbol takes more than --limit percent.
 
-    perf report ... | profile_report.py [--limit 3] [--top 25]
+    perf report ... | profile_report.py [--limit 3] [--top 25]   (--top 0: the totals only)
 """
 import argparse
 import re
@@ -58,7 +58,8 @@ def main() -> int:
     ranked = sorted(merged.items(), key=lambda kv: -kv[1])
     totals = {}
     worst = []
-    print(f"{'share':>7}  {'kind':<12} symbol")
+    if args.top > 0:
+        print(f"{'share':>7}  {'kind':<12} symbol")
     for (dso, sym), pct in ranked[: args.top]:
         kind = label(dso, sym)
         print(f"{pct:6.2f}%  {kind:<12} {sym[:100]}")
