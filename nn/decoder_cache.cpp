@@ -84,6 +84,35 @@ Tensor heads_attention(Context& ctx, const Tensor& Q, const Tensor& K, const Ten
   return detail::merge_heads(r.output, H);
 }
 
+// attention2 over the encoder's projections. Rows sharing an encoder row (state.enc_share > 1:
+// a source's beams) go to the decode kernel as one row of enc_share * T_new queries against the
+// one copy of its keys and values: q (B, T_new, E) viewed as (B / share, share * T_new, E), each
+// query computed as on its own row. Where that kernel does not serve them (weights asked for, too
+// many queries, float64, the reference backend), the encoder's rows are copied out per row.
+Tensor cross_attention(Context& ctx, const Tensor& Q, const DecoderBlockCache& c,
+                       const DecoderState& state, int64_t H, Tensor* weights) {
+  const int64_t share = state.enc_share;
+  if (share == 1)
+    return heads_attention(ctx, Q, c.enc_keys, c.enc_values, H, state.enc_valid_lens, weights);
+  const int64_t B = Q.dim(0), T = Q.dim(1), E = Q.dim(2);
+  AttentionOptions o;
+  o.mask.valid_lens = state.enc_valid_lens;
+  o.need_weights = weights != nullptr;
+  if (attn::detail::multi_head_decode_supported(ctx, Q.dtype(), share * T, o) &&
+      Q.is_contiguous()) {
+    const Tensor grouped = Q.reshape({B / share, share * T, E});
+    return attn::detail::multi_head_decode_attention(ctx, grouped, c.enc_keys, c.enc_values, H, o)
+        .output.reshape({B, T, E});
+  }
+  std::vector<int64_t> rows(static_cast<size_t>(B));
+  for (int64_t i = 0; i < B; ++i)
+    rows[static_cast<size_t>(i)] = i / share;
+  const Tensor lens =
+      state.enc_valid_lens.defined() ? detail::gather_rows(state.enc_valid_lens, rows) : Tensor();
+  return heads_attention(ctx, Q, detail::gather_rows(c.enc_keys, rows),
+                         detail::gather_rows(c.enc_values, rows), H, lens, weights);
+}
+
 // Grows every block's self-attention cache to hold at least `needed` positions (geometrically,
 // so a long generation reallocates O(log) times), keeping the cached rows.
 void reserve(DecoderState& state, int64_t needed) {
@@ -121,6 +150,11 @@ void DecoderState::reorder(const std::vector<int64_t>& rows) {
   // read by one row and overwritten by another, so what is read is set aside first). Rows that
   // continue themselves (most, in beam search) are not touched, and only the decoded positions
   // are copied, not the spare capacity.
+  // Where rows move across sources, the encoder's rows of the new order, one per row.
+  std::vector<int64_t> encoder_rows;
+  if (!same_sources)
+    for (int64_t r : rows)
+      encoder_rows.push_back(r / enc_share);
   std::vector<int64_t> moving, read_rows, slot(static_cast<size_t>(batch), -1);
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t from = rows[static_cast<size_t>(i)];
@@ -143,12 +177,14 @@ void DecoderState::reorder(const std::vector<int64_t>& rows) {
                        length);
     }
     if (!same_sources) {
-      c.enc_keys = detail::gather_rows(c.enc_keys, rows);
-      c.enc_values = detail::gather_rows(c.enc_values, rows);
+      c.enc_keys = detail::gather_rows(c.enc_keys, encoder_rows);
+      c.enc_values = detail::gather_rows(c.enc_values, encoder_rows);
     }
   }
   if (!same_sources) {
-    if (enc_valid_lens.defined()) enc_valid_lens = detail::gather_rows(enc_valid_lens, rows);
+    if (enc_valid_lens.defined())
+      enc_valid_lens = detail::gather_rows(enc_valid_lens, encoder_rows);
+    enc_share = 1;
     std::vector<int64_t> sources(rows.size());
     for (size_t i = 0; i < rows.size(); ++i)
       sources[i] = source_row[static_cast<size_t>(rows[i])];
@@ -169,10 +205,9 @@ void DecoderState::repeat_interleave(int64_t times) {
         copy_positions(grown, static_cast<int64_t>(i), 0, *t, rows[i], 0, length);
       *t = grown;
     }
-    for (Tensor* t : {&c.enc_keys, &c.enc_values})
-      *t = detail::gather_rows(*t, rows);
   }
-  if (enc_valid_lens.defined()) enc_valid_lens = detail::gather_rows(enc_valid_lens, rows);
+  // The encoder's rows stay as they are, shared by each row's `times` copies.
+  enc_share *= times;
   std::vector<int64_t> sources(rows.size());
   for (size_t i = 0; i < rows.size(); ++i)
     sources[i] = source_row[static_cast<size_t>(rows[i])];
@@ -279,7 +314,7 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
     const Tensor Y = add_norm(ctx, blk.addnorm1, X, apply_linear(ctx, O, blk.attention1.W_o));
     // Encoder-decoder attention over the projections init_state made.
     const Tensor Q2 = apply_linear(ctx, Y, blk.attention2.W_q);
-    O = heads_attention(ctx, Q2, c.enc_keys, c.enc_values, H, state.enc_valid_lens,
+    O = cross_attention(ctx, Q2, c, state, H,
                         need_weights ? &state.cross_attention_weights[i] : nullptr);
     const Tensor Z = add_norm(ctx, blk.addnorm2, Y, apply_linear(ctx, O, blk.attention2.W_o));
     const Tensor F =

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <vector>
 
@@ -167,6 +168,78 @@ TEST(DecoderCache, RepeatAndReorderFollowTheRows) {
   EXPECT_THROW(state.reorder({0, 1}), Error);
   EXPECT_THROW(state.reorder({0, 1, 2, 4}), Error);
   EXPECT_THROW(model.decoder.step(ctx, ids_tensor({1, 2}, {2, 1}), state), Error);  // batch 2 != 4
+}
+
+// A source's beams share its row of the encoder's projections (DecoderState::enc_share) instead
+// of a copy each, and their cross-attention runs as one row of several queries in the decode
+// kernel: the same bits as with the rows copied out, in float32 and with a bfloat16 cache; a
+// reorder across sources copies them out (enc_share back to 1), also the same bits.
+TEST(DecoderCache, BeamsShareTheEncoderRowsBitwise) {
+  Context ctx;
+  nn::EncoderDecoder model(small_config(DType::F32));
+  model.eval();
+  const int64_t S = 6, B = 3, beams = 4;
+  const Tensor src = random_ids({B, S}, 0, 13, 17), lens = ids_tensor({6, 3, 5}, {B});
+  const Tensor enc = model.encoder.forward(ctx, src, lens);
+  for (const DType cache : {DType::F32, DType::BF16}) {
+    nn::DecoderState shared = model.decoder.init_state(ctx, enc, lens, 4, cache);
+    shared.repeat_interleave(beams);
+    ASSERT_EQ(shared.enc_share, beams);
+    ASSERT_EQ(shared.blocks[0].enc_keys.dim(0), B) << "the encoder's rows were copied";
+    ASSERT_EQ(shared.enc_valid_lens.dim(0), B);
+    // The same state with the encoder's rows copied out per row, as before enc_share.
+    nn::DecoderState copied = model.decoder.init_state(ctx, enc, lens, 4, cache);
+    copied.repeat_interleave(beams);
+    std::vector<int64_t> per_row;
+    for (int64_t i = 0; i < B * beams; ++i)
+      per_row.push_back(i / beams);
+    auto rows_out = [&](const Tensor& t) {
+      Shape shape = t.shape();
+      shape[0] = B * beams;
+      Tensor out = Tensor::empty(shape, t.dtype());
+      for (int64_t i = 0; i < B * beams; ++i)
+        out.select(0, i).copy_from(t.select(0, per_row[static_cast<size_t>(i)]));
+      return out;
+    };
+    for (nn::DecoderBlockCache& c : copied.blocks) {
+      c.enc_keys = rows_out(c.enc_keys);
+      c.enc_values = rows_out(c.enc_values);
+    }
+    std::vector<double> row_lens;
+    for (int64_t r : per_row)
+      row_lens.push_back(copied.enc_valid_lens.data<double>()[r]);
+    copied.enc_valid_lens = Tensor::from_vector(row_lens, {B * beams}, DType::F64);
+    copied.enc_share = 1;
+    std::vector<int64_t> first(static_cast<size_t>(B * beams));
+    for (size_t i = 0; i < first.size(); ++i)
+      first[i] = static_cast<int64_t>(i % 5);
+    Tensor ids = ids_tensor(first, {B * beams, 1});
+    for (int step = 0; step < 3; ++step) {
+      if (step == 1) {
+        // Within sources (beam search's usual move): the sharing stays.
+        std::vector<int64_t> rows;
+        for (int64_t i = 0; i < B * beams; ++i)
+          rows.push_back(i / beams * beams + (beams - 1 - i % beams));
+        shared.reorder(rows);
+        copied.reorder(rows);
+        ASSERT_EQ(shared.enc_share, beams);
+      }
+      if (step == 2) {
+        // Across sources: the rows are copied out.
+        std::vector<int64_t> rows;
+        for (int64_t i = 0; i < B * beams; ++i)
+          rows.push_back((i + beams) % (B * beams));
+        shared.reorder(rows);
+        copied.reorder(rows);
+        ASSERT_EQ(shared.enc_share, 1);
+      }
+      const Tensor a = model.decoder.step(ctx, ids, shared);
+      const Tensor b = model.decoder.step(ctx, ids, copied);
+      ASSERT_EQ(a.shape(), b.shape());
+      ASSERT_EQ(std::memcmp(a.contiguous().raw_data(), b.contiguous().raw_data(), a.nbytes()), 0)
+          << dtype_name(cache) << " cache, step " << step;
+    }
+  }
 }
 
 // ----------------------------------------------------------------------------------------------

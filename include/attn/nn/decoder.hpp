@@ -76,17 +76,23 @@ struct DecoderBlockCache {
   // (B, capacity, E): attention1's W_k and W_v applied to the block's input at positions
   // [0, DecoderState::length); rows past that are unused capacity.
   Tensor keys, values;
-  // (B, S, E): attention2's W_k and W_v applied to enc_outputs, once per source.
+  // (B / DecoderState::enc_share, S, E): attention2's W_k and W_v applied to enc_outputs, once
+  // per source.
   Tensor enc_keys, enc_values;
 };
 
 // d2l's decoder state [enc_outputs, enc_valid_lens, per-block cache], with projected keys and
 // values. Made by TransformerDecoder::init_state, advanced by TransformerDecoder::step.
 struct DecoderState {
-  Tensor enc_valid_lens;  // (B,) I64, or undefined (every source position is kept)
-  int64_t batch = 0;      // B: rows of the state
-  int64_t length = 0;     // positions decoded so far; the next step's first position
-  int64_t capacity = 0;   // cache rows allocated per batch row (grows on demand)
+  // (B / enc_share,) F64, or undefined (every source position is kept)
+  Tensor enc_valid_lens;
+  int64_t batch = 0;  // B: rows of the state
+  // Rows per row of the encoder's tensors (enc_valid_lens, enc_keys, enc_values): row i attends
+  // to their row i / enc_share. repeat_interleave multiplies it instead of copying the encoder's
+  // projections for every beam; a reorder that moves rows across sources copies them out (1).
+  int64_t enc_share = 1;
+  int64_t length = 0;    // positions decoded so far; the next step's first position
+  int64_t capacity = 0;  // cache rows allocated per batch row (grows on demand)
   std::vector<DecoderBlockCache> blocks;
   // source_row[i]: the init_state row whose encoder outputs row i attends to.
   std::vector<int64_t> source_row;
