@@ -68,10 +68,23 @@ def assert_close_f32(actual, torch32, torch64, what=""):
                                    "float64 result either)", **tol)
 
 
-@pytest.fixture
-def rng(request):
+def case_seed(request):
     # A fixed seed per test case (from its id, not Python's salted hash), so a failure
     # reproduces alone and across runs.
     # The id without its directory, so the case is the same wherever pytest is started from.
     nodeid = request.node.nodeid.rsplit("/", 1)[-1]
-    return np.random.default_rng(zlib.crc32(nodeid.encode()))
+    return zlib.crc32(nodeid.encode())
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(case_seed(request))
+
+
+@pytest.fixture(autouse=True)
+def torch_seed(request):
+    # The d2l reference modules draw their weights from PyTorch's global generator, which
+    # PyTorch seeds from the OS in every process: seeded per case as well, a case's weights (and
+    # so whether its tolerances hold) are the same on every run. A test's own manual_seed wins.
+    if torch is not None:
+        torch.manual_seed(case_seed(request))
