@@ -37,22 +37,23 @@ __device__ __forceinline__ int64_t kept_keys(const int32_t* kept, int64_t r, int
   return n < 0 ? 0 : (n > S ? S : n);
 }
 
-// kernel<<<elementwise_config(n)>>>(args...) on stream s; nothing for n <= 0.
+// kernel<<<c>>>(args...) on stream s, its launch checked under the name `op`.
 template <class Kernel, class... Args>
-void launch_elementwise(const char* op, int64_t n, StreamHandle s, Kernel kernel, Args... args) {
-  if (n <= 0) return;
-  const LaunchConfig c = elementwise_config(n);
+void launch(const char* op, const LaunchConfig& c, StreamHandle s, Kernel kernel, Args... args) {
   kernel<<<c.grid.x, c.block.x, 0, static_cast<cudaStream_t>(s)>>>(args...);
   ATTN_CUDA_CHECK_LAUNCH(op);
 }
 
-// kernel<<<rows_config(rows)>>>(args...) on stream s (a warp a row); nothing for rows <= 0.
+// Over n elements (grid-stride loops); nothing for n <= 0.
+template <class Kernel, class... Args>
+void launch_elementwise(const char* op, int64_t n, StreamHandle s, Kernel kernel, Args... args) {
+  if (n > 0) launch(op, elementwise_config(n), s, kernel, args...);
+}
+
+// Over rows, a warp a row; nothing for rows <= 0.
 template <class Kernel, class... Args>
 void launch_rows(const char* op, int64_t rows, StreamHandle s, Kernel kernel, Args... args) {
-  if (rows <= 0) return;
-  const LaunchConfig c = rows_config(rows);
-  kernel<<<c.grid.x, c.block.x, 0, static_cast<cudaStream_t>(s)>>>(args...);
-  ATTN_CUDA_CHECK_LAUNCH(op);
+  if (rows > 0) launch(op, rows_config(rows), s, kernel, args...);
 }
 
 }  // namespace attn::cuda
