@@ -8,6 +8,10 @@
 // barriers inside the region. At exit it writes one line per region to $ATTN_OMP_TRACE:
 //
 //   start_ns end_ns team caller_object caller_offset busy_ns_0 ... busy_ns_{team-1}
+//     late_ns_0 ... late_ns_{team-1}
+//
+// where late is the time from the region's start on the caller to the member entering the body
+// (for the workers: libgomp's wake-up and hand-off).
 //
 // bench/omp_trace.py turns that into the time the threads spent idle inside regions (the end
 // barrier: imbalance) and between them (the calling thread's serial code, while the others wait
@@ -35,6 +39,7 @@ struct Region {
   const void* caller;
   uint32_t team;
   uint32_t busy[kMaxTeam];  // ns; a region longer than 4 s saturates
+  uint32_t late[kMaxTeam];  // ns from the region's start to this member entering the body
 };
 
 using ParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
@@ -66,14 +71,17 @@ struct Body {
 void timed_body(void* p) {
   const Body& b = *static_cast<const Body*>(p);
   const uint64_t barriers_before = barrier_ns, t0 = now_ns();
+  const uint64_t late = t0 > b.region->start ? t0 - b.region->start : 0;
   ++depth;
   b.fn(b.data);
   --depth;
   const uint64_t busy = now_ns() - t0 - (barrier_ns - barriers_before);
   const int id = omp_get_thread_num();
   if (id == 0) b.region->team = static_cast<uint32_t>(omp_get_num_threads());
-  if (id < kMaxTeam)
+  if (id < kMaxTeam) {
     b.region->busy[id] = static_cast<uint32_t>(std::min<uint64_t>(busy, UINT32_MAX));
+    b.region->late[id] = static_cast<uint32_t>(std::min<uint64_t>(late, UINT32_MAX));
+  }
 }
 
 }  // namespace
@@ -132,8 +140,11 @@ __attribute__((destructor)) void write_trace() {
     std::fprintf(out.get(), "%llu %llu %u %s %llx", static_cast<unsigned long long>(r.start),
                  static_cast<unsigned long long>(r.end), r.team, known ? info.dli_fname : "?",
                  static_cast<unsigned long long>(offset));
-    for (uint32_t t = 0; t < std::min<uint32_t>(r.team, kMaxTeam); ++t)
+    const uint32_t team = std::min<uint32_t>(r.team, kMaxTeam);
+    for (uint32_t t = 0; t < team; ++t)
       std::fprintf(out.get(), " %u", r.busy[t]);
+    for (uint32_t t = 0; t < team; ++t)
+      std::fprintf(out.get(), " %u", r.late[t]);
     std::fputc('\n', out.get());
   }
 }

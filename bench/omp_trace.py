@@ -31,7 +31,11 @@ def load(path):
             if len(p) < 5:
                 continue
             start, end, team = int(p[0]), int(p[1]), int(p[2])
-            regions.append((start, end, team, p[3], p[4], [int(b) for b in p[5:]]))
+            numbers = [int(b) for b in p[5:]]
+            # Each member's busy time, then (traces since session 18) its lateness: the time from
+            # the region's start to the member entering the body.
+            busy, late = numbers[:team], numbers[team:2 * team] or [0] * team
+            regions.append((start, end, team, p[3], p[4], busy, late))
     regions.sort()
     return regions
 
@@ -111,12 +115,13 @@ def main():
     count = collections.Counter()
     idle_by_thread = collections.Counter()
     idle_by_caller_thread = collections.Counter()  # (caller, thread) -> ns
+    late_by_caller_thread = collections.Counter()  # (caller, thread) -> ns before entering the body
     gaps = collections.Counter()        # (previous caller, next caller) -> ns
     gap_count = collections.Counter()
     sizes = []
     parallel = 0
     for i, r in enumerate(regions):
-        start, end, team, _, _, busy = r
+        start, end, team, _, _, busy, late = r
         who = name(r)
         length = end - start
         count[who] += 1
@@ -128,6 +133,7 @@ def main():
                 inside[who] += idle
                 idle_by_thread[t] += idle
                 idle_by_caller_thread[(who, t)] += idle
+                late_by_caller_thread[(who, t)] += late[t]
         if i + 1 < len(regions):
             gap = max(0, regions[i + 1][0] - end)
             sizes.append(gap)
@@ -153,12 +159,14 @@ def main():
         print(f"  {share(ns):5.2f}%  {gap_count[(a, b)]:6d} x {ns / gap_count[(a, b)] / 1e3:7.1f} us  "
               f"after {a}  before {b}")
     print(f"idle inside regions, by the caller that started them, top {args.top}"
-          " (mean region length; each thread's mean idle per region):")
+          " (mean region length; each thread's mean idle per region, and of it the mean time"
+          " before it entered the region's body: wake-up and hand-off):")
     for who, ns in inside.most_common(args.top):
-        per_thread = " / ".join(f"{idle_by_caller_thread[(who, t)] / count[who] / 1e3:.1f}"
-                                for t in range(teams) if (who, t) in idle_by_caller_thread)
+        threads = [t for t in range(teams) if (who, t) in idle_by_caller_thread]
+        per_thread = " / ".join(f"{idle_by_caller_thread[(who, t)] / count[who] / 1e3:.1f}" for t in threads)
+        late = " / ".join(f"{late_by_caller_thread[(who, t)] / count[who] / 1e3:.1f}" for t in threads)
         print(f"  {share(ns):5.2f}%  of {share(region_time[who]):5.1f}% in {count[who]:6d} regions  "
-              f"{region_time[who] / count[who] / 1e3:7.1f} us, idle {per_thread} us  {who}")
+              f"{region_time[who] / count[who] / 1e3:7.1f} us, idle {per_thread} us (late {late})  {who}")
     return 0
 
 
