@@ -63,9 +63,7 @@ void embedding_backward_threads(const F* dout, const Id* ids, F* dweight, int64_
                                 int64_t E, int threads) {
   std::vector<double> acc(static_cast<size_t>(V * E), 0.0);
   const int64_t blocks = (E + kEmbeddingColumns - 1) / kEmbeddingColumns;
-#pragma omp parallel for schedule(static) num_threads( \
-    std::max(1, threads)) if (threads > 1 && blocks > 1 && N * E >= kEmbeddingParallelMin)
-  for (int64_t j = 0; j < blocks; ++j) {
+  cpu::parallel_for(blocks, N * E >= kEmbeddingParallelMin ? threads : 1, [&](int64_t j) {
     const int64_t e0 = j * kEmbeddingColumns, e1 = std::min(E, e0 + kEmbeddingColumns);
     for (int64_t n = 0; n < N; ++n) {
       double* row = acc.data() + static_cast<int64_t>(ids[n]) * E;
@@ -77,7 +75,7 @@ void embedding_backward_threads(const F* dout, const Id* ids, F* dweight, int64_
     for (int64_t v = 0; v < V; ++v)
       for (int64_t e = e0; e < e1; ++e)
         dweight[v * E + e] = static_cast<F>(acc[static_cast<size_t>(v * E + e)]);
-  }
+  });
 }
 
 }  // namespace

@@ -14,13 +14,16 @@
 #include "attn/ops/linear.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/task_shares.hpp"
 #include "testing.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 namespace attn {
@@ -380,8 +383,8 @@ TEST(GemmCpu, SlicedProductsAreTheSingleThreadBits) {
   }
 }
 
-// gemm_then: the task runs once per part of the product's region (once as (0, 1) when the
-// product is not cut), after the product; column_sum_part over all parts is column_sum's bits.
+// gemm_then: the task runs once for each of its parts (once as (0, 1) when the product is not
+// cut), after the product; column_sum_part over all parts is column_sum's bits.
 TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
   for (const int64_t M : {8, 100, 3040}) {
     for (const int threads : {1, 2, 3}) {
@@ -389,7 +392,7 @@ TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
       p.fill(40 + M);
       std::vector<float> out = p.c, alone = p.c;
       struct Seen {
-        std::array<std::atomic<int>, 8> parts{};
+        std::array<std::atomic<int>, 64> parts{};
         std::atomic<int> count{0};
       } seen;
       cpu::RegionTask task{[](void* data, int part, int parts) {
@@ -402,6 +405,7 @@ TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
       cpu::gemm(p.args(alone.data()), 1);
       EXPECT_EQ(out, alone) << p.name() << " threads " << threads;
       ASSERT_GE(seen.count, 1);
+      ASSERT_LE(seen.count, 64);
       for (int part = 0; part < seen.count; ++part)
         EXPECT_EQ(seen.parts[part], 1) << "part " << part << " of " << seen.count;
       if (M < 64 || threads == 1) {
@@ -423,7 +427,7 @@ TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
       std::vector<float> whole(N, 0.25f), whole16(N, 0.25f);
       cpu::column_sum(dy.data(), M, N, ld, whole.data(), accumulate, 1);
       cpu::column_sum(dy16.data(), M, N, ld, whole16.data(), accumulate, 1);
-      for (const int parts : {1, 2, 3, 7}) {
+      for (const int parts : {1, 2, 3, 7, 12}) {
         std::vector<float> cut(N, 0.25f), cut16(N, 0.25f);
         for (int part = 0; part < parts; ++part) {
           cpu::column_sum_part(dy.data(), M, N, ld, cut.data(), accumulate, part, parts);
@@ -434,6 +438,41 @@ TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
       }
     }
   }
+}
+
+// TaskShares (kernels/cpu/task_shares.hpp): every task runs exactly once, whatever the team
+// (as many threads as shares, fewer, one), and a thread stalled at the start of its share has its
+// tasks taken by the others.
+TEST(TaskShares, EveryTaskRunsOnceAndAStalledShareIsTaken) {
+  for (const int64_t n : {0, 1, 2, 7, 64, 1000}) {
+    for (const int parts : {1, 2, 3, 8}) {
+      for (const int team : {1, 2, parts}) {
+        cpu::TaskShares shares(n, parts);
+        std::vector<std::atomic<int>> runs(static_cast<size_t>(n));
+        std::vector<std::thread> threads;
+        for (int t = 0; t < team; ++t)
+          threads.emplace_back([&, t] { shares.run(t, [&](int64_t i) { ++runs[i]; }); });
+        for (auto& th : threads)
+          th.join();
+        for (int64_t i = 0; i < n; ++i)
+          ASSERT_EQ(runs[i], 1) << "task " << i << " of " << n << ", " << parts << " shares, team "
+                                << team;
+      }
+    }
+  }
+  // Thread 1 waits before claiming anything until thread 0 is done: thread 0 runs all 100 tasks.
+  cpu::TaskShares shares(100, 2);
+  std::atomic<bool> done{false};
+  std::vector<int> ran_by(100, -1);
+  std::thread slow([&] {
+    while (!done.load())
+      std::this_thread::yield();
+    shares.run(1, [&](int64_t i) { ran_by[i] = 1; });
+  });
+  shares.run(0, [&](int64_t i) { ran_by[i] = 0; });
+  done = true;
+  slow.join();
+  EXPECT_EQ(std::count(ran_by.begin(), ran_by.end(), 0), 100);
 }
 
 TEST(GemmCpu, Bf16InputsF32Output) {

@@ -90,7 +90,9 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
   // cpu::layer_norm_backward_f32.
   std::vector<double> partial(
       gamma != nullptr ? static_cast<size_t>(chunks) * 2 * static_cast<size_t>(E) : 0, 0.0);
-#pragma omp parallel num_threads(threads) if (R * E >= kParallelMin)
+  const int team = R * E >= kParallelMin ? std::max(1, threads) : 1;
+  TaskShares shares(chunks, team);  // a chunk's partial sums are its own: any thread may run it
+#pragma omp parallel num_threads(team) if (team > 1)
   {
     std::vector<double> scratch(static_cast<size_t>(2 * E));
     // bf16 dy with dropout: the float dy of a chunk, before its rounding.
@@ -98,8 +100,7 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
         dy_bf16 != nullptr && dropping ? static_cast<size_t>(kLayerNormChunkRows * E) : 0);
     // dout + dout_add of a chunk.
     std::vector<float> summed(adding ? static_cast<size_t>(kLayerNormChunkRows * E) : 0);
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
+    shares.run(omp_get_thread_num(), [&](int64_t c) {
       const int64_t r0 = c * kLayerNormChunkRows, r1 = std::min(R, r0 + kLayerNormChunkRows);
       const int64_t begin = r0 * E, n = (r1 - r0) * E;
       double* dg = gamma != nullptr ? partial.data() + c * 2 * E : nullptr;
@@ -137,7 +138,7 @@ void add_norm_backward_f32(const float* dout, const float* z, const float* gamma
       } else if (dropping) {
         dropout_apply_keep_f32(dx, drop->keep, nullptr, dy, begin, begin + n, dc.scale);
       }
-    }
+    });
   }
   if (gamma != nullptr) layer_norm_sum_partials_f32(partial.data(), chunks, E, dgamma, dbeta);
 }

@@ -2,7 +2,7 @@
 #include "kernels/cpu/matmul.hpp"
 
 #include "attn/core/dtype.hpp"
-#include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/parallel_for.hpp"
 
 #include <omp.h>
 
@@ -285,6 +285,31 @@ ThreadPlan& thread_plan(const GemmKey& key) {
 // single-thread primitive's bits depend on M for trans_a (512 x 512 x 2048: half the rows gave
 // other bits) and on N when columns were cut (8 x 130 x 700).
 constexpr int64_t kMinSlice = 32, kSliceAlign = 16;
+// Parts of a gemm_then task per thread of a cut product: enough that a thread which finishes its
+// slice early can take a slower one's last parts, few enough that each is worth a claim.
+constexpr int kTaskPartsPerThread = 4;
+// The last rows of a cut product: kTailPieces pieces of kTailRows rows per thread, after the
+// slices, each thread's own first, then a slower one's (TaskShares). Only where a slice keeps at
+// least kTailMinHead rows per tail row of its thread.
+constexpr int64_t kTailRows = 64, kTailPieces = 2, kTailMinHead = 4;
+
+struct Cut {
+  int64_t head = 0;  // rows [0, head) in slices; [head, M) in tail pieces
+  int64_t pieces = 0;
+  int64_t piece_start(int64_t k, int64_t M) const { return k >= pieces ? M : head + k * kTailRows; }
+};
+
+Cut gemm_cut(int64_t M, int slices) {
+  const int64_t tail = slices * kTailPieces * kTailRows;
+  Cut c;
+  if (M - tail < tail * kTailMinHead) {
+    c.head = M;
+    return c;
+  }
+  c.head = (M - tail) / kSliceAlign * kSliceAlign;
+  c.pieces = slices * kTailPieces;  // the last one also takes the rows under kSliceAlign
+  return c;
+}
 
 // The slices gemm() cuts a product into on `threads` threads; 1: none.
 int gemm_slices(const GemmArgs& g, int threads) {
@@ -335,16 +360,25 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task) {
   }
   threads = gemm_threads(g, threads);
   if (const int slices = gemm_slices(g, threads); slices > 1) {
+    // The task in kTaskPartsPerThread parts per thread, each thread's own first, then stolen
+    // (TaskShares): a thread done with its slice early takes parts of a slower one's.
+    const int task_parts = task.run != nullptr ? slices * kTaskPartsPerThread : 0;
+    TaskShares shares(task_parts, slices);
+    const Cut cut = gemm_cut(g.M, slices);
+    TaskShares tail(cut.pieces, slices);
     // No exception may leave the region: the first one is kept and rethrown after it.
     std::exception_ptr error;
 #pragma omp parallel num_threads(slices)
     {
-      const int part = omp_get_thread_num(), parts = omp_get_num_threads();
+      const int part = omp_get_thread_num(), parts = slices;
       try {
-        const int64_t begin = slice_start(g.M, part, parts);
-        const int64_t end = slice_start(g.M, part + 1, parts);
+        const int64_t begin = slice_start(cut.head, part, parts);
+        const int64_t end = slice_start(cut.head, part + 1, parts);
         if (end > begin) gemm(gemm_rows(g, begin, end), 1);
-        if (task.run != nullptr) task.run(task.data, part, parts);
+        tail.run(part, [&](int64_t k) {
+          gemm(gemm_rows(g, cut.piece_start(k, g.M), cut.piece_start(k + 1, g.M)), 1);
+        });
+        shares.run(part, [&](int64_t p) { task.run(task.data, static_cast<int>(p), task_parts); });
       } catch (...) {
 #pragma omp critical(attn_gemm_slice_error)
         if (!error) error = std::current_exception();

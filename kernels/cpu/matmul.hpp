@@ -83,17 +83,19 @@ struct GemmArgs {
 // C = op(A) op(B) (+ bias) (+ C), on `threads` OpenMP threads (>= 1).
 void gemm(const GemmArgs& args, int threads);
 
-// Work that shares gemm()'s parallel region: run(data, part, parts) on each of the region's
-// `parts` threads after its slice of the product (part = the thread's number). A task splits its
-// own work by part: sharing the region saves a second region's start and end barrier, and the
-// serial code between the two.
+// Work that shares gemm()'s parallel region: run(data, part, parts) once for each part in
+// [0, parts), on the region's threads after their slices of the product (each thread its own
+// parts first, then those a slower thread has not started: kernels/cpu/parallel_for.hpp's
+// TaskShares). A task splits its own work by part, and a part's result must not depend on the
+// thread that runs it or on `parts`. Sharing the region saves a second region's start and end
+// barrier and the serial code between the two, and the parts even out the threads' finish.
 struct RegionTask {
   void (*run)(void* data, int part, int parts) = nullptr;
   void* data = nullptr;
 };
 
-// gemm(args, threads), and `task` in the same region: once per thread when the product is cut
-// into slices, else once as (0, 1) on the calling thread after the product.
+// gemm(args, threads), and `task` in the same region: in parts when the product is cut into
+// slices, else once as (0, 1) on the calling thread after the product.
 void gemm_then(const GemmArgs& args, int threads, RegionTask task);
 
 // The same product as gemm(), cut into panels of about M/16 output rows (multiples of 16, the

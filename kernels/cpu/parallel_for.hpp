@@ -4,15 +4,19 @@
 #pragma once
 
 #include "kernels/cpu/parallel.hpp"
+#include "kernels/cpu/task_shares.hpp"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 
 namespace attn::cpu {
 
-// f(i) for i in [0, n) on up to `threads` OpenMP threads, a static schedule (so a thread's share
-// is fixed by n and the thread count). With one thread or one task it runs in the caller without
-// entering the OpenMP runtime: a parallel region whose if() clause is false still builds a team
-// of one in libgomp (an allocation and a free per call, a few percent of a small decode step).
+// f(i) for i in [0, n) on up to `threads` OpenMP threads, a static schedule with stealing
+// (TaskShares). With one thread or one task it runs in the caller without entering the OpenMP
+// runtime: a parallel region whose if() clause is false still builds a team of one in libgomp (an
+// allocation and a free per call, a few percent of a small decode step).
 template <class F>
 void parallel_for(int64_t n, int threads, F&& f) {
   if (threads <= 1 || n <= 1) {
@@ -20,9 +24,10 @@ void parallel_for(int64_t n, int threads, F&& f) {
       f(i);
     return;
   }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i)
-    f(i);
+  threads = static_cast<int>(std::min<int64_t>(threads, n));
+  TaskShares shares(n, threads);
+#pragma omp parallel num_threads(threads)
+  shares.run(omp_get_thread_num(), f);
 }
 
 }  // namespace attn::cpu
