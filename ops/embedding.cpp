@@ -46,7 +46,7 @@ void check_ids(const char* op, const Tensor& ids) {
 // Threaded versions for the fast backends (Backend::kReference keeps the reference kernel): the
 // same values, since the forward copies rows and the backward sums each (id, e) element over the
 // positions in order, whichever thread owns its block of columns.
-constexpr int64_t kEmbeddingColumns = 32;                    // columns per task of the backward
+constexpr int64_t kEmbeddingColumns = 16;                    // columns per task of the backward
 constexpr int64_t kEmbeddingParallelMin = int64_t{1} << 16;  // N * E below this: one thread
 
 template <typename Id, typename F>

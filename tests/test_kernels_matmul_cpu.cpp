@@ -441,13 +441,14 @@ TEST(GemmCpu, TaskSharesTheRegionAndColumnSumPartsAreColumnSum) {
 }
 
 // TaskShares (kernels/cpu/task_shares.hpp): every task runs exactly once, whatever the team
-// (as many threads as shares, fewer, one), and a thread stalled at the start of its share has its
-// tasks taken by the others.
+// (as many threads as shares, fewer, one) and the claims' grain, and a thread stalled at the start
+// of its share has its tasks taken by the others.
 TEST(TaskShares, EveryTaskRunsOnceAndAStalledShareIsTaken) {
   for (const int64_t n : {0, 1, 2, 7, 64, 1000}) {
     for (const int parts : {1, 2, 3, 8}) {
       for (const int team : {1, 2, parts}) {
-        cpu::TaskShares shares(n, parts);
+        const int64_t grain = 1 + n % 5;  // 1, 2, 3 or 5
+        cpu::TaskShares shares(n, parts, grain);
         std::vector<std::atomic<int>> runs(static_cast<size_t>(n));
         std::vector<std::thread> threads;
         for (int t = 0; t < team; ++t)
@@ -456,7 +457,7 @@ TEST(TaskShares, EveryTaskRunsOnceAndAStalledShareIsTaken) {
           th.join();
         for (int64_t i = 0; i < n; ++i)
           ASSERT_EQ(runs[i], 1) << "task " << i << " of " << n << ", " << parts << " shares, team "
-                                << team;
+                                << team << ", grain " << grain;
       }
     }
   }

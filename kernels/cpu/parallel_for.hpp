@@ -25,7 +25,8 @@ void parallel_for(int64_t n, int threads, F&& f) {
     return;
   }
   threads = static_cast<int>(std::min<int64_t>(threads, n));
-  TaskShares shares(n, threads);
+  // About 16 claims per share: many tiny tasks are claimed in runs, not one atomic each.
+  TaskShares shares(n, threads, n / (int64_t{16} * threads));
 #pragma omp parallel num_threads(threads)
   shares.run(omp_get_thread_num(), f);
 }

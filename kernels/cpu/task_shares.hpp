@@ -22,9 +22,16 @@ namespace attn::cpu {
 // `attn train` run's wall time idle at the end barriers at 2 threads); here they take the slow
 // thread's last tasks. A thread's own share comes first, so its rows stay the ones it wrote in the
 // previous region, as under the static schedule.
+//
+// A claim takes `grain` consecutive tasks (one atomic operation each), so that many tiny tasks
+// (an embedding row each) do not pay an atomic apiece.
 class TaskShares {
  public:
-  TaskShares(int64_t n, int parts) : n_(n), parts_(std::max(1, parts)), next_(new Next[parts_]) {
+  TaskShares(int64_t n, int parts, int64_t grain = 1)
+      : n_(n),
+        grain_(std::max<int64_t>(1, grain)),
+        parts_(std::max(1, parts)),
+        next_(new Next[parts_]) {
     for (int p = 0; p < parts_; ++p)
       next_[p].task.store(begin(p), std::memory_order_relaxed);
   }
@@ -37,8 +44,9 @@ class TaskShares {
     for (int k = 0; k < parts_; ++k) {
       const int p = (own + k) % parts_;
       const int64_t end = begin(p + 1);
-      for (int64_t i; (i = next_[p].task.fetch_add(1, std::memory_order_relaxed)) < end;)
-        f(i);
+      for (int64_t i; (i = next_[p].task.fetch_add(grain_, std::memory_order_relaxed)) < end;)
+        for (const int64_t stop = std::min(end, i + grain_); i < stop; ++i)
+          f(i);
     }
   }
 
@@ -48,7 +56,7 @@ class TaskShares {
   };
   int64_t begin(int p) const { return n_ * p / parts_; }
 
-  int64_t n_;
+  int64_t n_, grain_;
   int parts_;
   std::unique_ptr<Next[]> next_;
 };
