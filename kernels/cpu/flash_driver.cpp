@@ -29,4 +29,15 @@ std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool c
   return bounds;
 }
 
+std::vector<int64_t> rows_longest_first(const kernels::AttentionProblem& p) {
+  if (p.kept_keys == nullptr || p.T <= 0 || p.B <= 1) return {};
+  std::vector<int64_t> order(static_cast<size_t>(p.B));
+  for (int64_t b = 0; b < p.B; ++b)
+    order[static_cast<size_t>(b)] = b;
+  const auto keys = [&](int64_t b) { return p.kept_keys[b * p.T + p.T - 1]; };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys(a) > keys(b); });
+  return order;
+}
+
 }  // namespace attn::cpu

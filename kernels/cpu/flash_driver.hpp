@@ -55,6 +55,15 @@ inline int64_t forward_block_rows(int64_t B, int64_t T, int64_t block_rows) {
 // ranges hold equal work (key s is seen by T - s queries), not equal keys.
 std::vector<int64_t> backward_key_splits(int64_t B, int64_t T, int64_t S, bool causal);
 
+// The batch rows in the order the parallel schedules hand them out: the rows with the most kept
+// keys first (the last query's count: a row's length under a length mask, its longest under a
+// causal one), ties in row order; empty (row order) without a length mask. Why: a padded batch's
+// rows cost up to twice each other, and handed out in row order the last item could be a long
+// one, which one thread ran while the other waited (bench/omp_trace.py: 20-30 us at the end of
+// each attention region of a padded `attn train` step at 2 threads). The order changes only who
+// runs a row and when, never its arithmetic.
+std::vector<int64_t> rows_longest_first(const kernels::AttentionProblem& p);
+
 // No per-row preparation before a forward's items (flash_forward_driver's `prepare`).
 struct NoPrepare {
   void operator()(int64_t) const {}
@@ -97,6 +106,9 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
             it + 1 < items ? (it + 1) / blocks : -1, it + 1 < items ? row0(it + 1) : 0);
     return;
   }
+  // Batch rows longest first (rows_longest_first), each row's blocks together.
+  const std::vector<int64_t> order = rows_longest_first(p);
+  const auto row_of = [&](int64_t i) { return order.empty() ? i / blocks : order[i / blocks]; };
 #pragma omp parallel num_threads(threads)
   {
     if constexpr (!std::is_same_v<std::decay_t<Prepare>, NoPrepare>) {
@@ -110,7 +122,7 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t next = it + stride < items ? it + stride : -1;
-      block(own, it / blocks, row0(it), block_rows, next < 0 ? -1 : next / blocks,
+      block(own, row_of(it), row0(it), block_rows, next < 0 ? -1 : row_of(next),
             next < 0 ? 0 : row0(next));
     }
   }
@@ -138,15 +150,19 @@ void flash_backward_driver(const kernels::AttentionProblem& p, const char* op, i
     // One item per b (B >= 4, e.g. MultiHeadAttention's B*H rows): its dQ share is the whole dQ
     // of b, from a per-thread buffer, instead of B buffers of T x ldq summed in a second pass.
     const Scratch<float> parts(op, part_floats, static_cast<size_t>(threads));
+    // Batch rows longest first (rows_longest_first).
+    const std::vector<int64_t> order = threads > 1 ? rows_longest_first(p) : std::vector<int64_t>{};
+    const auto row_of = [&](int64_t i) { return order.empty() ? i : order[i]; };
 #pragma omp parallel num_threads(threads)
     {
       auto state = make_state(scratch.get(static_cast<size_t>(omp_get_thread_num())));
       float* part = parts.get(static_cast<size_t>(omp_get_thread_num()));
       const int64_t stride = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t b = 0; b < p.B; ++b) {
+      for (int64_t i = 0; i < p.B; ++i) {
+        const int64_t b = row_of(i);
         std::memset(part, 0, sizeof(float) * part_floats);  // std::fill stayed scalar
-        item(state, b, bounds[0], bounds[1], part, b + stride < p.B ? b + stride : -1);
+        item(state, b, bounds[0], bounds[1], part, i + stride < p.B ? row_of(i + stride) : -1);
         store_dq(b, int64_t{0}, p.T, static_cast<const float*>(part), ldq);
       }
     }
