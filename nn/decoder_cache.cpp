@@ -317,8 +317,10 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
     O = cross_attention(ctx, Q2, c, state, H,
                         need_weights ? &state.cross_attention_weights[i] : nullptr);
     const Tensor Z = add_norm(ctx, blk.addnorm2, Y, apply_linear(ctx, O, blk.attention2.W_o));
-    const Tensor F =
-        apply_linear(ctx, relu(ctx, apply_linear(ctx, Z, blk.ffn.dense1)), blk.ffn.dense2);
+    const Linear& d1 = blk.ffn.dense1;  // relu(dense1(Z)) in dense1's product (linear_relu)
+    const Tensor F = apply_linear(
+        ctx, linear_relu(ctx, Z, d1.weight.value, d1.has_bias() ? d1.bias.value : Tensor()),
+        blk.ffn.dense2);
     X = add_norm(ctx, blk.addnorm3, Z, F);
   }
   state.length = L + Tn;

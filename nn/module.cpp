@@ -3,6 +3,7 @@
 // Vocabulary: B batch, T queries, S keys/values, H heads, D head dim, E = H*D model width.
 #include "attn/nn/module.hpp"
 
+#include "attn/ops/activation.hpp"
 #include "attn/ops/linear.hpp"
 #include "kernels/cpu/parallel_for.hpp"
 #include "nn/internal.hpp"
@@ -437,6 +438,14 @@ Tensor Linear::forward(Context& ctx, const Tensor& x) {
 }
 
 Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
+  return forward_impl(ctx, x, y_dtype, false);
+}
+
+Tensor Linear::forward_relu(Context& ctx, const Tensor& x, DType y_dtype) {
+  return forward_impl(ctx, x, y_dtype, true);
+}
+
+Tensor Linear::forward_impl(Context& ctx, const Tensor& x, DType y_dtype, bool relu_after) {
   autocast_ = detail::autocasts(ctx, dtype_);
   check(y_dtype == dtype_ || (autocast_ && y_dtype == DType::BF16), "Linear",
         "output dtype {} unsupported, expected the module's {} (or BF16 under autocast)",
@@ -456,15 +465,27 @@ Tensor Linear::forward(Context& ctx, const Tensor& x, DType y_dtype) {
     // Rounded every forward: the optimiser updates the float32 weights in place.
     w_bf16_ = detail::convert(ctx, weight.value, DType::BF16);
     b_bf16_ = has_bias_ ? bias.value.to(DType::BF16) : Tensor();
-    Tensor y = linear(ctx, x_, w_bf16_, b_bf16_);
+    // ReLU commutes with the widening to a float32 y: the bits of relu(convert(y)).
+    Tensor y =
+        relu_after ? linear_relu(ctx, x_, w_bf16_, b_bf16_) : linear(ctx, x_, w_bf16_, b_bf16_);
     return detail::convert(ctx, y, y_dtype);
   }
   w_bf16_ = b_bf16_ = Tensor();
   x_ = x;
-  return linear(ctx, x, weight.value, has_bias_ ? bias.value : Tensor());
+  const Tensor b = has_bias_ ? bias.value : Tensor();
+  return relu_after ? linear_relu(ctx, x, weight.value, b) : linear(ctx, x, weight.value, b);
 }
 
 Tensor Linear::backward(Context& ctx, const Tensor& dy) {
+  return backward_impl(ctx, dy, Tensor());
+}
+
+Tensor Linear::backward_relu(Context& ctx, const Tensor& dy, const Tensor& relu_out) {
+  check(relu_out.defined(), "Linear::backward_relu", "relu_out is undefined");
+  return backward_impl(ctx, dy, relu_out);
+}
+
+Tensor Linear::backward_impl(Context& ctx, const Tensor& dy, const Tensor& relu_out) {
   check(x_.defined(), "Linear::backward", "called before forward");
   Shape expected = x_.shape();
   expected.back() = out_features_;
@@ -474,11 +495,16 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
           "dy has shape {} and dtype {}, expected {} and F32 or BF16 (autocast)",
           shape_arg(dy.shape()), dtype_name(dy.dtype()), shape_arg(expected));
     // forward: y = bf16(x) bf16(W)^T + bf16(b) in bf16; the products of the backward likewise.
-    LinearGrads g =
-        linear_backward(ctx, detail::convert(ctx, dy, DType::BF16), x_, w_bf16_, has_bias_);
+    // A bf16 relu_out (the FFN's hidden layer) masks the bf16 dx in its product's region; a
+    // float32 one masks the widened dx after (rounding it to bf16 could turn a tiny positive
+    // value into 0).
+    const bool fused = relu_out.defined() && relu_out.dtype() == DType::BF16;
+    LinearGrads g = linear_backward(ctx, detail::convert(ctx, dy, DType::BF16), x_, w_bf16_,
+                                    has_bias_, fused ? relu_out : Tensor());
     detail::accumulate(weight.grad, g.dW, ctx.resolved_threads());
     if (has_bias_) detail::accumulate(bias.grad, g.db, ctx.resolved_threads());
-    return x_dtype_ == DType::BF16 ? g.dx : detail::convert(ctx, g.dx, x_dtype_);
+    Tensor dx = x_dtype_ == DType::BF16 ? g.dx : detail::convert(ctx, g.dx, x_dtype_);
+    return relu_out.defined() && !fused ? relu_backward(ctx, dx, relu_out) : dx;
   }
   check(dy.shape() == expected && dy.dtype() == dtype_, "Linear::backward",
         "dy has shape {} and dtype {}, expected {} and {}", shape_arg(dy.shape()),
@@ -488,8 +514,8 @@ Tensor Linear::backward(Context& ctx, const Tensor& dy) {
   // caller replaced them).
   if (grads_accumulate_in_place(*this))
     return linear_backward_accumulate(ctx, dy, x_, weight.value, weight.grad,
-                                      has_bias_ ? &bias.grad : nullptr);
-  LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_);
+                                      has_bias_ ? &bias.grad : nullptr, relu_out);
+  LinearGrads g = linear_backward(ctx, dy, x_, weight.value, has_bias_, relu_out);
   detail::accumulate(weight.grad, g.dW, ctx.resolved_threads());
   if (has_bias_) detail::accumulate(bias.grad, g.db, ctx.resolved_threads());
   return g.dx;

@@ -160,15 +160,17 @@ Tensor PositionWiseFFN::forward(Context& ctx, const Tensor& X) {
   // backward follows: dense2's dx comes back bf16 (its input was), relu_backward in bf16, and
   // dense1 takes the bf16 dy as it would have rounded the float32 one.
   const DType hidden_dtype = autocast ? DType::BF16 : dtype_;
-  hidden_ = dense1.forward(ctx, X, hidden_dtype);  // (..., F)
-  return dense2.forward(ctx, relu(ctx, hidden_), x_bf16 ? DType::BF16 : dtype_);
+  // hidden_ = relu(dense1(X)) (..., F), rectified in dense1's product region (no pass of its
+  // own); relu(h) > 0 exactly where h > 0 (NaN in both: not), so it is also the backward's mask.
+  hidden_ = dense1.forward_relu(ctx, X, hidden_dtype);
+  return dense2.forward(ctx, hidden_, x_bf16 ? DType::BF16 : dtype_);
 }
 
 Tensor PositionWiseFFN::backward(Context& ctx, const Tensor& dout) {
   check(hidden_.defined(), "PositionWiseFFN::backward", "called before forward");
-  // forward: out = dense2(relu(h)), h = dense1(X)
-  Tensor drelu = dense2.backward(ctx, dout);
-  return dense1.backward(ctx, relu_backward(ctx, drelu, hidden_));
+  // forward: out = dense2(hidden), hidden = relu(dense1(X)): dense2's dx taken through ReLU's
+  // backward at hidden in dx's product region, then dense1.
+  return dense1.backward(ctx, dense2.backward_relu(ctx, dout, hidden_));
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@
 #include "attn/ops/linear.hpp"
 
 #include "attn/core/dtype.hpp"
+#include "attn/ops/activation.hpp"
+#include "kernels/cpu/encoder_ops.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "kernels/ref/linear.hpp"
 #include "ops/common.hpp"
@@ -94,10 +96,58 @@ Shape check_linear(const char* op, const Tensor& x, const Tensor& W) {
   return y_shape;
 }
 
+// ReLU in place on rows [begin, end) of a contiguous (rows, cols) f32 or bf16 output: the row
+// epilogue of linear_relu's product (cpu::RowTask).
+struct ReluRows {
+  void* y;
+  int64_t cols;
+  bool bf16;
+  static void run(void* data, int64_t begin, int64_t end) {
+    const auto& r = *static_cast<const ReluRows*>(data);
+    if (r.bf16)
+      cpu::relu_in_place_bf16(static_cast<uint16_t*>(r.y) + begin * r.cols, (end - begin) * r.cols);
+    else
+      cpu::relu_in_place_f32(static_cast<float*>(r.y) + begin * r.cols, (end - begin) * r.cols);
+  }
+};
+
+// ReLU's backward on rows [begin, end) of a contiguous (rows, cols) f32 or bf16 input gradient,
+// through the ReLU's output x of the same layout: the row epilogue of the input gradient's
+// product when the layer's input came out of a ReLU.
+struct ReluGradRows {
+  void* dx;
+  const void* x;
+  int64_t cols;
+  bool bf16;
+  static void run(void* data, int64_t begin, int64_t end) {
+    const auto& r = *static_cast<const ReluGradRows*>(data);
+    const int64_t at = begin * r.cols, n = (end - begin) * r.cols;
+    if (r.bf16)
+      cpu::relu_backward_in_place_bf16(static_cast<uint16_t*>(r.dx) + at,
+                                       static_cast<const uint16_t*>(r.x) + at, n);
+    else
+      cpu::relu_backward_in_place_f32(static_cast<float*>(r.dx) + at,
+                                      static_cast<const float*>(r.x) + at, n);
+  }
+};
+
+Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
+                   bool relu_after);
+
 }  // namespace
 
 Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
-  constexpr const char* op = "linear";
+  return linear_impl(ctx, "linear", x, W, b, false);
+}
+
+Tensor linear_relu(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
+  return linear_impl(ctx, "linear_relu", x, W, b, true);
+}
+
+namespace {
+
+Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
+                   bool relu_after) {
   const Shape y_shape = check_linear(op, x, W);
   if (b.defined()) {
     check_linear_dtype(op, "b", b);
@@ -125,7 +175,11 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
     g.B = wm.data, g.ldb = wm.ld, g.trans_b = true;
     set_output(g, y, O);
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
-    cpu::gemm(g, ctx.resolved_threads());
+    // With relu_after, each piece of rows is rectified by the thread that computed it, in the
+    // product's region: no second pass over y and no region of its own.
+    ReluRows relu{y.raw_data(), O, bf16};
+    cpu::gemm_then(g, ctx.resolved_threads(), {},
+                   relu_after ? cpu::RowTask{&ReluRows::run, &relu} : cpu::RowTask{});
     return y;
   }
   Tensor y = Tensor::empty(y_shape, x.dtype());
@@ -135,15 +189,17 @@ Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b) {
     auto bits = [](const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); };
     ref::linear_forward_bf16(bits(xc), bits(wc), bc.defined() ? bits(bc) : nullptr,
                              static_cast<uint16_t*>(y.raw_data()), rows, I, O);
-    return y;
+    return relu_after ? relu(ctx, y) : y;
   }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_forward<F>(xc.data<F>(), wc.data<F>(), bc.defined() ? bc.data<F>() : nullptr,
                            y.data<F>(), rows, I, O);
   });
-  return y;
+  return relu_after ? relu(ctx, y) : y;
 }
+
+}  // namespace
 
 namespace {
 
@@ -168,10 +224,21 @@ int64_t check_linear_backward(const char* op, const Tensor& dy, const Tensor& x,
   return rows;
 }
 
+// relu_out, when defined, must be a tensor of x's shape and dtype (the ReLU output that fed the
+// layer).
+void check_relu_out(const char* op, const Tensor& relu_out, const Tensor& x) {
+  if (!relu_out.defined()) return;
+  check(relu_out.shape() == x.shape() && relu_out.dtype() == x.dtype(), op,
+        "relu_out is {} {}, expected x's shape {} and dtype {}", dtype_name(relu_out.dtype()),
+        shape_arg(relu_out.shape()), shape_arg(x.shape()), dtype_name(x.dtype()));
+}
+
 // The fast path's three products. With `sums`, dW and db are added into *sums.dW_sum and
-// *sums.db_sum (float32) instead of written to grads.dW and grads.db.
+// *sums.db_sum (float32) instead of written to grads.dW and grads.db. With relu_out, dx goes
+// through ReLU's backward (the row epilogue of dx's product).
 LinearGrads linear_backward_fast(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                                 bool has_bias, int64_t rows, const GradTargets& sums) {
+                                 bool has_bias, int64_t rows, const GradTargets& sums,
+                                 const Tensor& relu_out) {
   const int64_t I = W.dim(1), O = W.dim(0);
   LinearGrads grads;
   // bf16: each product accumulates in f32 and is rounded to bf16 once as it is stored.
@@ -220,7 +287,11 @@ LinearGrads linear_backward_fast(Context& ctx, const Tensor& dy, const Tensor& x
       }
     };
   }
-  cpu::gemm_then(gx, threads, task);
+  // dx through ReLU's backward, each piece of rows by the thread that computed it.
+  const Tensor mask = relu_out.defined() ? relu_out.contiguous() : Tensor();
+  ReluGradRows relu_grad{grads.dx.raw_data(), mask.defined() ? mask.raw_data() : nullptr, I, bf16};
+  cpu::gemm_then(gx, threads, task,
+                 mask.defined() ? cpu::RowTask{&ReluGradRows::run, &relu_grad} : cpu::RowTask{});
   if (has_bias && bf16) grads.db = grads.db.to(DType::BF16);
   //          dW (O, I) = dy^T (O, rows) * x (rows, I): the sum over rows is the contraction
   cpu::GemmArgs gw;
@@ -257,12 +328,27 @@ void add_into(Tensor& sum, const Tensor& g) {
   });
 }
 
+LinearGrads linear_backward_reference(const Tensor& dy, const Tensor& x, const Tensor& W,
+                                      bool has_bias, int64_t rows);
+
 }  // namespace
 
 LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                            bool has_bias) {
+                            bool has_bias, const Tensor& relu_out) {
   const int64_t rows = check_linear_backward("linear_backward", dy, x, W);
-  if (use_fast_path(ctx, x.dtype())) return linear_backward_fast(ctx, dy, x, W, has_bias, rows, {});
+  check_relu_out("linear_backward", relu_out, x);
+  if (use_fast_path(ctx, x.dtype()))
+    return linear_backward_fast(ctx, dy, x, W, has_bias, rows, {}, relu_out);
+  LinearGrads grads = linear_backward_reference(dy, x, W, has_bias, rows);
+  if (relu_out.defined()) grads.dx = relu_backward(ctx, grads.dx, relu_out);
+  return grads;
+}
+
+namespace {
+
+// The reference loops' gradients (kReference, float64).
+LinearGrads linear_backward_reference(const Tensor& dy, const Tensor& x, const Tensor& W,
+                                      bool has_bias, int64_t rows) {
   const int64_t I = W.dim(1), O = W.dim(0);
   const bool bf16 = x.dtype() == DType::BF16;
   LinearGrads grads;
@@ -286,10 +372,13 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
   return grads;
 }
 
+}  // namespace
+
 Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                                  Tensor& dW_sum, Tensor* db_sum) {
+                                  Tensor& dW_sum, Tensor* db_sum, const Tensor& relu_out) {
   constexpr const char* op = "linear_backward_accumulate";
   const int64_t rows = check_linear_backward(op, dy, x, W);
+  check_relu_out(op, relu_out, x);
   auto check_sum = [&](const char* name, const Tensor& t, const Shape& shape) {
     check(t.defined() && t.shape() == shape && t.dtype() == x.dtype() && t.is_contiguous(), op,
           "{} is {} {}{}, expected a contiguous {} tensor of shape {} (x's dtype)", name,
@@ -301,8 +390,9 @@ Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& 
   check_sum("dW_sum", dW_sum, W.shape());
   if (db_sum != nullptr) check_sum("db_sum", *db_sum, Shape{W.dim(0)});
   if (use_fast_path(ctx, x.dtype()) && x.dtype() == DType::F32)
-    return linear_backward_fast(ctx, dy, x, W, db_sum != nullptr, rows, {&dW_sum, db_sum}).dx;
-  LinearGrads g = linear_backward(ctx, dy, x, W, db_sum != nullptr);
+    return linear_backward_fast(ctx, dy, x, W, db_sum != nullptr, rows, {&dW_sum, db_sum}, relu_out)
+        .dx;
+  LinearGrads g = linear_backward(ctx, dy, x, W, db_sum != nullptr, relu_out);
   add_into(dW_sum, g.dW);
   if (db_sum != nullptr) add_into(*db_sum, g.db);
   return g.dx;

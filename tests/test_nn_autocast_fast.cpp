@@ -7,6 +7,7 @@
 //   - accumulating a bf16 gradient into a float32 one (nn/internal.hpp's accumulate, every
 //     autocast weight gradient) is the generic element-by-element sum;
 //   - Linear::forward(ctx, x, BF16) on a float32 x is Linear::forward(ctx, x) rounded to bf16;
+//     Linear::forward_relu / backward_relu are the separate relu passes;
 //   - PositionWiseFFN under autocast, whose hidden layer stays bf16 from dense1 to dense2, is the
 //     float32 round trip (dense1's y widened, relu in float32, rounded again by dense2) that it
 //     replaced, output and every gradient;
@@ -189,6 +190,42 @@ TEST(AutocastFast, FfnWithBf16HiddenIsTheFloat32RoundTrip) {
     expect_same_bits(ffn.dense1.bias.grad, old.dense1.bias.grad, "dense1.bias.grad");
     expect_same_bits(ffn.dense2.weight.grad, old.dense2.weight.grad, "dense2.weight.grad");
     expect_same_bits(ffn.dense2.bias.grad, old.dense2.bias.grad, "dense2.bias.grad");
+  }
+}
+
+// Linear::forward_relu / backward_relu (the FFN's fused ReLU) are forward + relu and
+// relu_backward + backward, bit for bit, output and gradients: float32, and under autocast with a
+// bf16 y / bf16 relu_out (fused) and a float32 one (masked after the widening); rows enough that
+// the products are cut into slices on 2 threads.
+TEST(AutocastFast, LinearReluIsTheSeparatePasses) {
+  const int64_t B = 3, T = 400, I = 48, O = 64;
+  for (const bool autocast : {false, true}) {
+    for (const DType y_dtype : {DType::F32, DType::BF16}) {
+      if (!autocast && y_dtype == DType::BF16) continue;
+      for (const int threads : {1, 2}) {
+        Context ctx;
+        ctx.threads = threads;
+        ctx.autocast_bf16 = autocast;
+        const std::string what = std::string(autocast ? "autocast " : "") +
+                                 std::string(dtype_name(y_dtype)) + " threads " +
+                                 std::to_string(threads);
+        nn::Linear fused(O, I, true, DType::F32, 5), plain(O, I, true, DType::F32, 5);
+        const Tensor x = random_tensor({B, T, I}, DType::F32, 31);
+        const Tensor y = fused.forward_relu(ctx, x, y_dtype);
+        const Tensor y_plain = relu(ctx, plain.forward(ctx, x, y_dtype));
+        expect_same_bits(y, y_plain, what + ": y");
+        // A second layer fed by the ReLU's output.
+        nn::Linear next(I, O, true, DType::F32, 6), next_plain(I, O, true, DType::F32, 6);
+        next.forward(ctx, y, DType::F32);
+        next_plain.forward(ctx, y_plain, DType::F32);
+        const Tensor dout = random_tensor({B, T, I}, DType::F32, 32);
+        const Tensor dy = next.backward_relu(ctx, dout, y);
+        const Tensor dy_plain = relu_backward(ctx, next_plain.backward(ctx, dout), y_plain);
+        expect_same_bits(dy, dy_plain, what + ": dy");
+        expect_same_bits(next.weight.grad, next_plain.weight.grad, what + ": weight.grad");
+        expect_same_bits(next.bias.grad, next_plain.bias.grad, what + ": bias.grad");
+      }
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 // linear / linear_backward: y = x W^T + b against the written-out formula, 2-D and 3-D x,
 // with and without bias, finite-difference gradients (float64) and bad input;
-// linear_backward_accumulate against linear_backward followed by the adds, bit for bit.
+// linear_backward_accumulate against linear_backward followed by the adds, bit for bit; the fused
+// ReLU (linear_relu, relu_out) against the separate passes, bit for bit.
 #include "attention_harness.hpp"
+#include "attn/ops/activation.hpp"
 #include "attn/ops/linear.hpp"
 #include "testing.hpp"
 
@@ -151,6 +153,57 @@ TEST(LinearBackwardAccumulate, IsTheGradientsAddedBitwise) {
   }
 }
 
+// linear_relu is relu(linear) and a relu_out in the backward is relu_backward(dx, relu_out), bit
+// for bit: every dtype and backend, 1 to 3 threads, products cut into slices and tail pieces
+// (3,040 rows) or not, a strided x; the weight and bias gradients do not change.
+TEST(LinearRelu, IsTheSeparatePassesBitwise) {
+  const std::vector<std::tuple<int64_t, int64_t, int64_t>> shapes = {
+      {5, 3, 2}, {97, 40, 33}, {3040, 128, 256}, {3040, 256, 128}};
+  for (const auto& [rows, in, out] : shapes) {
+    for (const DType dtype : {DType::F32, DType::BF16, DType::F64}) {
+      for (const Backend backend : {Backend::kAuto, Backend::kReference}) {
+        const bool loops = backend == Backend::kReference || dtype == DType::F64;
+        if (loops && rows * in * out > (int64_t{1} << 20)) continue;
+        for (const int threads : {1, 2, 3}) {
+          Context ctx;
+          ctx.backend = backend;
+          ctx.threads = threads;
+          const uint64_t seed = static_cast<uint64_t>(rows + in * 5 + out * 11);
+          const Tensor x =
+              random_tensor({2, rows / 2 + rows % 2, in + 3}, dtype, seed).slice(2, 1, in + 1);
+          const Tensor W = random_tensor({out, in}, dtype, seed + 1);
+          const Tensor b = random_tensor({out}, dtype, seed + 2);
+          const std::string what = std::to_string(rows) + "x" + std::to_string(in) + "x" +
+                                   std::to_string(out) + " " + std::string(dtype_name(dtype)) +
+                                   " threads " + std::to_string(threads) +
+                                   (backend == Backend::kReference ? " reference" : "");
+          // Forward: relu(linear) (about half the outputs are negative).
+          const Tensor y = linear_relu(ctx, x, W, b);
+          EXPECT_TRUE(bitwise_equal(y, relu(ctx, linear(ctx, x, W, b)))) << what;
+          EXPECT_TRUE(bitwise_equal(linear_relu(ctx, x, W), relu(ctx, linear(ctx, x, W)))) << what;
+          // Backward of a layer whose input is a ReLU's output: x itself rectified.
+          const Tensor xr = relu(ctx, x);
+          Shape y_shape = xr.shape();
+          y_shape.back() = out;
+          const Tensor dy = random_tensor(y_shape, dtype, seed + 3);
+          const LinearGrads plain = linear_backward(ctx, dy, xr, W, true);
+          const LinearGrads fused = linear_backward(ctx, dy, xr, W, true, xr);
+          EXPECT_TRUE(bitwise_equal(fused.dx, relu_backward(ctx, plain.dx, xr))) << what;
+          EXPECT_TRUE(bitwise_equal(fused.dW, plain.dW)) << what;
+          EXPECT_TRUE(bitwise_equal(fused.db, plain.db)) << what;
+          Tensor dW = Tensor::zeros({out, in}, dtype), db = Tensor::zeros({out}, dtype);
+          Tensor dW2 = dW.clone(), db2 = db.clone();
+          const Tensor dx = linear_backward_accumulate(ctx, dy, xr, W, dW, &db, xr);
+          const Tensor dx_plain = linear_backward_accumulate(ctx, dy, xr, W, dW2, &db2);
+          EXPECT_TRUE(bitwise_equal(dx, relu_backward(ctx, dx_plain, xr))) << what;
+          EXPECT_TRUE(bitwise_equal(dW, dW2)) << what;
+          EXPECT_TRUE(bitwise_equal(db, db2)) << what;
+        }
+      }
+    }
+  }
+}
+
 TEST(LinearErrors, BadInputNamesTheOp) {
   Context ctx;
   auto expect_error = [](auto&& f, const std::string& op) {
@@ -171,6 +224,18 @@ TEST(LinearErrors, BadInputNamesTheOp) {
   expect_error([&] { linear(ctx, x, W, b.to(DType::F32)); }, "linear");
   expect_error([&] { linear(ctx, Tensor::zeros({2, 4}, DType::I64), W); }, "linear");
   expect_error([&] { linear(ctx, Tensor(), W); }, "linear");
+  expect_error([&] { linear_relu(ctx, x, random_tensor({3, 5})); }, "linear_relu");
+  expect_error(
+      [&] {
+        linear_backward(ctx, random_tensor({2, 3}), x, W, true, random_tensor({2, 5}));
+      },
+      "linear_backward");
+  expect_error(
+      [&] {
+        Tensor dW = Tensor::zeros({3, 4});
+        linear_backward_accumulate(ctx, random_tensor({2, 3}), x, W, dW, nullptr, x.to(DType::F32));
+      },
+      "linear_backward_accumulate");
   expect_error(
       [&] {
         linear_backward(ctx, random_tensor({2, 4}), x, W, true);

@@ -129,6 +129,34 @@ void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, in
   });
 }
 
+void relu_in_place_f32(float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = y[i] < 0.0f ? 0.0f : y[i];
+}
+
+void relu_backward_in_place_f32(float* dx, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = dx[i];  // loaded unconditionally, so the select vectorises
+    dx[i] = x[i] > 0.0f ? g : 0.0f;
+  }
+}
+
+void relu_in_place_bf16(uint16_t* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    y[i] = bf16_to_float(y[i]) < 0.0f ? uint16_t{0} : y[i];
+}
+
+void relu_backward_in_place_bf16(uint16_t* dx, const uint16_t* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t g = dx[i];
+    dx[i] = bf16_to_float(x[i]) > 0.0f ? g : uint16_t{0};
+  }
+}
+
 // bf16 relu: widen (a shift), compare in float, keep the bits or 0; the select vectorises.
 void relu_forward_bf16(const uint16_t* x, uint16_t* y, int64_t n, int threads) {
   const int64_t chunks = chunks_of(n, kChunk);

@@ -45,6 +45,12 @@ void dropout_scale_f32(const float* dy, double factor, float* dx, int64_t n, dou
 // x and y (dy, x and dx) must not overlap.
 void relu_forward_f32(const float* x, float* y, int64_t n, int threads);
 void relu_backward_f32(const float* dy, const float* x, float* dx, int64_t n, int threads);
+// In place, on the calling thread (a GEMM's row epilogue: kernels/cpu/matmul.hpp's RowTask), with
+// the bits of relu_forward_f32 / relu_backward_f32: y = relu(y); dx = x > 0 ? dx : 0.
+void relu_in_place_f32(float* y, int64_t n);
+void relu_backward_in_place_f32(float* dx, const float* x, int64_t n);
+void relu_in_place_bf16(uint16_t* y, int64_t n);
+void relu_backward_in_place_bf16(uint16_t* dx, const uint16_t* x, int64_t n);
 // bfloat16 (uint16_t bits): ref::relu_forward_bf16 / relu_backward_bf16 in parallel chunks.
 void relu_forward_bf16(const uint16_t* x, uint16_t* y, int64_t n, int threads);
 void relu_backward_bf16(const uint16_t* dy, const uint16_t* x, uint16_t* dx, int64_t n,

@@ -342,8 +342,9 @@ void gemm(const GemmArgs& g, int threads) {
   gemm_then(g, threads, {});
 }
 
-void gemm_then(const GemmArgs& g, int threads, RegionTask task) {
-  const auto run_task_after = [&task] {
+void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
+  const auto run_task_after = [&] {
+    if (rows.run != nullptr && g.M > 0) rows.run(rows.data, 0, g.M);
     if (task.run != nullptr) task.run(task.data, 0, 1);
   };
   if (g.M <= 0 || g.N <= 0) return run_task_after();
@@ -374,10 +375,15 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task) {
       try {
         const int64_t begin = slice_start(cut.head, part, parts);
         const int64_t end = slice_start(cut.head, part + 1, parts);
-        if (end > begin) gemm(gemm_rows(g, begin, end), 1);
-        tail.run(part, [&](int64_t k) {
-          gemm(gemm_rows(g, cut.piece_start(k, g.M), cut.piece_start(k + 1, g.M)), 1);
-        });
+        // Each piece's rows, then the row task on them while they are in this thread's cache.
+        const auto piece = [&](int64_t r0, int64_t r1) {
+          if (r1 <= r0) return;
+          gemm(gemm_rows(g, r0, r1), 1);
+          if (rows.run != nullptr) rows.run(rows.data, r0, r1);
+        };
+        piece(begin, end);
+        tail.run(part,
+                 [&](int64_t k) { piece(cut.piece_start(k, g.M), cut.piece_start(k + 1, g.M)); });
         shares.run(part, [&](int64_t p) { task.run(task.data, static_cast<int>(p), task_parts); });
       } catch (...) {
 #pragma omp critical(attn_gemm_slice_error)

@@ -94,9 +94,19 @@ struct RegionTask {
   void* data = nullptr;
 };
 
-// gemm(args, threads), and `task` in the same region: in parts when the product is cut into
-// slices, else once as (0, 1) on the calling thread after the product.
-void gemm_then(const GemmArgs& args, int threads, RegionTask task);
+// Work on the product's own rows: run(data, begin, end) for rows [begin, end) of the output, by
+// the thread that has just computed them (while they are in its cache), once for every row;
+// rows are handed out in pieces of any size, and a row's result must not depend on the piece.
+// An elementwise epilogue (ReLU, a mask) runs here instead of in a pass of its own.
+struct RowTask {
+  void (*run)(void* data, int64_t begin, int64_t end) = nullptr;
+  void* data = nullptr;
+};
+
+// gemm(args, threads), `rows` on each piece of rows after it, and `task` in the same region: in
+// parts when the product is cut into slices, else the rows as (0, M) and the task as (0, 1) on
+// the calling thread after the product.
+void gemm_then(const GemmArgs& args, int threads, RegionTask task, RowTask rows = {});
 
 // The same product as gemm(), cut into panels of about M/16 output rows (multiples of 16, the
 // cut fixed by M alone) that `threads` OpenMP threads take on a dynamic schedule, each panel one

@@ -85,6 +85,14 @@ class Linear : public Module {
   // x's dtype.
   Tensor forward(Context& ctx, const Tensor& x, DType y_dtype);
 
+  // relu(forward(x, y_dtype)), the same bits, with ReLU applied to the product's rows in its own
+  // parallel region (ops linear_relu), and the backward of a layer whose input came out of a ReLU:
+  // backward(dy) taken through ReLU's backward at relu_out (the ReLU's output, this layer's
+  // input in the forward), dx = relu_backward(dy W, relu_out), in dx's product region. d2l's
+  // PositionWiseFFN: dense1.forward_relu, dense2.backward_relu.
+  Tensor forward_relu(Context& ctx, const Tensor& x, DType y_dtype);
+  Tensor backward_relu(Context& ctx, const Tensor& dy, const Tensor& relu_out);
+
   // Creates W (and b) for `in_features` inputs if still lazy; checks the width otherwise.
   void materialize(int64_t in_features, const char* op);
   // 0 while lazy; a loaded state dict fixes it as the first input does.
@@ -98,6 +106,9 @@ class Linear : public Module {
   int64_t out_features_, in_features_;
   bool has_bias_;
   uint64_t seed_;
+  Tensor forward_impl(Context& ctx, const Tensor& x, DType y_dtype, bool relu_after);
+  Tensor backward_impl(Context& ctx, const Tensor& dy, const Tensor& relu_out);
+
   Tensor x_;  // saved input (bf16 under autocast)
   // Under autocast: the bf16 copies of the weights the forward used, and the dtype x came in.
   Tensor w_bf16_, b_bf16_;

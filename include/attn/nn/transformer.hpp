@@ -84,7 +84,7 @@ class PositionWiseFFN : public Module {
   Linear dense1, dense2;
 
  private:
-  Tensor hidden_;  // dense1's output, before the relu
+  Tensor hidden_;  // relu(dense1(X)): dense2's input, and the mask of relu's backward
 };
 
 struct AddNormGrads {

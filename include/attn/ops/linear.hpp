@@ -18,14 +18,22 @@ namespace attn {
 
 Tensor linear(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b = {});
 
+// relu(linear(x, W, b)), the same bits. On the fast path each piece of the product's rows is
+// rectified by the thread that has just computed it, in the product's parallel region, instead
+// of in a second pass over y (the FFN's dense1, d2l's PositionWiseFFN).
+Tensor linear_relu(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b = {});
+
 struct LinearGrads {
   Tensor dx;  // (..., in)
   Tensor dW;  // (out, in)
   Tensor db;  // (out), undefined when the forward had no bias
 };
 // dx = dy W, dW = dy^T x (summed over leading dims), db = sum dy.
+// With relu_out (x's shape and dtype: the output of the ReLU that fed this layer, x itself when
+// x = relu(h)), dx is also taken through ReLU's backward: relu_backward(dy W, relu_out), the
+// same bits, on the fast path in dx's product region (the FFN's dense2).
 LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                            bool has_bias);
+                            bool has_bias, const Tensor& relu_out = {});
 
 // The same gradients as a training step keeps them: dW added into dW_sum (out, in) and, when
 // db_sum is given, db added into *db_sum (out); returns dx. The sums are contiguous, of x's dtype
@@ -36,8 +44,9 @@ LinearGrads linear_backward(Context& ctx, const Tensor& dy, const Tensor& x, con
 // zero_grad; on a nonzero dW_sum oneDNN adds the old value into its accumulator before the
 // contraction's blocks, so the last bit may differ from the separate add. db_sum is always the
 // separate add's bits. Other dtypes and backends compute the gradients and add them.
-// tests/test_ops_linear.cpp.
+// tests/test_ops_linear.cpp. relu_out as in linear_backward.
 Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& x, const Tensor& W,
-                                  Tensor& dW_sum, Tensor* db_sum = nullptr);
+                                  Tensor& dW_sum, Tensor* db_sum = nullptr,
+                                  const Tensor& relu_out = {});
 
 }  // namespace attn
