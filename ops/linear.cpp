@@ -1,4 +1,6 @@
-// linear / linear_backward: validation, then dispatch.
+// linear / linear_relu / linear_backward: validation, then dispatch (linear_relu and a relu_out
+// in the backward: the ReLU as a row epilogue of the product, cpu::RowTask; the reference paths
+// run relu / relu_backward after).
 //   backend kAuto or kCpu, float32  -> oneDNN matmul (kernels/cpu/matmul), strided views read in
 //                                      place (a copy only when rows do not share one stride)
 //   backend kAuto or kCpu, bfloat16 -> the same with GemmType::kBF16 and bf16 outputs: products
@@ -177,9 +179,9 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
     // With relu_after, each piece of rows is rectified by the thread that computed it, in the
     // product's region: no second pass over y and no region of its own.
-    ReluRows relu{y.raw_data(), O, bf16};
+    ReluRows rectify{y.raw_data(), O, bf16};
     cpu::gemm_then(g, ctx.resolved_threads(), {},
-                   relu_after ? cpu::RowTask{&ReluRows::run, &relu} : cpu::RowTask{});
+                   relu_after ? cpu::RowTask{&ReluRows::run, &rectify} : cpu::RowTask{});
     return y;
   }
   Tensor y = Tensor::empty(y_shape, x.dtype());
@@ -198,10 +200,6 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
   });
   return relu_after ? relu(ctx, y) : y;
 }
-
-}  // namespace
-
-namespace {
 
 // Where the parameter gradients go: fresh tensors (linear_backward) or sums added to in place
 // (linear_backward_accumulate: float32 on the fast path only).
