@@ -28,13 +28,16 @@ namespace attn::cpu {
 class TaskShares {
  public:
   TaskShares(int64_t n, int parts, int64_t grain = 1)
-      : n_(n),
-        grain_(std::max<int64_t>(1, grain)),
-        parts_(std::max(1, parts)),
-        next_(new Next[parts_]) {
+      : n_(n), grain_(std::max<int64_t>(1, grain)), parts_(std::max(1, parts)) {
+    if (parts_ > kInline) {
+      heap_.reset(new Next[parts_]);
+      next_ = heap_.get();
+    }
     for (int p = 0; p < parts_; ++p)
       next_[p].task.store(begin(p), std::memory_order_relaxed);
   }
+  TaskShares(const TaskShares&) = delete;  // next_ may point into the object itself
+  TaskShares& operator=(const TaskShares&) = delete;
 
   // Called by every thread of the region, with its thread number; returns when no task is left
   // unclaimed. A team smaller than `parts` is fine: the shares of absent threads are stolen.
@@ -56,9 +59,14 @@ class TaskShares {
   };
   int64_t begin(int p) const { return n_ * p / parts_; }
 
+  // Up to kInline shares live in the object (a region per parallel_for call: no allocation on
+  // the hot path); more on the heap.
+  static constexpr int kInline = 8;
   int64_t n_, grain_;
   int parts_;
-  std::unique_ptr<Next[]> next_;
+  Next inline_[kInline];
+  std::unique_ptr<Next[]> heap_;
+  Next* next_ = inline_;
 };
 
 }  // namespace attn::cpu
