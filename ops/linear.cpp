@@ -14,6 +14,7 @@
 #include "attn/core/dtype.hpp"
 #include "attn/ops/activation.hpp"
 #include "kernels/cpu/encoder_ops.hpp"
+#include "kernels/cpu/flash_bf16.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "kernels/ref/linear.hpp"
 #include "ops/common.hpp"
@@ -394,6 +395,10 @@ Tensor linear_backward_accumulate(Context& ctx, const Tensor& dy, const Tensor& 
   add_into(dW_sum, g.dW);
   if (db_sum != nullptr) add_into(*db_sum, g.db);
   return g.dx;
+}
+
+bool cpu_bf16_native() {
+  return cpu::gemm_bf16_native() && cpu::flash_bf16_native();
 }
 
 }  // namespace attn

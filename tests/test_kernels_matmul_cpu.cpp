@@ -12,6 +12,7 @@
 // dominated by rounding the inputs to 8 significant bits (relative 2^-9 each), and we check
 // ||C - C_exact||_F <= 1e-2 ||C_exact||_F, as DESIGN.md states for bf16.
 #include "attn/ops/linear.hpp"
+#include "kernels/cpu/gemm_rows.hpp"
 #include "kernels/cpu/matmul.hpp"
 #include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu/task_shares.hpp"
@@ -225,12 +226,16 @@ TEST(GemmCpu, FewRowsAgreeWithTheReference) {
   std::vector<float> out = big.c;
   cpu::gemm(big.args(out.data()), 1);
   EXPECT_TRUE(big.verify(out));
-  EXPECT_EQ(cpu::gemm_cache_size(), 1u);
+  // Where attn's row-exact kernel computes f32 (no AVX-512), no primitive is made.
+  EXPECT_EQ(cpu::gemm_cache_size(), cpu::gemm_rows_preferred() ? 0u : 1u);
 }
 
 // Large enough for a primitive and for two threads (kernels/cpu/parallel.hpp: one thread per
 // 2^22 flops), so that the thread count reaches the key.
 TEST(GemmCpu, CachesOnePrimitivePerConfiguration) {
+  if (cpu::gemm_rows_preferred())
+    GTEST_SKIP() << "no oneDNN primitive on this CPU: its f32 products run on attn's row-exact "
+                    "kernel (GemmRows tests)";
   cpu::gemm_cache_clear();
   Problem p{256, 128, 130, false, true, true, false, 0};
   p.fill(3);
@@ -503,6 +508,107 @@ TEST(GemmCpu, Bf16InputsF32Output) {
       }
     EXPECT_LE(std::sqrt(err2), 1e-2 * std::sqrt(ref2)) << p.name();
   }
+}
+
+// Where oneDNN has no bf16 matmul (below AVX-512) a bf16 product is the f32 product of the
+// widened inputs: bitwise what gemm() computes on f32 copies of them, on 1 and 2 threads (cut
+// into the same slices), in every layout, with the bias and the old C; a bf16 output is that
+// f32 value (plus the old bf16 value, with accumulate) rounded once. Forced on here, so that CPUs
+// with native bf16 test the path too.
+TEST(GemmCpu, WidenedBf16IsTheF32ProductOfTheWidenedInputs) {
+  std::mt19937_64 rng(9);
+  auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };
+  cpu::gemm_force_widened_bf16(true);
+  for (int i = 0; i < 40; ++i) {
+    Problem p{pick(),
+              pick(),
+              pick() * (i % 4 == 0 ? 8 : 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              static_cast<int64_t>(rng() % 2) * 3};
+    p.fill(300 + i);
+    const Problem::Bf16 m16 = p.as_bf16();
+    Problem wide = p;  // the same problem on the widened values, in f32
+    for (size_t j = 0; j < p.a.size(); ++j)
+      wide.a[j] = bf16_to_float(m16.a[j]);
+    for (size_t j = 0; j < p.b.size(); ++j)
+      wide.b[j] = bf16_to_float(m16.b[j]);
+    for (int threads : {1, 2}) {
+      std::vector<float> got = p.c, want = p.c;
+      cpu::gemm(p.bf16_args(m16, got.data()), threads);
+      cpu::gemm(wide.args(want.data()), threads);
+      ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+          << p.name() << " threads " << threads;
+      // A bf16 output: the f32 result (with the old value added in f32) rounded once.
+      std::vector<uint16_t> c16(p.c.size());
+      for (size_t j = 0; j < c16.size(); ++j)
+        c16[j] = float_to_bf16(p.c[j]);
+      const std::vector<uint16_t> c16_old = c16;
+      cpu::GemmArgs g = p.bf16_args(m16, nullptr);
+      g.C = nullptr, g.C_bf16 = c16.data() + Problem::kOffset;
+      cpu::gemm(g, threads);
+      std::vector<float> product = p.c;  // without the old C
+      cpu::GemmArgs w = wide.args(product.data());
+      w.accumulate = false;
+      cpu::gemm(w, threads);
+      for (int64_t m = 0; m < p.M; ++m)
+        for (int64_t n = 0; n < p.ldc; ++n) {
+          const size_t j = static_cast<size_t>(Problem::kOffset + m * p.ldc + n);
+          const float old = bf16_to_float(c16_old[j]);
+          const uint16_t expect =
+              n >= p.N ? c16_old[j] : float_to_bf16(p.accumulate ? old + product[j] : product[j]);
+          ASSERT_EQ(c16[j], expect)
+              << p.name() << " threads " << threads << " at " << m << "," << n;
+        }
+    }
+  }
+  cpu::gemm_force_widened_bf16(false);
+}
+
+// attn's row-exact f32 kernel (gemm_rows.hpp; what CPUs without AVX-512 run, forced on here where
+// the CPU has AVX2): within the f32 bound in every layout, and a row's bits are the same however
+// the rows are cut (pieces of 1, 2, 3, 7, 8, 16, 97 rows, as slices, tail pieces or the shards of
+// a data-parallel batch cut them) and on 1, 2 and 3 threads, trans_a included.
+TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
+  if (!cpu::gemm_rows_supported()) GTEST_SKIP() << "no AVX2 + FMA";
+  cpu::gemm_force_rows(true);
+  std::mt19937_64 rng(11);
+  auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };
+  for (int i = 0; i < 48; ++i) {
+    Problem p{pick() * (i % 3 == 0 ? 3 : 1),
+              pick(),
+              pick() * (i % 5 == 0 ? 4 : 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              bool(rng() & 1),
+              static_cast<int64_t>(rng() % 2) * 3};
+    p.fill(700 + i);
+    std::vector<float> whole = p.c;
+    cpu::gemm(p.args(whole.data()), 1);
+    ASSERT_TRUE(p.verify(whole));
+    for (int threads : {2, 3}) {
+      std::vector<float> out = p.c;
+      cpu::gemm(p.args(out.data()), threads);
+      ASSERT_EQ(0, std::memcmp(whole.data(), out.data(), out.size() * sizeof(float)))
+          << p.name() << " threads " << threads;
+    }
+    for (int64_t piece : {1, 2, 3, 7, 8, 16, 97}) {
+      std::vector<float> out = p.c;
+      for (int64_t m0 = 0; m0 < p.M; m0 += piece) {
+        cpu::GemmArgs g = p.args(out.data());
+        g.M = std::min(piece, p.M - m0);
+        g.A = p.a.data() + Problem::kOffset + (p.trans_a ? m0 : m0 * p.lda);
+        g.C = out.data() + Problem::kOffset + m0 * p.ldc;
+        cpu::gemm(g, 1);
+      }
+      ASSERT_EQ(0, std::memcmp(whole.data(), out.data(), out.size() * sizeof(float)))
+          << p.name() << " in pieces of " << piece << " rows";
+    }
+  }
+  cpu::gemm_force_rows(false);
 }
 
 // ---- The linear op: backend kCpu (oneDNN) against kReference (double accumulation) ----------

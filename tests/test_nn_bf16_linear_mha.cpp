@@ -219,6 +219,19 @@ TEST_P(Bf16Linear, FastMatchesReferenceAndFp32OnRoundedValues) {
   EXPECT_TRUE(within(y_fb, y_exact, y_exact, y_mag, Kf, kU, 1.0, "fallback y"));
   EXPECT_TRUE(within(g_fb.dx, g_exact.dx, g_exact.dx, g_mag.dx, c.out, kU, 1.0, "fallback dx"));
   EXPECT_TRUE(within(g_fb.dW, g_exact.dW, g_exact.dW, g_mag.dW, rows, kU, 1.0, "fallback dW"));
+
+  // So does the widened f32 product (what CPUs without AVX-512 run), and it is the f32 op on the
+  // widened inputs rounded once: bitwise, with the products cut over threads as that op cuts them.
+  cpu::gemm_force_widened_bf16(true);
+  Tensor y_w = linear(fast, x, W, b);
+  LinearGrads g_w = linear_backward(fast, dy, x, W, c.bias);
+  cpu::gemm_force_widened_bf16(false);
+  EXPECT_TRUE(within(y_w, y_exact, y_exact, y_mag, Kf, kU, 1.0, "widened y"));
+  EXPECT_TRUE(within(g_w.dx, g_exact.dx, g_exact.dx, g_mag.dx, c.out, kU, 1.0, "widened dx"));
+  EXPECT_TRUE(within(g_w.dW, g_exact.dW, g_exact.dW, g_mag.dW, rows, kU, 1.0, "widened dW"));
+  EXPECT_TRUE(same_bits(y_w, y32.to(DType::BF16), "widened y vs the f32 op"));
+  EXPECT_TRUE(same_bits(g_w.dx, g32.dx.to(DType::BF16), "widened dx vs the f32 op"));
+  EXPECT_TRUE(same_bits(g_w.dW, g32.dW.to(DType::BF16), "widened dW vs the f32 op"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Bf16Linear, ::testing::ValuesIn(kLinearCases),
@@ -227,7 +240,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, Bf16Linear, ::testing::ValuesIn(kLinearCases),
 // cpu::gemm with a bf16 output (what the linear op uses), also with the accumulate flag the op
 // does not use: C = RN(A B + bias + C_old), computed in f32, on oneDNN and on the fallback loop.
 TEST(Bf16Gemm, Bf16OutputWithBiasAndAccumulate) {
-  for (bool fallback : {false, true}) {
+  // 0: oneDNN's bf16 kernels (or, where it has none, the widened f32 product); 1: the plain-loop
+  // fallback; 2: the widened f32 product (what CPUs without AVX-512 run).
+  for (int mode : {0, 1, 2}) {
+    const bool fallback = mode == 1;
     for (bool accumulate : {false, true}) {
       const int64_t M = 37, N = 21, K = 70, ldc = N + 3;
       Tensor A = bf16_random({M, K}, 1), Bt = bf16_random({N, K}, 2);
@@ -243,8 +259,10 @@ TEST(Bf16Gemm, Bf16OutputWithBiasAndAccumulate) {
       g.accumulate = accumulate;
       g.type = cpu::GemmType::kBF16;
       cpu::gemm_force_fallback(fallback);
+      cpu::gemm_force_widened_bf16(mode == 2);
       cpu::gemm(g, 2);
       cpu::gemm_force_fallback(false);
+      cpu::gemm_force_widened_bf16(false);
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t n = 0; n < N; ++n) {
           double exact = bias.at({n}) + (accumulate ? C_old.at({m, n}) : 0.0),
@@ -255,7 +273,7 @@ TEST(Bf16Gemm, Bf16OutputWithBiasAndAccumulate) {
           }
           const double e = gamma_n(K + 3) * mag;
           ASSERT_LE(std::abs(C.at({m, n}) - exact), kU * (std::abs(exact) + e) + e)
-              << "fallback " << fallback << " accumulate " << accumulate << " at " << m << "," << n;
+              << "mode " << mode << " accumulate " << accumulate << " at " << m << "," << n;
         }
         for (int64_t n = N; n < ldc; ++n)  // the row padding is not written
           ASSERT_EQ(C.at({m, n}), C_old.at({m, n}));

@@ -2,6 +2,7 @@
 #include "kernels/cpu/matmul.hpp"
 
 #include "attn/core/dtype.hpp"
+#include "kernels/cpu/gemm_rows.hpp"
 #include "kernels/cpu/parallel_for.hpp"
 
 #include <omp.h>
@@ -234,25 +235,36 @@ struct ThreadPlan {
 
 std::atomic<uint64_t> cache_epoch{0};
 
-ThreadPlan& thread_plan(const GemmKey& key) {
+// Null when oneDNN rejects the configuration (remembered: creating a primitive that fails costs
+// as much as one that succeeds, and the caller's fallback runs on every call).
+ThreadPlan* thread_plan(const GemmKey& key) {
   thread_local std::unordered_map<GemmKey, ThreadPlan, GemmKeyHash> plans;
   thread_local uint64_t epoch = 0;
   if (const uint64_t now = cache_epoch.load(std::memory_order_acquire); now != epoch) {
     plans.clear();
     epoch = now;
   }
-  if (auto it = plans.find(key); it != plans.end()) return it->second;
+  if (auto it = plans.find(key); it != plans.end()) return it->second.plan ? &it->second : nullptr;
   std::shared_ptr<GemmPlan> plan;
+  bool known = false;
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
-    if (auto it = cache.find(key); it != cache.end()) plan = it->second;
+    if (auto it = cache.find(key); it != cache.end()) plan = it->second, known = true;
   }
-  if (!plan) {
+  if (!known) {
     // Created outside the lock (creating a primitive is slow next to a lookup); a concurrent
-    // duplicate is harmless.
-    plan = make_plan(key);
+    // duplicate is harmless. A rejected configuration is cached as a null plan.
+    try {
+      plan = make_plan(key);
+    } catch (const dnnl::error&) {
+      plan = nullptr;
+    }
     std::lock_guard<std::mutex> lock(cache_mutex);
     cache.emplace(key, plan);
+  }
+  if (!plan) {
+    plans.emplace(key, ThreadPlan{});
+    return nullptr;
   }
   auto& eng = cpu_engine();
   ThreadPlan tp;
@@ -269,7 +281,7 @@ ThreadPlan& thread_plan(const GemmKey& key) {
     tp.args.emplace(DNNL_ARG_BIAS, tp.bias);
   }
   tp.plan = std::move(plan);
-  return plans.emplace(key, std::move(tp)).first->second;
+  return &plans.emplace(key, std::move(tp)).first->second;
 }
 
 // How gemm() shares a product between threads: `parts` slices of the output's rows (M), each one
@@ -311,9 +323,19 @@ Cut gemm_cut(int64_t M, int slices) {
   return c;
 }
 
+std::atomic<bool> force_rows{false};
+
+// Whether this float32 product runs on gemm_rows_f32 (gemm_rows.hpp: CPUs where oneDNN's kernel
+// would make a row's bits depend on M), whose rows are exact in any slice, trans_a included.
+bool rows_kernel(const GemmArgs& g) {
+  return g.type == GemmType::kF32 &&
+         (gemm_rows_preferred() ||
+          (force_rows.load(std::memory_order_relaxed) && gemm_rows_supported()));
+}
+
 // The slices gemm() cuts a product into on `threads` threads; 1: none.
 int gemm_slices(const GemmArgs& g, int threads) {
-  if (threads <= 1 || g.trans_a || omp_in_parallel()) return 1;
+  if (threads <= 1 || (g.trans_a && !rows_kernel(g)) || omp_in_parallel()) return 1;
   return g.M >= threads * kMinSlice ? threads : 1;
 }
 
@@ -328,15 +350,40 @@ GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
   const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
   GemmArgs s = g;
   s.M = end - begin;
-  s.A = static_cast<const std::byte*>(g.A) + static_cast<size_t>(begin * g.lda) * in_bytes;
+  // Row m of op(A): row m of A, or column m of A's storage (trans_a).
+  const int64_t a_row_step = g.trans_a ? 1 : g.lda;
+  s.A = static_cast<const std::byte*>(g.A) + static_cast<size_t>(begin * a_row_step) * in_bytes;
   if (g.C != nullptr) s.C = g.C + begin * g.ldc;
   if (g.C_bf16 != nullptr) s.C_bf16 = g.C_bf16 + begin * g.ldc;
   return s;
 }
 
-void gemm_one(const GemmArgs& g, const GemmKey& key);  // below
+void gemm_one(const GemmArgs& g, const GemmKey& key);                              // below
+void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows);  // below
+
+std::atomic<bool> force_widened{false};
+
+// Whether oneDNN multiplies bf16 matrices on this CPU (AVX-512 and up; probed once with a small
+// plan). Below AVX-512 (Zen 2 and 3, Intel's client cores before AVX10) oneDNN 2.6 rejects every
+// bf16 matmul.
+bool onednn_bf16() {
+  static const bool native = [] {
+    try {
+      (void)make_plan(GemmKey{16, 16, 16, 16, 16, 16, 1, static_cast<uint8_t>(GemmType::kBF16),
+                              false, true, false, false, false});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return native;
+}
 
 }  // namespace
+
+bool gemm_bf16_native() {
+  return onednn_bf16();
+}
 
 void gemm(const GemmArgs& g, int threads) {
   gemm_then(g, threads, {});
@@ -359,6 +406,9 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     gemm_fallback(g);
     return run_task_after();
   }
+  if (g.type == GemmType::kBF16 &&
+      (force_widened.load(std::memory_order_relaxed) || !onednn_bf16()))
+    return gemm_widened(g, threads, task, rows);
   threads = gemm_threads(g, threads);
   if (const int slices = gemm_slices(g, threads); slices > 1) {
     // The task in kTaskPartsPerThread parts per thread, each thread's own first, then stolen
@@ -417,23 +467,105 @@ namespace {
 
 // One product on oneDNN's threads (as many as the key says), or the small-product path.
 void gemm_one(const GemmArgs& g, const GemmKey& key) {
+  if (rows_kernel(g)) return gemm_rows_f32(g);
   if (small_gemm(g)) return small_gemm_f32(g);
   try {
-    ThreadPlan& tp = thread_plan(key);
+    ThreadPlan* tp = thread_plan(key);
+    if (tp == nullptr) {
+      // Rejected: a bf16 product through float (gemm_widened), anything else the plain loop.
+      if (g.type == GemmType::kBF16) return gemm_widened(g, 1, {}, {});
+      return gemm_fallback(g);
+    }
     // Rebind the plan's memory objects to this call's buffers: no memory objects and no argument
     // map are built per call (their allocations were a tenth of a small decode step).
-    tp.a.set_data_handle(const_cast<void*>(g.A));  // oneDNN only reads src and weights
-    tp.b.set_data_handle(const_cast<void*>(g.B));
-    tp.c.set_data_handle(g.C_bf16 != nullptr ? static_cast<void*>(g.C_bf16) : g.C);
-    if (const size_t bytes = tp.plan->scratch_md.get_size(); bytes > 0)
-      tp.scratch.set_data_handle(scratchpad(bytes));
-    if (g.bias) tp.bias.set_data_handle(const_cast<float*>(g.bias));
+    tp->a.set_data_handle(const_cast<void*>(g.A));  // oneDNN only reads src and weights
+    tp->b.set_data_handle(const_cast<void*>(g.B));
+    tp->c.set_data_handle(g.C_bf16 != nullptr ? static_cast<void*>(g.C_bf16) : g.C);
+    if (const size_t bytes = tp->plan->scratch_md.get_size(); bytes > 0)
+      tp->scratch.set_data_handle(scratchpad(bytes));
+    if (g.bias) tp->bias.set_data_handle(const_cast<float*>(g.bias));
     auto& stream = thread_stream();
-    tp.plan->primitive.execute(stream, tp.args);
+    tp->plan->primitive.execute(stream, tp->args);
     stream.wait();
   } catch (const dnnl::error&) {
     gemm_fallback(g);
   }
+}
+
+// A bf16 output's rows [r0, r1) from the float product c32 (M, N): each value (plus the old
+// output, with accumulate, added in float) rounded once to nearest even; then the caller's row
+// task on them.
+struct RoundRows {
+  const GemmArgs* g;
+  const float* c32;
+  RowTask then;
+  static void run(void* data, int64_t r0, int64_t r1) {
+    const auto& t = *static_cast<const RoundRows*>(data);
+    const GemmArgs& g = *t.g;
+    for (int64_t m = r0; m < r1; ++m) {
+      const float* in = t.c32 + m * g.N;
+      uint16_t* out = g.C_bf16 + m * g.ldc;
+      if (g.accumulate) {
+        for (int64_t n = 0; n < g.N; ++n)
+          out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
+      } else {
+        floats_to_bf16(in, out, g.N);
+      }
+    }
+    if (t.then.run != nullptr) t.then.run(t.then.data, r0, r1);
+  }
+};
+
+// A bf16 product where oneDNN has no bf16 matmul (onednn_bf16() false). A and B are widened to
+// float, which is exact, and the float product runs as any other (the same cut, threads, row and
+// region tasks); a bf16 output is rounded as its rows are done, by the thread that computed them.
+// The native contract holds: each product of two bf16 values is exact in float, the sums are in
+// float, one rounding at the end; only the order of the sums is the float kernel's (as it differs
+// between oneDNN's bf16 kernels too). The plain loop that computed these before ran on one
+// thread: a bf16 training step was 20x slower than float32 on Zen 3 (257 against 5.3k tokens/s).
+void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
+  // The stored matrices: A (M, K) or, trans_a, (K, M); B (K, N) or, trans_b, (N, K).
+  const int64_t a_rows = g.trans_a ? g.K : g.M, a_cols = g.trans_a ? g.M : g.K;
+  const int64_t b_rows = g.trans_b ? g.N : g.K, b_cols = g.trans_b ? g.K : g.N;
+  const int64_t a_size = a_rows * a_cols, b_size = b_rows * b_cols;
+  const int64_t c_size = g.C_bf16 != nullptr ? g.M * g.N : 0;
+  // The calling thread's buffer, grown to the largest product it has widened (the region's other
+  // threads only read it, and gemm_then below does not come back here: its product is float).
+  thread_local std::vector<float> buffer;
+  const auto need = static_cast<size_t>(a_size + b_size + c_size);
+  if (buffer.size() < need) buffer.resize(need);
+  float* a32 = buffer.data();
+  float* b32 = a32 + a_size;
+  float* c32 = b32 + b_size;
+  // Both widenings in one region, in tasks of about 16K elements (whole rows).
+  const auto* a16 = static_cast<const uint16_t*>(g.A);
+  const auto* b16 = static_cast<const uint16_t*>(g.B);
+  constexpr int64_t kTaskElements = int64_t{1} << 14;
+  const int64_t a_step = std::max<int64_t>(1, kTaskElements / std::max<int64_t>(1, a_cols));
+  const int64_t b_step = std::max<int64_t>(1, kTaskElements / std::max<int64_t>(1, b_cols));
+  const int64_t a_tasks = (a_rows + a_step - 1) / a_step, b_tasks = (b_rows + b_step - 1) / b_step;
+  const int team = omp_in_parallel() || a_size + b_size < 2 * kTaskElements ? 1 : threads;
+  parallel_for(a_tasks + b_tasks, team, [&](int64_t t) {
+    const bool is_a = t < a_tasks;
+    const int64_t step = is_a ? a_step : b_step, rows_total = is_a ? a_rows : b_rows;
+    const int64_t cols = is_a ? a_cols : b_cols, ld = is_a ? g.lda : g.ldb;
+    const uint16_t* src = is_a ? a16 : b16;
+    float* dst = is_a ? a32 : b32;
+    const int64_t r0 = (is_a ? t : t - a_tasks) * step, r1 = std::min(rows_total, r0 + step);
+    for (int64_t r = r0; r < r1; ++r)
+      bf16_to_floats(src + r * ld, dst + r * cols, cols);
+  });
+  GemmArgs f = g;
+  f.type = GemmType::kF32;
+  f.A = a32, f.lda = a_cols;
+  f.B = b32, f.ldb = b_cols;
+  RoundRows round{&g, c32, rows};
+  if (g.C_bf16 != nullptr) {
+    f.C_bf16 = nullptr;
+    f.C = c32, f.ldc = g.N, f.accumulate = false;  // the old value is added as the rows round
+    rows = RowTask{&RoundRows::run, &round};
+  }
+  gemm_then(f, threads, task, rows);
 }
 
 }  // namespace
@@ -561,6 +693,14 @@ void column_sum_part(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, flo
 
 void gemm_force_fallback(bool on) {
   force_fallback.store(on, std::memory_order_relaxed);
+}
+
+void gemm_force_rows(bool on) {
+  force_rows.store(on, std::memory_order_relaxed);
+}
+
+void gemm_force_widened_bf16(bool on) {
+  force_widened.store(on, std::memory_order_relaxed);
 }
 
 size_t gemm_cache_size() {

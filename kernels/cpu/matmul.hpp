@@ -20,14 +20,21 @@
 // linear). Accumulation is always f32 (a product of two bf16 values is exact in f32). Which code
 // runs bf16 (oneDNN 2.6, checked with ONEDNN_VERBOSE and ONEDNN_MAX_CPU_ISA): AVX512-BF16 (Zen 4+,
 // Cooper Lake+) the native brgemm kernels (vdpbf16ps, which flushes subnormals to zero); AVX512
-// without BF16 an emulated jit GEMM; below AVX512 oneDNN has no bf16 matmul and rejects the
-// configuration, so the plain loop below computes it (correct but slow: single-threaded, no
-// blocking).
+// without BF16 an emulated jit GEMM; below AVX512 (AVX2: Zen 2 and 3, Intel's client cores)
+// oneDNN has no bf16 matmul and rejects the configuration, so A and B are widened to f32 (exact)
+// and the f32 product runs, the output rounded once as above (gemm_bf16_native() says which).
+//
+// Float32 products on x86-64 CPUs without AVX-512 (AVX2 + FMA: Zen 2 and 3, Intel's client
+// cores) run on attn's own kernel instead (gemm_rows.hpp): there oneDNN runs its jit sgemm,
+// whose bits for a row depend on how many rows come with it, which broke every "same bits for
+// any thread count" promise below; attn's kernel computes each element as one FMA chain over k
+// in order, so a row's bits depend on nothing else.
 //
 // Threads: `threads` (resolve Context::threads first, >= 1). A plain or trans_b product of at
 // least 32 rows per thread is cut into that many slices of rows (multiples of 16), each a
 // single-thread oneDNN primitive, in one OpenMP region: even work per thread, and a slice's rows
-// have the single-thread product's bits (matmul.cpp has the figures). Any other product runs on
+// have the single-thread product's bits (matmul.cpp has the figures). On attn's own kernel
+// trans_a products are cut the same way. Any other product runs on
 // oneDNN's own threads: `threads` is applied with omp_set_num_threads around primitive creation
 // and execution and restored afterwards, and is part of the cache key, because oneDNN fixes its
 // work partition when the primitive is created. Call from outside an OpenMP parallel region
@@ -140,6 +147,17 @@ void column_sum_part(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, flo
 // Tests only: while on, every gemm() runs the plain-loop fallback that otherwise serves the
 // configurations oneDNN rejects (so that path stays tested on CPUs where oneDNN takes all).
 void gemm_force_fallback(bool on);
+// Tests only: while on, every f32 gemm() runs attn's row-exact kernel (gemm_rows.hpp) where the
+// CPU supports it (AVX2 + FMA), as CPUs without AVX-512 do, so that AVX-512 machines test it.
+void gemm_force_rows(bool on);
+
+// Tests only: while on, every bf16 gemm() widens its inputs and runs the f32 product, as on a
+// CPU where oneDNN has no bf16 matmul (so that path stays tested on CPUs that have one).
+void gemm_force_widened_bf16(bool on);
+
+// Whether oneDNN multiplies bf16 matrices natively on this CPU (AVX-512 and up). When false, bf16
+// products are f32 products of the widened inputs: no faster than f32, plus the conversions.
+bool gemm_bf16_native();
 
 // Number of primitives in the cache (tests and benchmarks), and a way to empty it.
 size_t gemm_cache_size();

@@ -371,6 +371,10 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       a.num_hiddens, a.ffn_num_hiddens, a.num_heads, a.num_blks, a.pe, a.dropout,
       trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed, a.precision,
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
+  if (o.precision != model::Precision::kFloat32 && o.device == Device::kCpu && !cpu_bf16_native())
+    progress.line(
+        "note: this CPU has no bfloat16 arithmetic (AVX512-BF16): bf16's products run as "
+        "float32 products of the rounded values, with its precision but no faster than fp32");
   progress.line(fmt::format("evaluation: {}", src.eval_name));
   if (o.device != Device::kCpu)
     progress.line(

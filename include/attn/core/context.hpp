@@ -19,6 +19,12 @@ enum class Backend : uint8_t {
 };
 
 const char* backend_name(Backend b);
+
+// Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16: oneDNN's bf16 matmul and the
+// fused attention's bf16 kernels). Without it mixed precision keeps its contract (bf16 inputs,
+// float32 sums, one rounding) by widening to float32: the same results' precision, no faster
+// than float32, so `attn train --precision bf16` says so.
+bool cpu_bf16_native();
 // Parses "auto", "reference"/"ref", "cpu"; throws Error otherwise.
 Backend parse_backend(const std::string& name);
 

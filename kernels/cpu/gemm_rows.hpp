@@ -1,0 +1,25 @@
+// The f32 GEMM attn runs itself where oneDNN's would make a row's bits depend on the rows beside
+// it: every element is one fused multiply-add chain over k in order (from 0), then + bias, then
+// + the old C, so a row comes out the same whatever M, whatever slice or shard it is computed
+// in. cpu::gemm() (matmul.cpp) takes it for float32 products on x86-64 CPUs with AVX2 and FMA but
+// without AVX-512, where oneDNN 2.6 runs its jit sgemm ("gemm:jit"): that kernel's bits depend
+// on M in a way no cut can follow (an ad hoc probe: a 3040 x 128 x 128 product in pieces of 8 rows
+// differed from the whole in 756 of its rows, in pieces of 16 in 4, in pieces of 3 in all of
+// them), so 1 and 2 threads, or 1 and 4 data-parallel ranks, trained different models there. On
+// AVX-512 oneDNN's brgemm keeps a row's bits, and stays.
+#pragma once
+
+#include "kernels/cpu/matmul.hpp"
+
+namespace attn::cpu {
+
+// Whether this CPU runs gemm_rows_f32 (x86-64 with AVX2 and FMA), and whether cpu::gemm() uses
+// it for float32 products (the same, and no AVX-512 F).
+bool gemm_rows_supported();
+bool gemm_rows_preferred();
+
+// C = op(A) op(B) (+ bias) (+ C) for GemmType::kF32 args (matmul.hpp's layouts), on the calling
+// thread. Requires gemm_rows_supported().
+void gemm_rows_f32(const GemmArgs& g);
+
+}  // namespace attn::cpu
