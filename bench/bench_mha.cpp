@@ -37,6 +37,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <string>
 #include <vector>
 
 namespace {
@@ -358,6 +359,42 @@ void BM_GemmPeak(benchmark::State& state) {
   set_counters(state, 2.0 * n * n * n);
 }
 
+// The linear layers' products of the d2l encoder's training step (B 32 x T 128 = 4096 tokens,
+// E 128, FFN 256, Q/K/V fused: 384), on either f32 kernel: range(0) the shape, range(1) the
+// kernel (1 oneDNN, 2 attn's row-exact one, gemm_rows.hpp; what CPUs without AVX-512 run).
+// Each pair runs back to back, so the two share the host's state of the moment.
+void BM_GemmLinear(benchmark::State& state) {
+  struct Product {
+    const char* name;
+    int64_t M, N, K;
+    bool trans_a, trans_b;
+  };
+  static constexpr Product kProducts[] = {
+      {"fwd_qkv", 4096, 384, 128, false, true},  {"fwd_128", 4096, 128, 128, false, true},
+      {"fwd_ffn1", 4096, 256, 128, false, true}, {"fwd_ffn2", 4096, 128, 256, false, true},
+      {"dx_qkv", 4096, 128, 384, false, false},  {"dx_128", 4096, 128, 128, false, false},
+      {"dW_qkv", 384, 128, 4096, true, false},   {"dW_128", 128, 128, 4096, true, false}};
+  const Product& p = kProducts[state.range(0)];
+  const auto kernel =
+      state.range(1) == 1 ? attn::cpu::GemmF32Kernel::kOneDnn : attn::cpu::GemmF32Kernel::kRows;
+  attn::Tensor a = random({p.trans_a ? p.K : p.M, p.trans_a ? p.M : p.K}, 14);
+  attn::Tensor b = random({p.trans_b ? p.N : p.K, p.trans_b ? p.K : p.N}, 15);
+  attn::Tensor c = attn::Tensor::empty({p.M, p.N});
+  attn::cpu::GemmArgs g;
+  g.M = p.M, g.N = p.N, g.K = p.K;
+  g.A = a.raw_data(), g.lda = a.dim(1), g.trans_a = p.trans_a;
+  g.B = b.raw_data(), g.ldb = b.dim(1), g.trans_b = p.trans_b;
+  g.C = c.data<float>(), g.ldc = p.N;
+  attn::cpu::gemm_set_f32_kernel(kernel);
+  for (auto _ : state) {
+    attn::cpu::gemm(g, bench_threads());
+    benchmark::DoNotOptimize(c.raw_data());
+  }
+  attn::cpu::gemm_set_f32_kernel(attn::cpu::GemmF32Kernel::kAuto);
+  state.SetLabel(std::string(p.name) + (state.range(1) == 1 ? " oneDNN" : " attn_rows"));
+  set_counters(state, 2.0 * static_cast<double>(p.M * p.N * p.K));
+}
+
 // Real time decides; the CPU time reported is the whole process's (all OpenMP threads), which on
 // a shared machine, with OMP_WAIT_POLICY=PASSIVE, is a load-robust second estimate.
 #define ATTN_MHA_BENCH(fn)            \
@@ -385,6 +422,11 @@ ATTN_MHA_BENCH(BM_ProjectionQkvForwardBf16);
 ATTN_MHA_BENCH(BM_ProjectionBackwardBf16);
 ATTN_MHA_BENCH(BM_AttentionCoreForwardBf16);
 ATTN_MHA_BENCH(BM_AttentionCoreBackwardBf16);
+BENCHMARK(BM_GemmLinear)
+    ->ArgsProduct({{0, 1, 2, 3, 4, 5, 6, 7}, {1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MeasureProcessCPUTime();
 BENCHMARK(BM_GemmPeak)
     ->Arg(2048)
     ->Unit(benchmark::kMillisecond)

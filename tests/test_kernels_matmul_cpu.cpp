@@ -573,7 +573,7 @@ TEST(GemmCpu, WidenedBf16IsTheF32ProductOfTheWidenedInputs) {
 // a data-parallel batch cut them) and on 1, 2 and 3 threads, trans_a included.
 TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
   if (!cpu::gemm_rows_supported()) GTEST_SKIP() << "no AVX2 + FMA";
-  cpu::gemm_force_rows(true);
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kRows);
   std::mt19937_64 rng(11);
   auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };
   for (int i = 0; i < 48; ++i) {
@@ -608,7 +608,7 @@ TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
           << p.name() << " in pieces of " << piece << " rows";
     }
   }
-  cpu::gemm_force_rows(false);
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kAuto);
 }
 
 // ---- The linear op: backend kCpu (oneDNN) against kReference (double accumulation) ----------

@@ -114,16 +114,44 @@ bool gemm_rows_preferred() {
   return ok;
 }
 
-void gemm_rows_f32(const GemmArgs& g) {
+int64_t gemm_rows_packed_size(const GemmArgs& g) {
+  return (g.N + kPanel - 1) / kPanel * g.K * kPanel;
+}
+
+void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1) {
+  const auto* B = static_cast<const float*>(g.B);
+  const int64_t N = g.N, K = g.K;
+  for (int64_t p = p0; p < p1; ++p) {
+    float* dst = packed + p * K * kPanel;
+    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    if (g.trans_b) {
+      // B stored (N, K): column c of the panel is row n0 + c of B, read along k.
+      for (int64_t c = 0; c < kPanel; ++c) {
+        if (c >= cols) {
+          for (int64_t k = 0; k < K; ++k)
+            dst[k * kPanel + c] = 0.0f;
+          continue;
+        }
+        const float* src = B + (n0 + c) * g.ldb;
+        for (int64_t k = 0; k < K; ++k)
+          dst[k * kPanel + c] = src[k];
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      float* row = dst + k * kPanel;
+      std::copy_n(B + k * g.ldb + n0, cols, row);
+      std::fill(row + cols, row + kPanel, 0.0f);
+    }
+  }
+}
+
+void gemm_rows_f32(const GemmArgs& g, const float* packed) {
   const int64_t M = g.M, N = g.N, K = g.K;
   if (M <= 0 || N <= 0) return;
   const auto* A = static_cast<const float*>(g.A);
-  const auto* B = static_cast<const float*>(g.B);
   const int64_t a_rs = g.trans_a ? 1 : g.lda, a_ks = g.trans_a ? g.lda : 1;
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  // op(B) packed in panels of 16 columns, k-major (16 floats per k, zeros past N): every tile
-  // then reads one aligned, contiguous stream of B (reading B in place where its rows allowed it
-  // ran 5-15% slower on Zen 3).
   thread_local std::vector<float> packed_buffer, partial_buffer;
   // 64-byte aligned, so that no 32-byte load of a packed row splits a cache line.
   const auto aligned = [](std::vector<float>& v, int64_t n) {
@@ -131,20 +159,10 @@ void gemm_rows_f32(const GemmArgs& g) {
     const auto address = reinterpret_cast<uintptr_t>(v.data());
     return v.data() + ((64 - address % 64) % 64) / sizeof(float);
   };
-  float* packed = aligned(packed_buffer, panels * K * kPanel);
-  for (int64_t p = 0; p < panels; ++p) {
-    float* dst = packed + p * K * kPanel;
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-    for (int64_t k = 0; k < K; ++k) {
-      float* row = dst + k * kPanel;
-      if (!g.trans_b && cols == kPanel) {
-        std::copy_n(B + k * g.ldb + n0, kPanel, row);
-        continue;
-      }
-      for (int64_t c = 0; c < cols; ++c)
-        row[c] = g.trans_b ? B[(n0 + c) * g.ldb + k] : B[k * g.ldb + n0 + c];
-      std::fill(row + cols, row + kPanel, 0.0f);
-    }
+  if (packed == nullptr) {
+    float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
+    gemm_rows_pack_panels(g, own, 0, panels);
+    packed = own;
   }
   // The partial sums of one block of rows, every panel, while k runs in blocks: (panels,
   // kRowBlock, 16).
@@ -180,7 +198,11 @@ bool gemm_rows_supported() {
 bool gemm_rows_preferred() {
   return false;
 }
-void gemm_rows_f32(const GemmArgs&) {}
+int64_t gemm_rows_packed_size(const GemmArgs&) {
+  return 0;
+}
+void gemm_rows_pack_panels(const GemmArgs&, float*, int64_t, int64_t) {}
+void gemm_rows_f32(const GemmArgs&, const float*) {}
 
 #endif
 

@@ -19,7 +19,14 @@ bool gemm_rows_supported();
 bool gemm_rows_preferred();
 
 // C = op(A) op(B) (+ bias) (+ C) for GemmType::kF32 args (matmul.hpp's layouts), on the calling
-// thread. Requires gemm_rows_supported().
-void gemm_rows_f32(const GemmArgs& g);
+// thread. Requires gemm_rows_supported(). `packed`: op(B) as gemm_rows_pack_panels wrote it for
+// the same B (any rows of A, so that the slices of one product share one packing), or null to
+// pack here.
+void gemm_rows_f32(const GemmArgs& g, const float* packed = nullptr);
+
+// op(B) in panels of 16 columns, k-major, zeros past N: gemm_rows_packed_size(g) floats (best
+// 64-byte aligned); panels [p0, p1) of the (N + 15) / 16.
+int64_t gemm_rows_packed_size(const GemmArgs& g);
+void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1);
 
 }  // namespace attn::cpu

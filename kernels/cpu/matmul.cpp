@@ -323,14 +323,31 @@ Cut gemm_cut(int64_t M, int slices) {
   return c;
 }
 
-std::atomic<bool> force_rows{false};
+std::atomic<GemmF32Kernel> f32_kernel{GemmF32Kernel::kAuto};
 
 // Whether this float32 product runs on gemm_rows_f32 (gemm_rows.hpp: CPUs where oneDNN's kernel
 // would make a row's bits depend on M), whose rows are exact in any slice, trans_a included.
 bool rows_kernel(const GemmArgs& g) {
-  return g.type == GemmType::kF32 &&
-         (gemm_rows_preferred() ||
-          (force_rows.load(std::memory_order_relaxed) && gemm_rows_supported()));
+  if (g.type != GemmType::kF32) return false;
+  switch (f32_kernel.load(std::memory_order_relaxed)) {
+    case GemmF32Kernel::kOneDnn:
+      return false;
+    case GemmF32Kernel::kRows:
+      return gemm_rows_supported();
+    case GemmF32Kernel::kAuto:
+      break;
+  }
+  return gemm_rows_preferred();
+}
+
+// The calling thread's buffer for op(B) packed once for every slice of a product (gemm_rows.hpp),
+// grown to the largest, 64-byte aligned.
+float* shared_packing(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < static_cast<size_t>(floats + 16))
+    buffer.resize(static_cast<size_t>(floats + 16));
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
 }
 
 // The slices gemm() cuts a product into on `threads` threads; 1: none.
@@ -417,18 +434,29 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     TaskShares shares(task_parts, slices);
     const Cut cut = gemm_cut(g.M, slices);
     TaskShares tail(cut.pieces, slices);
+    // attn's row-exact kernel: op(B) packed once for every slice, its panels by the threads.
+    float* packed = rows_kernel(g) ? shared_packing(gemm_rows_packed_size(g)) : nullptr;
+    const int64_t panels = (g.N + 15) / 16;
     // No exception may leave the region: the first one is kept and rethrown after it.
     std::exception_ptr error;
 #pragma omp parallel num_threads(slices)
     {
       const int part = omp_get_thread_num(), parts = slices;
+      if (packed != nullptr) {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+          gemm_rows_pack_panels(g, packed, p, p + 1);
+      }
       try {
         const int64_t begin = slice_start(cut.head, part, parts);
         const int64_t end = slice_start(cut.head, part + 1, parts);
         // Each piece's rows, then the row task on them while they are in this thread's cache.
         const auto piece = [&](int64_t r0, int64_t r1) {
           if (r1 <= r0) return;
-          gemm(gemm_rows(g, r0, r1), 1);
+          if (packed != nullptr)
+            gemm_rows_f32(gemm_rows(g, r0, r1), packed);
+          else
+            gemm(gemm_rows(g, r0, r1), 1);
           if (rows.run != nullptr) rows.run(rows.data, r0, r1);
         };
         piece(begin, end);
@@ -695,8 +723,8 @@ void gemm_force_fallback(bool on) {
   force_fallback.store(on, std::memory_order_relaxed);
 }
 
-void gemm_force_rows(bool on) {
-  force_rows.store(on, std::memory_order_relaxed);
+void gemm_set_f32_kernel(GemmF32Kernel kernel) {
+  f32_kernel.store(kernel, std::memory_order_relaxed);
 }
 
 void gemm_force_widened_bf16(bool on) {

@@ -147,9 +147,12 @@ void column_sum_part(const uint16_t* dy, int64_t M, int64_t N, int64_t lddy, flo
 // Tests only: while on, every gemm() runs the plain-loop fallback that otherwise serves the
 // configurations oneDNN rejects (so that path stays tested on CPUs where oneDNN takes all).
 void gemm_force_fallback(bool on);
-// Tests only: while on, every f32 gemm() runs attn's row-exact kernel (gemm_rows.hpp) where the
-// CPU supports it (AVX2 + FMA), as CPUs without AVX-512 do, so that AVX-512 machines test it.
-void gemm_force_rows(bool on);
+// Tests and benchmarks only: which kernel computes f32 products. kAuto: attn's row-exact kernel
+// (gemm_rows.hpp) on CPUs without AVX-512, else oneDNN; kRows: attn's wherever the CPU has AVX2 +
+// FMA (so that AVX-512 machines test it); kOneDnn: oneDNN's everywhere (its speed beside attn's
+// on the same machine; its bits then depend on M below AVX-512).
+enum class GemmF32Kernel : uint8_t { kAuto, kOneDnn, kRows };
+void gemm_set_f32_kernel(GemmF32Kernel kernel);
 
 // Tests only: while on, every bf16 gemm() widens its inputs and runs the f32 product, as on a
 // CPU where oneDNN has no bf16 matmul (so that path stays tested on CPUs that have one).
