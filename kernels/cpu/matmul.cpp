@@ -308,7 +308,8 @@ constexpr int64_t kTailRows = 64, kTailPieces = 2, kTailMinHead = 4;
 struct Cut {
   int64_t head = 0;  // rows [0, head) in slices; [head, M) in tail pieces
   int64_t pieces = 0;
-  int64_t piece_start(int64_t k, int64_t M) const { return k >= pieces ? M : head + k * kTailRows; }
+  int64_t rows = kTailRows;  // per tail piece
+  int64_t piece_start(int64_t k, int64_t M) const { return k >= pieces ? M : head + k * rows; }
 };
 
 Cut gemm_cut(int64_t M, int slices) {
@@ -320,6 +321,20 @@ Cut gemm_cut(int64_t M, int slices) {
   }
   c.head = (M - tail) / kSliceAlign * kSliceAlign;
   c.pieces = slices * kTailPieces;  // the last one also takes the rows under kSliceAlign
+  return c;
+}
+
+// attn's row-exact kernel (gemm_rows.hpp) gives a row the same bits in any piece, so its products
+// are all pieces: kRowsPiecesPerThread per thread, multiples of its 6-row tiles, each thread's
+// own first (its static share), then a slower one's (TaskShares). The weight gradients' few
+// hundred rows too, which oneDNN's slices left to 2 static halves.
+constexpr int64_t kRowsPiecesPerThread = 32, kRowsTile = 6;
+
+Cut rows_cut(int64_t M, int slices) {
+  Cut c;
+  const int64_t want = (M + slices * kRowsPiecesPerThread - 1) / (slices * kRowsPiecesPerThread);
+  c.rows = std::max<int64_t>(kRowsTile, (want + kRowsTile - 1) / kRowsTile * kRowsTile);
+  c.pieces = (M + c.rows - 1) / c.rows;
   return c;
 }
 
@@ -338,6 +353,23 @@ bool rows_kernel(const GemmArgs& g) {
       break;
   }
   return gemm_rows_preferred();
+}
+
+// gemm_rows_f32 on `threads` threads, each a share of the columns (runs of 16-column panels).
+constexpr int64_t kRowsPanel = 16;
+void gemm_rows_columns(const GemmArgs& g, int threads) {
+  const int64_t panels = (g.N + kRowsPanel - 1) / kRowsPanel;
+  const int64_t per_task = std::max<int64_t>(1, panels / (int64_t{threads} * 4));
+  const int64_t tasks = (panels + per_task - 1) / per_task;
+  parallel_for(tasks, threads, [&](int64_t t) {
+    const int64_t n0 = t * per_task * kRowsPanel, n1 = std::min(g.N, n0 + per_task * kRowsPanel);
+    GemmArgs c = g;
+    c.N = n1 - n0;
+    c.B = static_cast<const float*>(g.B) + (g.trans_b ? n0 * g.ldb : n0);
+    c.C = g.C + n0;
+    if (g.bias != nullptr) c.bias = g.bias + n0;
+    gemm_rows_f32(c);
+  });
 }
 
 // The calling thread's buffer for op(B) packed once for every slice of a product (gemm_rows.hpp),
@@ -432,10 +464,10 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     // (TaskShares): a thread done with its slice early takes parts of a slower one's.
     const int task_parts = task.run != nullptr ? slices * kTaskPartsPerThread : 0;
     TaskShares shares(task_parts, slices);
-    const Cut cut = gemm_cut(g.M, slices);
-    TaskShares tail(cut.pieces, slices);
-    // attn's row-exact kernel: op(B) packed once for every slice, its panels by the threads.
+    // attn's row-exact kernel: op(B) packed once for every piece, its panels by the threads.
     float* packed = rows_kernel(g) ? shared_packing(gemm_rows_packed_size(g)) : nullptr;
+    const Cut cut = packed != nullptr ? rows_cut(g.M, slices) : gemm_cut(g.M, slices);
+    TaskShares tail(cut.pieces, slices);
     const int64_t panels = (g.N + 15) / 16;
     // No exception may leave the region: the first one is kept and rethrown after it.
     std::exception_ptr error;
@@ -470,6 +502,12 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     }
     if (error) std::rethrow_exception(error);
     return;
+  }
+  if (threads > 1 && g.N > kRowsPanel && rows_kernel(g) && !omp_in_parallel()) {
+    // Too few rows to cut (a weight gradient of a few output features): columns instead, in
+    // panels of 16, which give an element the same bits too.
+    gemm_rows_columns(g, threads);
+    return run_task_after();
   }
   const GemmKey key{g.M,
                     g.N,
