@@ -8,9 +8,12 @@
 // op(B), bias and its old C only.
 #include "kernels/cpu/gemm_rows.hpp"
 
+#include "attn/core/dtype.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -114,12 +117,29 @@ bool gemm_rows_preferred() {
   return ok;
 }
 
+namespace {
+int64_t panels_of(int64_t N) {
+  return (N + kPanel - 1) / kPanel;
+}
+}  // namespace
+
 int64_t gemm_rows_packed_size(const GemmArgs& g) {
   return (g.N + kPanel - 1) / kPanel * g.K * kPanel;
 }
 
-void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1) {
-  const auto* B = static_cast<const float*>(g.B);
+namespace {
+// op(B) element (k, n) of float or bf16 B, as float (bf16 widened, exactly).
+template <typename T>
+float b_at(const T* B, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return bf16_to_float(B[i]);
+  } else {
+    return B[i];
+  }
+}
+
+template <typename T>
+void pack_panels(const GemmArgs& g, const T* B, float* packed, int64_t p0, int64_t p1) {
   const int64_t N = g.N, K = g.K;
   for (int64_t p = p0; p < p1; ++p) {
     float* dst = packed + p * K * kPanel;
@@ -132,33 +152,75 @@ void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t
             dst[k * kPanel + c] = 0.0f;
           continue;
         }
-        const float* src = B + (n0 + c) * g.ldb;
+        const T* src = B + (n0 + c) * g.ldb;
         for (int64_t k = 0; k < K; ++k)
-          dst[k * kPanel + c] = src[k];
+          dst[k * kPanel + c] = b_at(src, k);
       }
       continue;
     }
     for (int64_t k = 0; k < K; ++k) {
       float* row = dst + k * kPanel;
-      std::copy_n(B + k * g.ldb + n0, cols, row);
+      for (int64_t c = 0; c < cols; ++c)
+        row[c] = b_at(B, k * g.ldb + n0 + c);
       std::fill(row + cols, row + kPanel, 0.0f);
     }
   }
+}
+}  // namespace
+
+void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1) {
+  if (g.type == GemmType::kBF16)
+    pack_panels(g, static_cast<const uint16_t*>(g.B), packed, p0, p1);
+  else
+    pack_panels(g, static_cast<const float*>(g.B), packed, p0, p1);
 }
 
 void gemm_rows_f32(const GemmArgs& g, const float* packed) {
   const int64_t M = g.M, N = g.N, K = g.K;
   if (M <= 0 || N <= 0) return;
-  const auto* A = static_cast<const float*>(g.A);
-  const int64_t a_rs = g.trans_a ? 1 : g.lda, a_ks = g.trans_a ? g.lda : 1;
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  thread_local std::vector<float> packed_buffer, partial_buffer;
+  thread_local std::vector<float> packed_buffer, partial_buffer, a_buffer, c_buffer;
   // 64-byte aligned, so that no 32-byte load of a packed row splits a cache line.
   const auto aligned = [](std::vector<float>& v, int64_t n) {
     v.resize(static_cast<size_t>(n + 16));
     const auto address = reinterpret_cast<uintptr_t>(v.data());
     return v.data() + ((64 - address % 64) % 64) / sizeof(float);
   };
+  if (g.type == GemmType::kBF16) {
+    // bf16 inputs (CPUs without a bf16 matmul): this call's op(A) widened (exact) into a float
+    // copy, op(B) widened as it is packed; a bf16 output from a float one, rounded once per
+    // element (with the old value added in float first), as oneDNN's bf16 kernels store it.
+    const int64_t a_rows = g.trans_a ? K : M, a_cols = g.trans_a ? M : K;
+    float* a32 = aligned(a_buffer, a_rows * a_cols);
+    const auto* a16 = static_cast<const uint16_t*>(g.A);
+    for (int64_t r = 0; r < a_rows; ++r)
+      bf16_to_floats(a16 + r * g.lda, a32 + r * a_cols, a_cols);
+    GemmArgs f = g;
+    f.type = GemmType::kF32;
+    f.A = a32, f.lda = a_cols;
+    if (packed == nullptr) {
+      float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
+      gemm_rows_pack_panels(g, own, 0, panels_of(N));
+      packed = own;
+    }
+    if (g.C_bf16 == nullptr) return gemm_rows_f32(f, packed);
+    float* c32 = aligned(c_buffer, M * N);
+    f.C_bf16 = nullptr, f.C = c32, f.ldc = N, f.accumulate = false;
+    gemm_rows_f32(f, packed);
+    for (int64_t m = 0; m < M; ++m) {
+      uint16_t* out = g.C_bf16 + m * g.ldc;
+      const float* in = c32 + m * N;
+      if (!g.accumulate) {
+        floats_to_bf16(in, out, N);
+        continue;
+      }
+      for (int64_t n = 0; n < N; ++n)
+        out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
+    }
+    return;
+  }
+  const auto* A = static_cast<const float*>(g.A);
+  const int64_t a_rs = g.trans_a ? 1 : g.lda, a_ks = g.trans_a ? g.lda : 1;
+  const int64_t panels = panels_of(N);
   if (packed == nullptr) {
     float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
     gemm_rows_pack_panels(g, own, 0, panels);

@@ -18,10 +18,11 @@ namespace attn::cpu {
 bool gemm_rows_supported();
 bool gemm_rows_preferred();
 
-// C = op(A) op(B) (+ bias) (+ C) for GemmType::kF32 args (matmul.hpp's layouts), on the calling
-// thread. Requires gemm_rows_supported(). `packed`: op(B) as gemm_rows_pack_panels wrote it for
-// the same B (any rows of A, so that the slices of one product share one packing), or null to
-// pack here.
+// C = op(A) op(B) (+ bias) (+ C) for matmul.hpp's args, on the calling thread. Requires
+// gemm_rows_supported(). GemmType::kBF16 (CPUs without a bf16 matmul): A and B widened to float
+// (exact) and the same chains, a bf16 output rounded once per element (C_bf16). `packed`: op(B) as
+// gemm_rows_pack_panels wrote it for the same B (any rows of A, so that the slices of one product
+// share one packing), or null to pack here.
 void gemm_rows_f32(const GemmArgs& g, const float* packed = nullptr);
 
 // op(B) in panels of 16 columns, k-major, zeros past N: gemm_rows_packed_size(g) floats (best

@@ -340,10 +340,12 @@ Cut rows_cut(int64_t M, int slices) {
 
 std::atomic<GemmF32Kernel> f32_kernel{GemmF32Kernel::kAuto};
 
+bool widened_bf16();  // below
+
 // Whether this float32 product runs on gemm_rows_f32 (gemm_rows.hpp: CPUs where oneDNN's kernel
 // would make a row's bits depend on M), whose rows are exact in any slice, trans_a included.
 bool rows_kernel(const GemmArgs& g) {
-  if (g.type != GemmType::kF32) return false;
+  if (g.type == GemmType::kBF16) return widened_bf16() && gemm_rows_supported();
   switch (f32_kernel.load(std::memory_order_relaxed)) {
     case GemmF32Kernel::kOneDnn:
       return false;
@@ -361,12 +363,15 @@ void gemm_rows_columns(const GemmArgs& g, int threads) {
   const int64_t panels = (g.N + kRowsPanel - 1) / kRowsPanel;
   const int64_t per_task = std::max<int64_t>(1, panels / (int64_t{threads} * 4));
   const int64_t tasks = (panels + per_task - 1) / per_task;
+  const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
   parallel_for(tasks, threads, [&](int64_t t) {
     const int64_t n0 = t * per_task * kRowsPanel, n1 = std::min(g.N, n0 + per_task * kRowsPanel);
     GemmArgs c = g;
     c.N = n1 - n0;
-    c.B = static_cast<const float*>(g.B) + (g.trans_b ? n0 * g.ldb : n0);
-    c.C = g.C + n0;
+    c.B = static_cast<const std::byte*>(g.B) +
+          static_cast<size_t>(g.trans_b ? n0 * g.ldb : n0) * in_bytes;
+    if (g.C != nullptr) c.C = g.C + n0;
+    if (g.C_bf16 != nullptr) c.C_bf16 = g.C_bf16 + n0;
     if (g.bias != nullptr) c.bias = g.bias + n0;
     gemm_rows_f32(c);
   });
@@ -428,6 +433,13 @@ bool onednn_bf16() {
   return native;
 }
 
+// Whether bf16 products are float products of the widened inputs here (no oneDNN bf16 matmul, or
+// the test switch): on attn's row-exact kernel where the CPU has AVX2 (the widening inside its
+// pieces), else gemm_widened().
+bool widened_bf16() {
+  return force_widened.load(std::memory_order_relaxed) || !onednn_bf16();
+}
+
 }  // namespace
 
 bool gemm_bf16_native() {
@@ -455,8 +467,7 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     gemm_fallback(g);
     return run_task_after();
   }
-  if (g.type == GemmType::kBF16 &&
-      (force_widened.load(std::memory_order_relaxed) || !onednn_bf16()))
+  if (g.type == GemmType::kBF16 && widened_bf16() && !gemm_rows_supported())
     return gemm_widened(g, threads, task, rows);
   threads = gemm_threads(g, threads);
   if (const int slices = gemm_slices(g, threads); slices > 1) {
