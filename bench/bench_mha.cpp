@@ -37,7 +37,6 @@
 #include <cstdlib>
 #include <random>
 #include <string>
-#include <string>
 #include <vector>
 
 namespace {
