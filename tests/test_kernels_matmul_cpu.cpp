@@ -589,6 +589,19 @@ TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
     std::vector<float> whole = p.c;
     cpu::gemm(p.args(whole.data()), 1);
     ASSERT_TRUE(p.verify(whole));
+    // The kernel's contract, bit for bit: one fused multiply-add chain over k from 0, + bias,
+    // then + the old C.
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t n = 0; n < p.N; ++n) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < p.K; ++k)
+          acc = std::fma(p.A(m, k), p.B(k, n), acc);
+        if (p.bias) acc += p.bias_v[n];
+        const size_t at = Problem::kOffset + m * p.ldc + n;
+        if (p.accumulate) acc = p.c_old[at] + acc;
+        ASSERT_EQ(0, std::memcmp(&acc, &whole[at], sizeof(float)))
+            << p.name() << " at " << m << "," << n << ": " << acc << " vs " << whole[at];
+      }
     for (int threads : {2, 3}) {
       std::vector<float> out = p.c;
       cpu::gemm(p.args(out.data()), threads);

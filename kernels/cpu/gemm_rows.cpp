@@ -6,6 +6,14 @@
 // float and loaded again, which is exact), and a tile with fewer rows or columns runs the same
 // chain (std::fma rounds as vfmadd does). So the bits of a row depend on that row of op(A), on
 // op(B), bias and its old C only.
+//
+// Both operands are packed, as BLIS-style kernels do, so that the register tiles read two
+// contiguous streams: op(B) in 16-column panels, k-major (once per product, shared by its slices),
+// and each block of kRowBlock rows x kDepth k of op(A) in 6-row tiles, k-major (once per block,
+// then read for every panel). Both packers move 8 x 8 blocks through registers (transposed where
+// the layout asks); bf16 operands are widened as they are packed. Packing B with scalar loads
+// took a third of a weight gradient's time (128 x 128 x 4096, perf), and reading six strided rows
+// of an unpacked A left the tiles at 52-75% of oneDNN's jit sgemm on the d2l step's products.
 #include "kernels/cpu/gemm_rows.hpp"
 
 #include "attn/core/dtype.hpp"
@@ -45,13 +53,12 @@ struct TileOut {
 };
 
 // acc (R x 16, row stride 16) over k in [0, depth): acc = fma(a, b, acc), from the stored
-// partial sums, or from 0 when `fresh`. a: op(A)'s element (r, k) at a[r * a_rs + k * a_ks];
-// b: op(B)'s 16 columns of row k at b[k * b_ks]. With `out`, the sums are finished into C
-// instead of stored in acc.
+// partial sums, or from 0 when `fresh`. a: the tile's rows of op(A) packed k-major, element
+// (r, k) at a[k * kTileRows + r]; b: op(B)'s 16 columns of row k at b[k * kPanel]. With `out`,
+// the sums are finished into C instead of stored in acc.
 template <int R>
-ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, int64_t a_rs, int64_t a_ks,
-                                const float* b, int64_t b_ks, float* acc, bool fresh,
-                                const TileOut* out) {
+ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, const float* b, float* acc,
+                                bool fresh, const TileOut* out) {
   __m256 c0[R], c1[R];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
@@ -59,11 +66,11 @@ ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, int64_t a_rs, int
     c1[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kPanel + 8);
   }
   for (int64_t k = 0; k < depth; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * b_ks), b1 = _mm256_loadu_ps(b + k * b_ks + 8);
-    const float* ak = a + k * a_ks;
+    const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+    const float* ak = a + k * kTileRows;
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(ak + r * a_rs);
+      const __m256 av = _mm256_broadcast_ss(ak + r);
       c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
     }
@@ -100,8 +107,7 @@ ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, int64_t a_rs, int
   }
 }
 
-using TileFn = void (*)(int64_t, const float*, int64_t, int64_t, const float*, int64_t, float*,
-                        bool, const TileOut*);
+using TileFn = void (*)(int64_t, const float*, const float*, float*, bool, const TileOut*);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>,
                                           &tile<4>, &tile<5>, &tile<6>};
 
@@ -138,27 +144,76 @@ float b_at(const T* B, int64_t i) {
   }
 }
 
+// 8 floats from p (float, or bf16 widened exactly); the first 6 only (no read past them) in
+// load6.
+ATTN_GEMM_ROWS_TARGET inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+ATTN_GEMM_ROWS_TARGET inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+ATTN_GEMM_ROWS_TARGET inline __m256 load6(const float* p) {
+  return _mm256_maskload_ps(p, _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0));
+}
+ATTN_GEMM_ROWS_TARGET inline __m256 load6(const uint16_t* p) {
+  const __m128i three =
+      _mm_maskload_epi32(reinterpret_cast<const int*>(p), _mm_setr_epi32(-1, -1, -1, 0));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(three), 16));
+}
+
+// The 8 x 8 block in v transposed in place: v[j][i] = old v[i][j].
+ATTN_GEMM_ROWS_TARGET inline void transpose8(__m256 v[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+  // u0: rows 0-3 of column 0 (low half) and of column 4 (high half); u4: rows 4-7 of the same.
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  v[0] = _mm256_permute2f128_ps(u0, u4, 0x20), v[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  v[2] = _mm256_permute2f128_ps(u2, u6, 0x20), v[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  v[4] = _mm256_permute2f128_ps(u0, u4, 0x31), v[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  v[6] = _mm256_permute2f128_ps(u2, u6, 0x31), v[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 template <typename T>
-void pack_panels(const GemmArgs& g, const T* B, float* packed, int64_t p0, int64_t p1) {
+ATTN_GEMM_ROWS_TARGET void pack_panels(const GemmArgs& g, const T* B, float* packed, int64_t p0,
+                                       int64_t p1) {
   const int64_t N = g.N, K = g.K;
   for (int64_t p = p0; p < p1; ++p) {
     float* dst = packed + p * K * kPanel;
     const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    int64_t k = 0;
     if (g.trans_b) {
-      // B stored (N, K): column c of the panel is row n0 + c of B, read along k.
-      for (int64_t c = 0; c < kPanel; ++c) {
-        if (c >= cols) {
-          for (int64_t k = 0; k < K; ++k)
-            dst[k * kPanel + c] = 0.0f;
-          continue;
+      // B stored (N, K): column c of the panel is row n0 + c of B, read along k; a full panel
+      // 8 x 8 blocks at a time, transposed.
+      if (cols == kPanel) {
+        for (; k + 8 <= K; k += 8) {
+          for (int64_t c0 = 0; c0 < kPanel; c0 += 8) {
+            __m256 v[8];
+            for (int j = 0; j < 8; ++j)
+              v[j] = load8(B + (n0 + c0 + j) * g.ldb + k);
+            transpose8(v);
+            for (int j = 0; j < 8; ++j)
+              _mm256_storeu_ps(dst + (k + j) * kPanel + c0, v[j]);
+          }
         }
-        const T* src = B + (n0 + c) * g.ldb;
-        for (int64_t k = 0; k < K; ++k)
-          dst[k * kPanel + c] = b_at(src, k);
       }
+      for (; k < K; ++k)
+        for (int64_t c = 0; c < kPanel; ++c)
+          dst[k * kPanel + c] = c < cols ? b_at(B + (n0 + c) * g.ldb, k) : 0.0f;
       continue;
     }
-    for (int64_t k = 0; k < K; ++k) {
+    if (cols == kPanel) {
+      for (; k < K; ++k) {
+        _mm256_storeu_ps(dst + k * kPanel, load8(B + k * g.ldb + n0));
+        _mm256_storeu_ps(dst + k * kPanel + 8, load8(B + k * g.ldb + n0 + 8));
+      }
+    }
+    for (; k < K; ++k) {
       float* row = dst + k * kPanel;
       for (int64_t c = 0; c < cols; ++c)
         row[c] = b_at(B, k * g.ldb + n0 + c);
@@ -175,65 +230,74 @@ void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t
     pack_panels(g, static_cast<const float*>(g.B), packed, p0, p1);
 }
 
-void gemm_rows_f32(const GemmArgs& g, const float* packed) {
-  const int64_t M = g.M, N = g.N, K = g.K;
-  if (M <= 0 || N <= 0) return;
-  thread_local std::vector<float> packed_buffer, partial_buffer, a_buffer, c_buffer;
-  // 64-byte aligned, so that no 32-byte load of a packed row splits a cache line.
-  const auto aligned = [](std::vector<float>& v, int64_t n) {
-    v.resize(static_cast<size_t>(n + 16));
-    const auto address = reinterpret_cast<uintptr_t>(v.data());
-    return v.data() + ((64 - address % 64) % 64) / sizeof(float);
-  };
-  if (g.type == GemmType::kBF16) {
-    // bf16 inputs (CPUs without a bf16 matmul): this call's op(A) widened (exact) into a float
-    // copy, op(B) widened as it is packed; a bf16 output from a float one, rounded once per
-    // element (with the old value added in float first), as oneDNN's bf16 kernels store it.
-    const int64_t a_rows = g.trans_a ? K : M, a_cols = g.trans_a ? M : K;
-    float* a32 = aligned(a_buffer, a_rows * a_cols);
-    const auto* a16 = static_cast<const uint16_t*>(g.A);
-    for (int64_t r = 0; r < a_rows; ++r)
-      bf16_to_floats(a16 + r * g.lda, a32 + r * a_cols, a_cols);
-    GemmArgs f = g;
-    f.type = GemmType::kF32;
-    f.A = a32, f.lda = a_cols;
-    if (packed == nullptr) {
-      float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
-      gemm_rows_pack_panels(g, own, 0, panels_of(N));
-      packed = own;
+namespace {
+
+// A thread's buffer of at least n floats, 64-byte aligned, so that no 32-byte load of a packed row
+// splits a cache line.
+float* aligned(std::vector<float>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n + 16)) v.resize(static_cast<size_t>(n + 16));
+  const auto address = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + ((64 - address % 64) % 64) / sizeof(float);
+}
+
+// Rows [i0, i0 + rows) and k [k0, k0 + depth) of op(A) (float, or bf16 widened exactly), tile by
+// tile of kTileRows rows, k-major: tile t's element (r, k) at dst[(t * depth + k) * kTileRows + r].
+// One contiguous stream per tile, which the register tiles read for every panel of B. Full tiles
+// store 8 floats per k, the last 2 overwritten by the next k's (dst has 16 floats to spare).
+template <typename T>
+ATTN_GEMM_ROWS_TARGET void pack_a(const GemmArgs& g, const T* A, int64_t i0, int64_t rows,
+                                  int64_t k0, int64_t depth, float* dst) {
+  for (int64_t t = 0; t * kTileRows < rows; ++t) {
+    const int64_t r0 = i0 + t * kTileRows, n = std::min<int64_t>(kTileRows, rows - t * kTileRows);
+    float* d = dst + t * depth * kTileRows;
+    int64_t k = 0;
+    if (g.trans_a) {
+      // Row m of op(A) is column m of A's storage: a k's rows are side by side.
+      if (n == kTileRows)
+        for (; k < depth; ++k)
+          _mm256_storeu_ps(d + k * kTileRows, load6(A + (k0 + k) * g.lda + r0));
+      for (; k < depth; ++k)
+        for (int64_t r = 0; r < n; ++r)
+          d[k * kTileRows + r] = b_at(A + (k0 + k) * g.lda + r0, r);
+      continue;
     }
-    if (g.C_bf16 == nullptr) return gemm_rows_f32(f, packed);
-    float* c32 = aligned(c_buffer, M * N);
-    f.C_bf16 = nullptr, f.C = c32, f.ldc = N, f.accumulate = false;
-    gemm_rows_f32(f, packed);
-    for (int64_t m = 0; m < M; ++m) {
-      uint16_t* out = g.C_bf16 + m * g.ldc;
-      const float* in = c32 + m * N;
-      if (!g.accumulate) {
-        floats_to_bf16(in, out, N);
-        continue;
+    if (n == kTileRows) {
+      // 8 k of the 6 rows at a time, transposed as an 8 x 8 block whose last 2 rows are zeros.
+      const T* src = A + r0 * g.lda + k0;
+      for (; k + 8 <= depth; k += 8) {
+        __m256 v[8];
+        for (int r = 0; r < kTileRows; ++r)
+          v[r] = load8(src + r * g.lda + k);
+        v[6] = v[7] = _mm256_setzero_ps();
+        transpose8(v);
+        for (int j = 0; j < 8; ++j)
+          _mm256_storeu_ps(d + (k + j) * kTileRows, v[j]);
       }
-      for (int64_t n = 0; n < N; ++n)
-        out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
     }
-    return;
+    for (int64_t r = 0; r < n; ++r) {
+      const T* src = A + (r0 + r) * g.lda + k0;
+      for (int64_t kk = k; kk < depth; ++kk)
+        d[kk * kTileRows + r] = b_at(src, kk);
+    }
   }
-  const auto* A = static_cast<const float*>(g.A);
-  const int64_t a_rs = g.trans_a ? 1 : g.lda, a_ks = g.trans_a ? g.lda : 1;
-  const int64_t panels = panels_of(N);
-  if (packed == nullptr) {
-    float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
-    gemm_rows_pack_panels(g, own, 0, panels);
-    packed = own;
-  }
+}
+
+// C (row stride ldc) = op(A) op(B) (+ bias) (+ C when `accumulate`), op(B) packed.
+template <typename T>
+void rows_product(const GemmArgs& g, const T* A, const float* packed, float* C, int64_t ldc,
+                  bool accumulate) {
+  const int64_t M = g.M, N = g.N, K = g.K, panels = panels_of(N);
+  thread_local std::vector<float> partial_buffer, a_buffer;
   // The partial sums of one block of rows, every panel, while k runs in blocks: (panels,
-  // kRowBlock, 16).
+  // kRowBlock, 16); one block of op(A), packed.
   float* partial = aligned(partial_buffer, panels * kRowBlock * kPanel);
+  float* a_pack = aligned(a_buffer, kRowBlock * kDepth);
   for (int64_t i0 = 0; i0 < M; i0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - i0);
     for (int64_t k0 = 0; k0 < K || k0 == 0; k0 += kDepth) {
       const int64_t depth = std::max<int64_t>(0, std::min(kDepth, K - k0));
       const bool last = k0 + kDepth >= K;
+      pack_a(g, A, i0, rows, k0, depth, a_pack);
       for (int64_t p = 0; p < panels; ++p) {
         const float* b = packed + p * K * kPanel + k0 * kPanel;
         const int64_t n0 = p * kPanel;
@@ -241,14 +305,49 @@ void gemm_rows_f32(const GemmArgs& g, const float* packed) {
           const int n = static_cast<int>(std::min<int64_t>(kTileRows, rows - r));
           // The tile's partial sums: rows r.. of the block at stride 16, one contiguous piece.
           float* acc = partial + (p * kRowBlock + r) * kPanel;
-          const TileOut out{g.C + (i0 + r) * g.ldc + n0, g.ldc,
-                            g.bias != nullptr ? g.bias + n0 : nullptr, g.accumulate,
-                            std::min(kPanel, N - n0)};
-          kTiles[n](depth, A + (i0 + r) * a_rs + k0 * a_ks, a_rs, a_ks, b, kPanel, acc, k0 == 0,
-                    last ? &out : nullptr);
+          const TileOut out{C + (i0 + r) * ldc + n0, ldc, g.bias != nullptr ? g.bias + n0 : nullptr,
+                            accumulate, std::min(kPanel, N - n0)};
+          kTiles[n](depth, a_pack + r * depth, b, acc, k0 == 0, last ? &out : nullptr);
         }
       }
     }
+  }
+}
+
+}  // namespace
+
+void gemm_rows_f32(const GemmArgs& g, const float* packed) {
+  const int64_t M = g.M, N = g.N;
+  if (M <= 0 || N <= 0) return;
+  thread_local std::vector<float> packed_buffer, c_buffer;
+  if (packed == nullptr) {
+    float* own = aligned(packed_buffer, gemm_rows_packed_size(g));
+    gemm_rows_pack_panels(g, own, 0, panels_of(N));
+    packed = own;
+  }
+  if (g.type != GemmType::kBF16) {
+    rows_product(g, static_cast<const float*>(g.A), packed, g.C, g.ldc, g.accumulate);
+    return;
+  }
+  // bf16 inputs (CPUs without a bf16 matmul): op(A) widened (exact) as it is packed, op(B) as its
+  // panels were; a bf16 output from a float one, rounded once per element (with the old value
+  // added in float first), as oneDNN's bf16 kernels store it.
+  const auto* A = static_cast<const uint16_t*>(g.A);
+  if (g.C_bf16 == nullptr) {
+    rows_product(g, A, packed, g.C, g.ldc, g.accumulate);
+    return;
+  }
+  float* c32 = aligned(c_buffer, M * N);
+  rows_product(g, A, packed, c32, N, false);
+  for (int64_t m = 0; m < M; ++m) {
+    uint16_t* out = g.C_bf16 + m * g.ldc;
+    const float* in = c32 + m * N;
+    if (!g.accumulate) {
+      floats_to_bf16(in, out, N);
+      continue;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
   }
 }
 
