@@ -514,12 +514,14 @@ TEST(GemmCpu, Bf16InputsF32Output) {
 // widened inputs: bitwise what gemm() computes on f32 copies of them, on 1 and 2 threads (cut
 // into the same slices), in every layout, with the bias and the old C; a bf16 output is that
 // f32 value (plus the old bf16 value, with accumulate) rounded once. Forced on here, so that CPUs
-// with native bf16 test the path too.
+// with native bf16 test the path too; both ways of widening: inside the row-exact kernel's pieces
+// (CPUs with AVX2) and the whole inputs first (gemm_widened, CPUs without AVX2).
 TEST(GemmCpu, WidenedBf16IsTheF32ProductOfTheWidenedInputs) {
   std::mt19937_64 rng(9);
   auto pick = [&rng] { return kSizes[rng() % kSizes.size()]; };
   cpu::gemm_force_widened_bf16(true);
   for (int i = 0; i < 40; ++i) {
+    cpu::gemm_force_widened_whole_bf16(i % 2 == 1);
     Problem p{pick(),
               pick(),
               pick() * (i % 4 == 0 ? 8 : 1),
@@ -540,7 +542,7 @@ TEST(GemmCpu, WidenedBf16IsTheF32ProductOfTheWidenedInputs) {
       cpu::gemm(p.bf16_args(m16, got.data()), threads);
       cpu::gemm(wide.args(want.data()), threads);
       ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
-          << p.name() << " threads " << threads;
+          << p.name() << " threads " << threads << (i % 2 == 1 ? " (whole inputs widened)" : "");
       // A bf16 output: the f32 result (with the old value added in f32) rounded once.
       std::vector<uint16_t> c16(p.c.size());
       for (size_t j = 0; j < c16.size(); ++j)
@@ -559,11 +561,12 @@ TEST(GemmCpu, WidenedBf16IsTheF32ProductOfTheWidenedInputs) {
           const float old = bf16_to_float(c16_old[j]);
           const uint16_t expect =
               n >= p.N ? c16_old[j] : float_to_bf16(p.accumulate ? old + product[j] : product[j]);
-          ASSERT_EQ(c16[j], expect)
-              << p.name() << " threads " << threads << " at " << m << "," << n;
+          ASSERT_EQ(c16[j], expect) << p.name() << " threads " << threads << " at " << m << "," << n
+                                    << (i % 2 == 1 ? " (whole inputs widened)" : "");
         }
     }
   }
+  cpu::gemm_force_widened_whole_bf16(false);
   cpu::gemm_force_widened_bf16(false);
 }
 

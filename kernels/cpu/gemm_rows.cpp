@@ -17,6 +17,7 @@
 #include "kernels/cpu/gemm_rows.hpp"
 
 #include "attn/core/dtype.hpp"
+#include "kernels/cpu/scratch.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -232,12 +233,10 @@ void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t
 
 namespace {
 
-// A thread's buffer of at least n floats, 64-byte aligned, so that no 32-byte load of a packed row
-// splits a cache line.
+// A thread's buffer of at least n floats, 64-byte aligned (scratch.hpp), 16 floats to spare past
+// n (pack_a's 8-float stores).
 float* aligned(std::vector<float>& v, int64_t n) {
-  if (v.size() < static_cast<size_t>(n + 16)) v.resize(static_cast<size_t>(n + 16));
-  const auto address = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + ((64 - address % 64) % 64) / sizeof(float);
+  return grown_aligned(v, static_cast<size_t>(n + 16));
 }
 
 // Rows [i0, i0 + rows) and k [k0, k0 + depth) of op(A) (float, or bf16 widened exactly), tile by
@@ -339,16 +338,7 @@ void gemm_rows_f32(const GemmArgs& g, const float* packed) {
   }
   float* c32 = aligned(c_buffer, M * N);
   rows_product(g, A, packed, c32, N, false);
-  for (int64_t m = 0; m < M; ++m) {
-    uint16_t* out = g.C_bf16 + m * g.ldc;
-    const float* in = c32 + m * N;
-    if (!g.accumulate) {
-      floats_to_bf16(in, out, N);
-      continue;
-    }
-    for (int64_t n = 0; n < N; ++n)
-      out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
-  }
+  round_rows_to_bf16(c32, N, g.C_bf16, g.ldc, M, N, g.accumulate);
 }
 
 #else  // not x86-64: oneDNN's kernels everywhere
@@ -366,5 +356,19 @@ void gemm_rows_pack_panels(const GemmArgs&, float*, int64_t, int64_t) {}
 void gemm_rows_f32(const GemmArgs&, const float*) {}
 
 #endif
+
+void round_rows_to_bf16(const float* c32, int64_t ld32, uint16_t* out, int64_t ldo, int64_t rows,
+                        int64_t N, bool accumulate) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* in = c32 + m * ld32;
+    uint16_t* o = out + m * ldo;
+    if (!accumulate) {
+      floats_to_bf16(in, o, N);
+      continue;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      o[n] = float_to_bf16(bf16_to_float(o[n]) + in[n]);
+  }
+}
 
 }  // namespace attn::cpu

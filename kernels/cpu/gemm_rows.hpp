@@ -30,4 +30,10 @@ void gemm_rows_f32(const GemmArgs& g, const float* packed = nullptr);
 int64_t gemm_rows_packed_size(const GemmArgs& g);
 void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1);
 
+// A bf16 output's rows from a float product c32 (row stride ld32): out[m * ldo + n] is
+// c32[m * ld32 + n], plus with `accumulate` the old out value added in float, rounded once to
+// nearest even, as oneDNN's bf16 kernels store it. Any CPU; matmul.cpp's widened products too.
+void round_rows_to_bf16(const float* c32, int64_t ld32, uint16_t* out, int64_t ldo, int64_t rows,
+                        int64_t N, bool accumulate);
+
 }  // namespace attn::cpu

@@ -4,6 +4,7 @@
 #include "attn/core/dtype.hpp"
 #include "kernels/cpu/gemm_rows.hpp"
 #include "kernels/cpu/parallel_for.hpp"
+#include "kernels/cpu/scratch.hpp"
 
 #include <omp.h>
 
@@ -82,10 +83,7 @@ dnnl::stream& thread_stream() {
 // The calling thread's scratchpad, grown to the largest any plan asked for, 64-byte aligned.
 void* scratchpad(size_t bytes) {
   thread_local std::vector<std::byte> buffer;
-  constexpr size_t kAlign = 64;
-  if (buffer.size() < bytes + kAlign) buffer.resize(bytes + kAlign);
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  return buffer.data() + ((kAlign - address % kAlign) % kAlign);
+  return grown_aligned(buffer, bytes);
 }
 
 std::mutex cache_mutex;
@@ -339,13 +337,16 @@ Cut rows_cut(int64_t M, int slices) {
 }
 
 std::atomic<GemmF32Kernel> f32_kernel{GemmF32Kernel::kAuto};
+std::atomic<bool> force_widened{false}, force_widened_whole{false};  // test switches
 
 bool widened_bf16();  // below
 
 // Whether this float32 product runs on gemm_rows_f32 (gemm_rows.hpp: CPUs where oneDNN's kernel
 // would make a row's bits depend on M), whose rows are exact in any slice, trans_a included.
 bool rows_kernel(const GemmArgs& g) {
-  if (g.type == GemmType::kBF16) return widened_bf16() && gemm_rows_supported();
+  if (g.type == GemmType::kBF16)
+    return widened_bf16() && gemm_rows_supported() &&
+           !force_widened_whole.load(std::memory_order_relaxed);
   switch (f32_kernel.load(std::memory_order_relaxed)) {
     case GemmF32Kernel::kOneDnn:
       return false;
@@ -381,10 +382,7 @@ void gemm_rows_columns(const GemmArgs& g, int threads) {
 // grown to the largest, 64-byte aligned.
 float* shared_packing(int64_t floats) {
   thread_local std::vector<float> buffer;
-  if (buffer.size() < static_cast<size_t>(floats + 16))
-    buffer.resize(static_cast<size_t>(floats + 16));
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  return buffer.data() + ((64 - address % 64) % 64) / sizeof(float);
+  return grown_aligned(buffer, static_cast<size_t>(floats));
 }
 
 // The slices gemm() cuts a product into on `threads` threads; 1: none.
@@ -415,7 +413,6 @@ GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
 void gemm_one(const GemmArgs& g, const GemmKey& key);                              // below
 void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows);  // below
 
-std::atomic<bool> force_widened{false};
 
 // Whether oneDNN multiplies bf16 matrices on this CPU (AVX-512 and up; probed once with a small
 // plan). Below AVX-512 (Zen 2 and 3, Intel's client cores before AVX10) oneDNN 2.6 rejects every
@@ -467,7 +464,8 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     gemm_fallback(g);
     return run_task_after();
   }
-  if (g.type == GemmType::kBF16 && widened_bf16() && !gemm_rows_supported())
+  if (g.type == GemmType::kBF16 && widened_bf16() &&
+      (!gemm_rows_supported() || force_widened_whole.load(std::memory_order_relaxed)))
     return gemm_widened(g, threads, task, rows);
   threads = gemm_threads(g, threads);
   if (const int slices = gemm_slices(g, threads); slices > 1) {
@@ -579,16 +577,8 @@ struct RoundRows {
   static void run(void* data, int64_t r0, int64_t r1) {
     const auto& t = *static_cast<const RoundRows*>(data);
     const GemmArgs& g = *t.g;
-    for (int64_t m = r0; m < r1; ++m) {
-      const float* in = t.c32 + m * g.N;
-      uint16_t* out = g.C_bf16 + m * g.ldc;
-      if (g.accumulate) {
-        for (int64_t n = 0; n < g.N; ++n)
-          out[n] = float_to_bf16(bf16_to_float(out[n]) + in[n]);
-      } else {
-        floats_to_bf16(in, out, g.N);
-      }
-    }
+    round_rows_to_bf16(t.c32 + r0 * g.N, g.N, g.C_bf16 + r0 * g.ldc, g.ldc, r1 - r0, g.N,
+                       g.accumulate);
     if (t.then.run != nullptr) t.then.run(t.then.data, r0, r1);
   }
 };
@@ -778,6 +768,10 @@ void gemm_set_f32_kernel(GemmF32Kernel kernel) {
 
 void gemm_force_widened_bf16(bool on) {
   force_widened.store(on, std::memory_order_relaxed);
+}
+
+void gemm_force_widened_whole_bf16(bool on) {
+  force_widened_whole.store(on, std::memory_order_relaxed);
 }
 
 size_t gemm_cache_size() {

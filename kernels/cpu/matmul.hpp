@@ -157,6 +157,10 @@ void gemm_set_f32_kernel(GemmF32Kernel kernel);
 // Tests only: while on, every bf16 gemm() widens its inputs and runs the f32 product, as on a
 // CPU where oneDNN has no bf16 matmul (so that path stays tested on CPUs that have one).
 void gemm_force_widened_bf16(bool on);
+// Tests only: while on, widened bf16 products (above, or on a CPU without a bf16 matmul) widen
+// their whole inputs first and run the f32 product (gemm_widened), as CPUs without AVX2 do,
+// instead of widening inside the row-exact kernel's pieces (gemm_rows.hpp).
+void gemm_force_widened_whole_bf16(bool on);
 
 // Whether oneDNN multiplies bf16 matrices natively on this CPU (AVX-512 and up). When false, bf16
 // products are f32 products of the widened inputs: no faster than f32, plus the conversions.

@@ -17,8 +17,10 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace attn::cpu {
 
@@ -59,5 +61,18 @@ class Scratch {
   T* p_ = nullptr;
   size_t stride_ = 0, size_ = 0;
 };
+
+// Room for n elements in `buffer` (a thread_local vector of the caller's: kernels called many
+// times a step keep their small buffers), grown to the largest n asked for, 64-byte aligned so
+// that no vector load of a packed row splits a cache line. Contents are kept while it does not
+// grow.
+template <typename T>
+T* grown_aligned(std::vector<T>& buffer, size_t n) {
+  static_assert(64 % sizeof(T) == 0, "aligned to whole elements");
+  constexpr size_t kSpare = 64 / sizeof(T);
+  if (buffer.size() < n + kSpare) buffer.resize(n + kSpare);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (64 - address % 64) % 64 / sizeof(T);
+}
 
 }  // namespace attn::cpu
