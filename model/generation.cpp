@@ -6,6 +6,7 @@
 #include "attn/model/generation.hpp"
 
 #include "kernels/cpu/cross_entropy.hpp"
+#include "kernels/cpu/matmul.hpp"
 #include "nn/internal.hpp"
 
 #include <algorithm>
@@ -20,7 +21,8 @@ namespace {
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 // Runs the model in eval mode (and the decoder with or without attention weights) for the
-// lifetime of the guard, then puts back what it found.
+// lifetime of the guard, then puts back what it found. The weights do not change meanwhile, so
+// their GEMM packings are kept from step to step (kernels/cpu/matmul.hpp).
 class EvalGuard {
  public:
   EvalGuard(nn::EncoderDecoder& model, bool need_weights)
@@ -38,6 +40,7 @@ class EvalGuard {
  private:
   nn::EncoderDecoder& model_;
   bool training_, need_weights_;
+  cpu::GemmFixedPackingScope packings_;
 };
 
 // The next-token logits of R prefixes, by the cache (one step per call) or by the decoder's

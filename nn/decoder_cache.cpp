@@ -27,6 +27,7 @@
 #include "nn/transformer_internal.hpp"
 #include "ops/attention_decode.hpp"
 #include "ops/attention_heads.hpp"
+#include "ops/linear_parameter.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -50,7 +51,8 @@ void copy_positions(Tensor& dst, int64_t db, int64_t d0, const Tensor& src, int6
 }
 
 Tensor apply_linear(Context& ctx, const Tensor& x, const Linear& l) {
-  return linear(ctx, x, l.weight.value, l.has_bias() ? l.bias.value : Tensor());
+  return attn::detail::linear_of_parameter(ctx, x, l.weight.value,
+                                           l.has_bias() ? l.bias.value : Tensor(), false);
 }
 
 // AddNorm in eval mode: ln(Y + X), the training forward's add_all({Y, X}) order.
@@ -318,9 +320,11 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
                         need_weights ? &state.cross_attention_weights[i] : nullptr);
     const Tensor Z = add_norm(ctx, blk.addnorm2, Y, apply_linear(ctx, O, blk.attention2.W_o));
     const Linear& d1 = blk.ffn.dense1;  // relu(dense1(Z)) in dense1's product (linear_relu)
-    const Tensor F = apply_linear(
-        ctx, linear_relu(ctx, Z, d1.weight.value, d1.has_bias() ? d1.bias.value : Tensor()),
-        blk.ffn.dense2);
+    const Tensor F =
+        apply_linear(ctx,
+                     attn::detail::linear_of_parameter(
+                         ctx, Z, d1.weight.value, d1.has_bias() ? d1.bias.value : Tensor(), true),
+                     blk.ffn.dense2);
     X = add_norm(ctx, blk.addnorm3, Z, F);
   }
   state.length = L + Tn;

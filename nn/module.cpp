@@ -7,6 +7,7 @@
 #include "attn/ops/linear.hpp"
 #include "kernels/cpu/parallel_for.hpp"
 #include "nn/internal.hpp"
+#include "ops/linear_parameter.hpp"
 
 #include <cxxabi.h>
 
@@ -473,7 +474,7 @@ Tensor Linear::forward_impl(Context& ctx, const Tensor& x, DType y_dtype, bool r
   w_bf16_ = b_bf16_ = Tensor();
   x_ = x;
   const Tensor b = has_bias_ ? bias.value : Tensor();
-  return relu_after ? linear_relu(ctx, x, weight.value, b) : linear(ctx, x, weight.value, b);
+  return attn::detail::linear_of_parameter(ctx, x, weight.value, b, relu_after);
 }
 
 Tensor Linear::backward(Context& ctx, const Tensor& dy) {

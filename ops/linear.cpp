@@ -10,6 +10,7 @@
 //   backend kReference, or float64  -> the reference loops (kernels/ref/linear.cpp); bf16 widened,
 //                                      double accumulation, one rounding
 #include "attn/ops/linear.hpp"
+#include "ops/linear_parameter.hpp"
 
 #include "attn/core/dtype.hpp"
 #include "attn/ops/activation.hpp"
@@ -135,7 +136,7 @@ struct ReluGradRows {
 };
 
 Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
-                   bool relu_after);
+                   bool relu_after, bool w_fixed = false);
 
 }  // namespace
 
@@ -147,10 +148,15 @@ Tensor linear_relu(Context& ctx, const Tensor& x, const Tensor& W, const Tensor&
   return linear_impl(ctx, "linear_relu", x, W, b, true);
 }
 
+Tensor detail::linear_of_parameter(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b,
+                                   bool relu_after) {
+  return linear_impl(ctx, relu_after ? "linear_relu" : "linear", x, W, b, relu_after, true);
+}
+
 namespace {
 
 Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
-                   bool relu_after) {
+                   bool relu_after, bool w_fixed) {
   const Shape y_shape = check_linear(op, x, W);
   if (b.defined()) {
     check_linear_dtype(op, "b", b);
@@ -176,6 +182,9 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
     g.M = rows, g.N = O, g.K = I;
     g.A = xm.data, g.lda = xm.ld;
     g.B = wm.data, g.ldb = wm.ld, g.trans_b = true;
+    // A module's own weight, whose packing a GemmFixedPackingScope (generation) may keep; W read in
+    // place only (row_matrix copies a strided W into a temporary, which must not be kept).
+    g.b_fixed = w_fixed && wm.data == W.raw_data();
     set_output(g, y, O);
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
     // With relu_after, each piece of rows is rectified by the thread that computed it, in the

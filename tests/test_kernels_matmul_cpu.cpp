@@ -627,6 +627,51 @@ TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
   cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kAuto);
 }
 
+// Inside a GemmFixedPackingScope a product marked b_fixed keeps op(B)'s packing from call to call
+// (on 1 and 2 threads: the whole product, column tasks and row slices): the same bits as without
+// the scope; a B changed in place behind the scope's back (which its contract forbids) is still
+// multiplied as packed first, which shows the packing was kept; after the scope, packed anew.
+TEST(GemmRows, FixedPackingScopeKeepsAWeightsPackingUntilItEnds) {
+  if (!cpu::gemm_rows_supported()) GTEST_SKIP() << "no AVX2 + FMA";
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kRows);
+  for (int64_t M : {1, 5, 200}) {
+    for (int threads : {1, 2}) {
+      Problem p{M, 40, 33, false, true, true, false, 0};
+      p.fill(900 + M);
+      cpu::GemmArgs g = p.args(nullptr);
+      g.b_fixed = true;
+      std::vector<float> plain = p.c, first = p.c, again = p.c, after = p.c, changed = p.c;
+      g.C = plain.data() + Problem::kOffset;
+      cpu::gemm(g, threads);
+      const std::vector<float> b_before = p.b;
+      {
+        cpu::GemmFixedPackingScope scope;
+        cpu::GemmFixedPackingScope nested;  // nestable: the outer one's end frees
+        g.C = first.data() + Problem::kOffset;
+        cpu::gemm(g, threads);
+        ASSERT_EQ(0, std::memcmp(plain.data(), first.data(), plain.size() * sizeof(float)))
+            << p.name() << " threads " << threads;
+        for (float& v : p.b)
+          v *= 2.0f;
+        g.C = again.data() + Problem::kOffset;
+        cpu::gemm(g, threads);
+        ASSERT_EQ(0, std::memcmp(plain.data(), again.data(), plain.size() * sizeof(float)))
+            << p.name() << " threads " << threads << ": the packing was not kept";
+      }
+      g.C = after.data() + Problem::kOffset;
+      cpu::gemm(g, threads);
+      g.b_fixed = false;
+      g.C = changed.data() + Problem::kOffset;
+      cpu::gemm(g, threads);
+      ASSERT_EQ(0, std::memcmp(after.data(), changed.data(), after.size() * sizeof(float)))
+          << p.name() << " threads " << threads << ": the packing outlived its scope";
+      ASSERT_NE(0, std::memcmp(plain.data(), after.data(), plain.size() * sizeof(float)));
+      p.b = b_before;
+    }
+  }
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kAuto);
+}
+
 // ---- The linear op: backend kCpu (oneDNN) against kReference (double accumulation) ----------
 
 // Element-wise |x| as float64, for the error bounds.

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -341,6 +342,60 @@ void gemm_rows_f32(const GemmArgs& g, const float* packed) {
   round_rows_to_bf16(c32, N, g.C_bf16, g.ldc, M, N, g.accumulate);
 }
 
+namespace {
+
+// A packing kept by gemm_rows_fixed_packing: the product's B (address and layout) and its
+// packed panels.
+struct FixedPacking {
+  const void* B = nullptr;
+  int64_t N = 0, K = 0, ldb = 0;
+  bool trans_b = false;
+  GemmType type = GemmType::kF32;
+  std::vector<float> buffer;
+  float* packed = nullptr;
+};
+
+struct FixedPackings {
+  int depth = 0;  // scopes alive on this thread
+  std::vector<FixedPacking> kept;
+  size_t bytes = 0;
+};
+thread_local FixedPackings fixed_packings;
+
+// What one thread keeps at most; past it, products pack per call again.
+constexpr size_t kFixedMaxBytes = size_t{256} << 20, kFixedMaxKept = 256;
+
+}  // namespace
+
+GemmFixedPackingScope::GemmFixedPackingScope() {
+  ++fixed_packings.depth;
+}
+
+GemmFixedPackingScope::~GemmFixedPackingScope() {
+  if (--fixed_packings.depth > 0) return;
+  fixed_packings.kept.clear();
+  fixed_packings.kept.shrink_to_fit();
+  fixed_packings.bytes = 0;
+}
+
+const float* gemm_rows_fixed_packing(const GemmArgs& g) {
+  FixedPackings& f = fixed_packings;
+  if (f.depth == 0 || !g.b_fixed || g.N <= 0 || g.K <= 0) return nullptr;
+  for (const FixedPacking& e : f.kept)
+    if (e.B == g.B && e.N == g.N && e.K == g.K && e.ldb == g.ldb && e.trans_b == g.trans_b &&
+        e.type == g.type)
+      return e.packed;
+  const size_t floats = static_cast<size_t>(gemm_rows_packed_size(g));
+  if (f.kept.size() >= kFixedMaxKept || f.bytes + floats * sizeof(float) > kFixedMaxBytes)
+    return nullptr;
+  FixedPacking& e = f.kept.emplace_back();
+  e.B = g.B, e.N = g.N, e.K = g.K, e.ldb = g.ldb, e.trans_b = g.trans_b, e.type = g.type;
+  e.packed = grown_aligned(e.buffer, floats);
+  gemm_rows_pack_panels(g, e.packed, 0, panels_of(g.N));
+  f.bytes += floats * sizeof(float);
+  return e.packed;
+}
+
 #else  // not x86-64: oneDNN's kernels everywhere
 
 bool gemm_rows_supported() {
@@ -354,6 +409,11 @@ int64_t gemm_rows_packed_size(const GemmArgs&) {
 }
 void gemm_rows_pack_panels(const GemmArgs&, float*, int64_t, int64_t) {}
 void gemm_rows_f32(const GemmArgs&, const float*) {}
+GemmFixedPackingScope::GemmFixedPackingScope() = default;
+GemmFixedPackingScope::~GemmFixedPackingScope() = default;
+const float* gemm_rows_fixed_packing(const GemmArgs&) {
+  return nullptr;
+}
 
 #endif
 

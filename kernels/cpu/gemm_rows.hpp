@@ -30,6 +30,11 @@ void gemm_rows_f32(const GemmArgs& g, const float* packed = nullptr);
 int64_t gemm_rows_packed_size(const GemmArgs& g);
 void gemm_rows_pack_panels(const GemmArgs& g, float* packed, int64_t p0, int64_t p1);
 
+// The calling thread's kept packing of g's op(B) (GemmFixedPackingScope in matmul.hpp), packed
+// now if it was not kept; null when no scope lives on this thread, g is not b_fixed, or the
+// thread keeps too much already (the caller packs then).
+const float* gemm_rows_fixed_packing(const GemmArgs& g);
+
 // A bf16 output's rows from a float product c32 (row stride ld32): out[m * ldo + n] is
 // c32[m * ld32 + n], plus with `accumulate` the old out value added in float, rounded once to
 // nearest even, as oneDNN's bf16 kernels store it. Any CPU; matmul.cpp's widened products too.

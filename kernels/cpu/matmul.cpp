@@ -365,6 +365,7 @@ void gemm_rows_columns(const GemmArgs& g, int threads) {
   const int64_t per_task = std::max<int64_t>(1, panels / (int64_t{threads} * 4));
   const int64_t tasks = (panels + per_task - 1) / per_task;
   const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
+  const float* kept = gemm_rows_fixed_packing(g);  // a weight packed at an earlier call, or null
   parallel_for(tasks, threads, [&](int64_t t) {
     const int64_t n0 = t * per_task * kRowsPanel, n1 = std::min(g.N, n0 + per_task * kRowsPanel);
     GemmArgs c = g;
@@ -374,7 +375,7 @@ void gemm_rows_columns(const GemmArgs& g, int threads) {
     if (g.C != nullptr) c.C = g.C + n0;
     if (g.C_bf16 != nullptr) c.C_bf16 = g.C_bf16 + n0;
     if (g.bias != nullptr) c.bias = g.bias + n0;
-    gemm_rows_f32(c);
+    gemm_rows_f32(c, kept != nullptr ? kept + n0 * g.K : nullptr);  // its panels, if kept
   });
 }
 
@@ -412,7 +413,6 @@ GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
 
 void gemm_one(const GemmArgs& g, const GemmKey& key);                              // below
 void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows);  // below
-
 
 // Whether oneDNN multiplies bf16 matrices on this CPU (AVX-512 and up; probed once with a small
 // plan). Below AVX-512 (Zen 2 and 3, Intel's client cores before AVX10) oneDNN 2.6 rejects every
@@ -473,9 +473,14 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     // (TaskShares): a thread done with its slice early takes parts of a slower one's.
     const int task_parts = task.run != nullptr ? slices * kTaskPartsPerThread : 0;
     TaskShares shares(task_parts, slices);
-    // attn's row-exact kernel: op(B) packed once for every piece, its panels by the threads.
-    float* packed = rows_kernel(g) ? shared_packing(gemm_rows_packed_size(g)) : nullptr;
-    const Cut cut = packed != nullptr ? rows_cut(g.M, slices) : gemm_cut(g.M, slices);
+    // attn's row-exact kernel: op(B) packed once for every piece, its panels by the threads
+    // (or kept from an earlier call: a weight in a GemmFixedPackingScope).
+    const bool rows_f32 = rows_kernel(g);
+    const float* kept = rows_f32 ? gemm_rows_fixed_packing(g) : nullptr;
+    float* packed =
+        rows_f32 && kept == nullptr ? shared_packing(gemm_rows_packed_size(g)) : nullptr;
+    const float* panels_b = kept != nullptr ? kept : packed;
+    const Cut cut = rows_f32 ? rows_cut(g.M, slices) : gemm_cut(g.M, slices);
     TaskShares tail(cut.pieces, slices);
     const int64_t panels = (g.N + 15) / 16;
     // No exception may leave the region: the first one is kept and rethrown after it.
@@ -494,8 +499,8 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
         // Each piece's rows, then the row task on them while they are in this thread's cache.
         const auto piece = [&](int64_t r0, int64_t r1) {
           if (r1 <= r0) return;
-          if (packed != nullptr)
-            gemm_rows_f32(gemm_rows(g, r0, r1), packed);
+          if (rows_f32)
+            gemm_rows_f32(gemm_rows(g, r0, r1), panels_b);
           else
             gemm(gemm_rows(g, r0, r1), 1);
           if (rows.run != nullptr) rows.run(rows.data, r0, r1);
@@ -542,7 +547,7 @@ namespace {
 
 // One product on oneDNN's threads (as many as the key says), or the small-product path.
 void gemm_one(const GemmArgs& g, const GemmKey& key) {
-  if (rows_kernel(g)) return gemm_rows_f32(g);
+  if (rows_kernel(g)) return gemm_rows_f32(g, gemm_rows_fixed_packing(g));
   if (small_gemm(g)) return small_gemm_f32(g);
   try {
     ThreadPlan* tp = thread_plan(key);

@@ -5,6 +5,7 @@
 #include "attn/core/error.hpp"
 #include "attn/core/safetensors.hpp"
 #include "attn/ops/loss.hpp"
+#include "kernels/cpu/matmul.hpp"
 #include "model/training/checkpoint_io.hpp"
 #include "model/training/eval_scope.hpp"
 #include "model/training/train_options.hpp"
@@ -84,6 +85,7 @@ void decode_batches(Context& ctx, nn::EncoderDecoder& model, size_t n, Decode&& 
   for (const auto& [name, p] : model.named_parameters())
     if (!p->value.defined()) workers = 1;
   if (workers <= 1) {
+    cpu::GemmFixedPackingScope packings;  // the weights' GEMM packings kept across batches
     for (size_t i = 0; i < n; ++i)
       decode(ctx, model, i);
     return;
@@ -96,15 +98,19 @@ void decode_batches(Context& ctx, nn::EncoderDecoder& model, size_t n, Decode&& 
     c.threads = 1;
   std::exception_ptr error;
   std::mutex error_mu;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(workers)
-  for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
-    const int w = omp_get_thread_num();
-    try {
-      decode(contexts[static_cast<size_t>(w)],
-             w == 0 ? model : *replicas[static_cast<size_t>(w - 1)], static_cast<size_t>(i));
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!error) error = std::current_exception();
+#pragma omp parallel num_threads(workers)
+  {
+    cpu::GemmFixedPackingScope packings;  // each thread's packings, kept across its batches
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) {
+      const int w = omp_get_thread_num();
+      try {
+        decode(contexts[static_cast<size_t>(w)],
+               w == 0 ? model : *replicas[static_cast<size_t>(w - 1)], static_cast<size_t>(i));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+      }
     }
   }
   if (error) std::rethrow_exception(error);
