@@ -81,7 +81,7 @@ def held_out_pairs():
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
         sys.exit("usage: peers_dates.py OUT.tsv")
     with open(sys.argv[1], "w") as f:
         for src, tgt in held_out_pairs():
