@@ -7,13 +7,14 @@
 // chain (std::fma rounds as vfmadd does). So the bits of a row depend on that row of op(A), on
 // op(B), bias and its old C only.
 //
-// Both operands are packed, as BLIS-style kernels do, so that the register tiles read two
-// contiguous streams: op(B) in 16-column panels, k-major (once per product, shared by its slices),
-// and each block of kRowBlock rows x kDepth k of op(A) in 6-row tiles, k-major (once per block,
-// then read for every panel). Both packers move 8 x 8 blocks through registers (transposed where
-// the layout asks); bf16 operands are widened as they are packed. Packing B with scalar loads
-// took a third of a weight gradient's time (128 x 128 x 4096, perf), and reading six strided rows
-// of an unpacked A left the tiles at 52-75% of oneDNN's jit sgemm on the d2l step's products.
+// Both operands are packed, as BLIS-style kernels do, so that the register tiles read from small
+// contiguous blocks: op(B) in 16-column panels, k-major (once per product, shared by its slices,
+// or kept across calls for a weight: GemmFixedPackingScope), and each block of kRowBlock rows x
+// kDepth k of op(A) in 6-row tiles (once per block, then read for every panel). The packers move
+// 8 floats per vector (B's transposing one 8 x 8 blocks through registers); bf16 operands are
+// widened as they are packed. Packing B with scalar loads took a third of a weight gradient's
+// time (128 x 128 x 4096, perf), and reading six strided rows of an unpacked A left the tiles at
+// 52-75% of oneDNN's jit sgemm on the d2l step's products.
 #include "kernels/cpu/gemm_rows.hpp"
 
 #include "attn/core/dtype.hpp"
@@ -55,10 +56,10 @@ struct TileOut {
 };
 
 // acc (R x 16, row stride 16) over k in [0, depth): acc = fma(a, b, acc), from the stored
-// partial sums, or from 0 when `fresh`. a: the tile's rows of op(A) packed k-major, element
-// (r, k) at a[k * kTileRows + r]; b: op(B)'s 16 columns of row k at b[k * kPanel]. With `out`,
-// the sums are finished into C instead of stored in acc.
-template <int R>
+// partial sums, or from 0 when `fresh`. a: the tile's rows of op(A) as pack_a wrote them, element
+// (r, k) at a[r * depth + k] (kRowMajorA) or a[k * kTileRows + r]; b: op(B)'s 16 columns of row k
+// at b[k * kPanel]. With `out`, the sums are finished into C instead of stored in acc.
+template <int R, bool kRowMajorA>
 ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, const float* b, float* acc,
                                 bool fresh, const TileOut* out) {
   __m256 c0[R], c1[R];
@@ -69,10 +70,9 @@ ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, const float* b, f
   }
   for (int64_t k = 0; k < depth; ++k) {
     const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
-    const float* ak = a + k * kTileRows;
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(ak + r);
+      const __m256 av = _mm256_broadcast_ss(kRowMajorA ? a + r * depth + k : a + k * kTileRows + r);
       c0[r] = _mm256_fmadd_ps(av, b0, c0[r]);
       c1[r] = _mm256_fmadd_ps(av, b1, c1[r]);
     }
@@ -110,8 +110,11 @@ ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, const float* b, f
 }
 
 using TileFn = void (*)(int64_t, const float*, const float*, float*, bool, const TileOut*);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>,
-                                          &tile<4>, &tile<5>, &tile<6>};
+constexpr TileFn kTiles[2][kTileRows + 1] = {
+    {nullptr, &tile<1, false>, &tile<2, false>, &tile<3, false>, &tile<4, false>, &tile<5, false>,
+     &tile<6, false>},
+    {nullptr, &tile<1, true>, &tile<2, true>, &tile<3, true>, &tile<4, true>, &tile<5, true>,
+     &tile<6, true>}};
 
 }  // namespace
 
@@ -241,9 +244,12 @@ float* aligned(std::vector<float>& v, int64_t n) {
 }
 
 // Rows [i0, i0 + rows) and k [k0, k0 + depth) of op(A) (float, or bf16 widened exactly), tile by
-// tile of kTileRows rows, k-major: tile t's element (r, k) at dst[(t * depth + k) * kTileRows + r].
-// One contiguous stream per tile, which the register tiles read for every panel of B. Full tiles
-// store 8 floats per k, the last 2 overwritten by the next k's (dst has 16 floats to spare).
+// tile of kTileRows rows, each tile's block at dst + t * depth * kTileRows, which the register
+// tiles read for every panel of B. Two layouts, whichever copies faster: with trans_a (a k's rows
+// side by side in A) k-major, element (r, k) at [k * kTileRows + r], 8 floats stored per k, the
+// last 2 overwritten by the next k's (dst has 16 floats to spare); otherwise row-major, (r, k) at
+// [r * depth + k], each row a plain copy (an in-register transpose to k-major cost 2-8% more of
+// the d2l step's products, bench: best of 8 alternating runs, Zen 3).
 template <typename T>
 ATTN_GEMM_ROWS_TARGET void pack_a(const GemmArgs& g, const T* A, int64_t i0, int64_t rows,
                                   int64_t k0, int64_t depth, float* dst) {
@@ -261,23 +267,15 @@ ATTN_GEMM_ROWS_TARGET void pack_a(const GemmArgs& g, const T* A, int64_t i0, int
           d[k * kTileRows + r] = b_at(A + (k0 + k) * g.lda + r0, r);
       continue;
     }
-    if (n == kTileRows) {
-      // 8 k of the 6 rows at a time, transposed as an 8 x 8 block whose last 2 rows are zeros.
-      const T* src = A + r0 * g.lda + k0;
-      for (; k + 8 <= depth; k += 8) {
-        __m256 v[8];
-        for (int r = 0; r < kTileRows; ++r)
-          v[r] = load8(src + r * g.lda + k);
-        v[6] = v[7] = _mm256_setzero_ps();
-        transpose8(v);
-        for (int j = 0; j < 8; ++j)
-          _mm256_storeu_ps(d + (k + j) * kTileRows, v[j]);
-      }
-    }
+    // Row r of the tile at d + r * depth.
     for (int64_t r = 0; r < n; ++r) {
       const T* src = A + (r0 + r) * g.lda + k0;
-      for (int64_t kk = k; kk < depth; ++kk)
-        d[kk * kTileRows + r] = b_at(src, kk);
+      float* row = d + r * depth;
+      int64_t kk = 0;
+      for (; kk + 8 <= depth; kk += 8)
+        _mm256_storeu_ps(row + kk, load8(src + kk));
+      for (; kk < depth; ++kk)
+        row[kk] = b_at(src, kk);
     }
   }
 }
@@ -307,7 +305,8 @@ void rows_product(const GemmArgs& g, const T* A, const float* packed, float* C, 
           float* acc = partial + (p * kRowBlock + r) * kPanel;
           const TileOut out{C + (i0 + r) * ldc + n0, ldc, g.bias != nullptr ? g.bias + n0 : nullptr,
                             accumulate, std::min(kPanel, N - n0)};
-          kTiles[n](depth, a_pack + r * depth, b, acc, k0 == 0, last ? &out : nullptr);
+          kTiles[g.trans_a ? 0 : 1][n](depth, a_pack + r * depth, b, acc, k0 == 0,
+                                       last ? &out : nullptr);
         }
       }
     }
