@@ -631,6 +631,7 @@ void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows)
   f.type = GemmType::kF32;
   f.A = a32, f.lda = a_cols;
   f.B = b32, f.ldb = b_cols;
+  f.b_fixed = false;  // a copy of this call's
   RoundRows round{&g, c32, rows};
   if (g.C_bf16 != nullptr) {
     f.C_bf16 = nullptr;
