@@ -4,11 +4,20 @@ import subprocess
 
 
 def cpu_model():
+    """The model name, with the family, model and widest vector extension: VMs often report a
+    bare "AMD EPYC" for Zen 3 and Zen 5 alike, whose kernels differ (AVX2 against AVX-512)."""
+    fields = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "?"
+            if not line.strip():
+                break  # the first processor's fields only
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("amx_bf16", "AMX"), ("avx512f", "AVX-512"),
+                                        ("avx2", "AVX2")) if flag in flags), "no AVX2")
+    return (f"{fields.get('model name', '?')} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')}, {isa})")
 
 
 def cpu_flags():
