@@ -133,38 +133,38 @@ Conversion Convert(const kernels::StridedView<U> v, int64_t N, int64_t C, float*
 // attn/core/dtype.hpp (the same bits as the scalar ones). On CPUs without AVX512-BF16 the fallback
 // ran 12 regions of these a layer and step, each ending at a barrier; memory-bound, a static
 // split left a thread idle 15-18% of each (bench/omp_trace.py, Zen 3, 2 threads).
-void Widen(std::initializer_list<Conversion> parts, int64_t B, int64_t heads, int threads) {
+// kWiden: bf16 view -> fp32 array; else fp32 array -> bf16 view (rounded to nearest even).
+template <bool kWiden>
+void ConvertAll(std::initializer_list<Conversion> parts, int64_t B, int64_t heads, int threads) {
 #pragma omp parallel num_threads(std::max(1, threads))
   for (const Conversion& c : parts) {
 #pragma omp for schedule(dynamic, 64) nowait
     for (int64_t bn = 0; bn < B * c.N; ++bn) {
-      const uint16_t* x = c.bf16 + HeadOffset(heads, bn / c.N, c.sb, c.sh) + bn % c.N * c.st;
-      float* y = c.fp32 + bn * c.C;
+      uint16_t* h = c.bf16 + HeadOffset(heads, bn / c.N, c.sb, c.sh) + bn % c.N * c.st;
+      float* f = c.fp32 + bn * c.C;
       if (c.sd == 1) {
-        bf16_to_floats(x, y, c.C);
+        if constexpr (kWiden)
+          bf16_to_floats(h, f, c.C);
+        else
+          floats_to_bf16(f, h, c.C);
         continue;
       }
-      for (int64_t j = 0; j < c.C; ++j)
-        y[j] = bf16_to_float(x[j * c.sd]);
+      for (int64_t j = 0; j < c.C; ++j) {
+        if constexpr (kWiden)
+          f[j] = bf16_to_float(h[j * c.sd]);
+        else
+          h[j * c.sd] = float_to_bf16(f[j]);
+      }
     }
   }
 }
 
+void Widen(std::initializer_list<Conversion> parts, int64_t B, int64_t heads, int threads) {
+  ConvertAll<true>(parts, B, heads, threads);
+}
+
 void Round(std::initializer_list<Conversion> parts, int64_t B, int64_t heads, int threads) {
-#pragma omp parallel num_threads(std::max(1, threads))
-  for (const Conversion& c : parts) {
-#pragma omp for schedule(dynamic, 64) nowait
-    for (int64_t bn = 0; bn < B * c.N; ++bn) {
-      const float* x = c.fp32 + bn * c.C;
-      uint16_t* y = c.bf16 + HeadOffset(heads, bn / c.N, c.sb, c.sh) + bn % c.N * c.st;
-      if (c.sd == 1) {
-        floats_to_bf16(x, y, c.C);
-        continue;
-      }
-      for (int64_t j = 0; j < c.C; ++j)
-        y[j * c.sd] = float_to_bf16(x[j]);
-    }
-  }
+  ConvertAll<false>(parts, B, heads, threads);
 }
 
 // A contiguous (B, N, C) view of `data`.

@@ -139,13 +139,13 @@ int64_t gemm_rows_packed_size(const GemmArgs& g) {
 }
 
 namespace {
-// op(B) element (k, n) of float or bf16 B, as float (bf16 widened, exactly).
+// Element i of float or bf16 data (either operand), as float (bf16 widened, exactly).
 template <typename T>
-float b_at(const T* B, int64_t i) {
+float widened(const T* x, int64_t i) {
   if constexpr (std::is_same_v<T, uint16_t>) {
-    return bf16_to_float(B[i]);
+    return bf16_to_float(x[i]);
   } else {
-    return B[i];
+    return x[i];
   }
 }
 
@@ -209,7 +209,7 @@ ATTN_GEMM_ROWS_TARGET void pack_panels(const GemmArgs& g, const T* B, float* pac
       }
       for (; k < K; ++k)
         for (int64_t c = 0; c < kPanel; ++c)
-          dst[k * kPanel + c] = c < cols ? b_at(B + (n0 + c) * g.ldb, k) : 0.0f;
+          dst[k * kPanel + c] = c < cols ? widened(B + (n0 + c) * g.ldb, k) : 0.0f;
       continue;
     }
     if (cols == kPanel) {
@@ -221,7 +221,7 @@ ATTN_GEMM_ROWS_TARGET void pack_panels(const GemmArgs& g, const T* B, float* pac
     for (; k < K; ++k) {
       float* row = dst + k * kPanel;
       for (int64_t c = 0; c < cols; ++c)
-        row[c] = b_at(B, k * g.ldb + n0 + c);
+        row[c] = widened(B, k * g.ldb + n0 + c);
       std::fill(row + cols, row + kPanel, 0.0f);
     }
   }
@@ -264,7 +264,7 @@ ATTN_GEMM_ROWS_TARGET void pack_a(const GemmArgs& g, const T* A, int64_t i0, int
           _mm256_storeu_ps(d + k * kTileRows, load6(A + (k0 + k) * g.lda + r0));
       for (; k < depth; ++k)
         for (int64_t r = 0; r < n; ++r)
-          d[k * kTileRows + r] = b_at(A + (k0 + k) * g.lda + r0, r);
+          d[k * kTileRows + r] = widened(A + (k0 + k) * g.lda + r0, r);
       continue;
     }
     // Row r of the tile at d + r * depth.
@@ -275,7 +275,7 @@ ATTN_GEMM_ROWS_TARGET void pack_a(const GemmArgs& g, const T* A, int64_t i0, int
       for (; kk + 8 <= depth; kk += 8)
         _mm256_storeu_ps(row + kk, load8(src + kk));
       for (; kk < depth; ++kk)
-        row[kk] = b_at(src, kk);
+        row[kk] = widened(src, kk);
     }
   }
 }
