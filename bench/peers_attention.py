@@ -102,7 +102,7 @@ def engine_attn(c, lens, threads):
     attn.default_context.threads = threads  # exactly N: no spare thread (attn.torch._threads)
     vl = None if c["mask"] == "none" else torch.from_numpy(lens)
     return torch_like(c, lens, torch, lambda q, k, v: at.scaled_dot_product_attention(
-        q, k, v, vl, training=False))
+        q, k, v, valid_lens=vl, training=False))
 
 
 def engine_torch(c, lens, threads):
