@@ -26,6 +26,7 @@
 #include "attn/ops/linear.hpp"
 #include "nn/internal.hpp"
 #include "ops/attention_heads.hpp"
+#include "ops/linear_parameter.hpp"
 #include "ops/mask.hpp"
 
 #include <algorithm>
@@ -288,7 +289,8 @@ Tensor MultiHeadAttention::pack_projection(Context& ctx, const Tensor& X, DType 
     l->materialize(X.dim(2), "MultiHeadAttention");
   const bool bias = W_q.has_bias();
   saved_.stacked = projections_stacked();
-  if (saved_.stacked && qkv_weight_.dtype() == wdt) {
+  const bool own_weight = saved_.stacked && qkv_weight_.dtype() == wdt;
+  if (own_weight) {
     // The parameters themselves, in place.
     W_qkv_ = qkv_weight_;
     b_qkv_ = bias ? qkv_bias_ : Tensor();
@@ -313,7 +315,11 @@ Tensor MultiHeadAttention::pack_projection(Context& ctx, const Tensor& X, DType 
     }
   }
   saved_.X = detail::convert(ctx, X, wdt);
-  const Tensor QKV = linear(ctx, saved_.X, W_qkv_, bias ? b_qkv_ : Tensor());  // (B, T, 3E)
+  // (B, T, 3E). On the parameter itself, its GEMM packing may be kept between calls while
+  // generation holds a cpu::GemmFixedPackingScope (the encoder of every `attn translate` batch).
+  const Tensor b = bias ? b_qkv_ : Tensor();
+  const Tensor QKV = own_weight ? attn::detail::linear_of_parameter(ctx, saved_.X, W_qkv_, b, false)
+                                : linear(ctx, saved_.X, W_qkv_, b);
   saved_.Q = QKV.slice(2, 0, E);
   saved_.K = QKV.slice(2, E, 2 * E);
   saved_.V = QKV.slice(2, 2 * E, 3 * E);
