@@ -284,9 +284,28 @@ HWY_INLINE void PackRows(const float* src, int64_t rows, int64_t cols, int64_t s
   }
 }
 
+// Square tiles of floats transposed in registers: 16 x 16 on AVX-512, 8 x 8 on AVX2 (the
+// packing loops below; the scalar target has none). Undefined first: this file is compiled
+// once per target.
+#undef ATTN_FLASH_TILE_TRANSPOSE
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// In-register transpose of a 16 x 16 tile of floats (kernels/cpu/transpose16.hpp).
-HWY_INLINE void Transpose16(__m512 r[16]) {
+#define ATTN_FLASH_TILE_TRANSPOSE 1
+using TileVec = __m512;
+constexpr int kTile = 16;
+HWY_INLINE TileVec TileLoad(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+HWY_INLINE void TileStore(float* p, TileVec v) {
+  _mm512_storeu_ps(p, v);
+}
+HWY_INLINE TileVec TileMul(TileVec a, TileVec b) {
+  return _mm512_mul_ps(a, b);
+}
+HWY_INLINE TileVec TileSet1(float x) {
+  return _mm512_set1_ps(x);
+}
+// kernels/cpu/transpose16.hpp
+HWY_INLINE void TransposeTile(TileVec r[16]) {
   __m512i x[16];
   for (int i = 0; i < 16; ++i)
     x[i] = _mm512_castps_si512(r[i]);
@@ -294,33 +313,70 @@ HWY_INLINE void Transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i)
     r[i] = _mm512_castsi512_ps(x[i]);
 }
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+#define ATTN_FLASH_TILE_TRANSPOSE 1
+using TileVec = __m256;
+constexpr int kTile = 8;
+HWY_INLINE TileVec TileLoad(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+HWY_INLINE void TileStore(float* p, TileVec v) {
+  _mm256_storeu_ps(p, v);
+}
+HWY_INLINE TileVec TileMul(TileVec a, TileVec b) {
+  return _mm256_mul_ps(a, b);
+}
+HWY_INLINE TileVec TileSet1(float x) {
+  return _mm256_set1_ps(x);
+}
+// Rows a..h: pairs interleaved within each 128-bit half (a0 b0 a1 b1 | a4 b4 a5 b5), then
+// quadruples (a0 b0 c0 d0 | a4 b4 c4 d4), then the halves of rows a-d and e-h joined.
+HWY_INLINE void TransposeTile(TileVec r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows a-d, then e-h
+    const __m256 lo0 = t[4 * h], hi0 = t[4 * h + 1], lo1 = t[4 * h + 2], hi1 = t[4 * h + 3];
+    u[4 * h + 0] = _mm256_shuffle_ps(lo0, lo1, _MM_SHUFFLE(1, 0, 1, 0));  // columns 0 | 4
+    u[4 * h + 1] = _mm256_shuffle_ps(lo0, lo1, _MM_SHUFFLE(3, 2, 3, 2));  // columns 1 | 5
+    u[4 * h + 2] = _mm256_shuffle_ps(hi0, hi1, _MM_SHUFFLE(1, 0, 1, 0));  // columns 2 | 6
+    u[4 * h + 3] = _mm256_shuffle_ps(hi0, hi1, _MM_SHUFFLE(3, 2, 3, 2));  // columns 3 | 7
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
 #endif
 
 // dst[c*ld + r] = mul * src[r*s_r + c*s_c]: the transpose of a (rows x cols) tile, with rows
 // [rows, ld) zeroed. Used for Q^T (D x queries), K^T (D x keys) and V^T (Dv x keys), so that a
-// micro-kernel reads a vector of consecutive queries or keys per feature. On AVX-512 with unit
-// column stride, whole 16 x 16 tiles go through registers (a strided scalar loop over a block of
-// 192 rows misses L1 on every element: it was ~7% of the forward at T = 1024, D = 128); the
-// rest runs 16 rows at a time so that each row of dst is written one cache line at a time.
+// micro-kernel reads a vector of consecutive queries or keys per feature. With unit column
+// stride, whole kTile x kTile tiles go through registers (a strided scalar loop over a block of
+// 192 rows misses L1 on every element: it was ~7% of the forward at T = 1024, D = 128 on
+// AVX-512, and the hottest loop of the forward outside its products on AVX2); the rest runs 16
+// rows at a time so that each row of dst is written one cache line at a time.
 HWY_INLINE void PackTransposed(const float* src, int64_t rows, int64_t cols, int64_t s_r,
                                int64_t s_c, float mul, float* dst, int64_t ld) {
   constexpr int64_t kR = 16;
   int64_t r0 = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#ifdef ATTN_FLASH_TILE_TRANSPOSE
   if (s_c == 1) {
-    const __m512 vm = _mm512_set1_ps(mul);
-    for (; r0 + kR <= rows; r0 += kR) {
+    const TileVec vm = TileSet1(mul);
+    for (; r0 + kTile <= rows; r0 += kTile) {
       int64_t c0 = 0;
-      for (; c0 + kR <= cols; c0 += kR) {
-        __m512 x[16];
-        for (int i = 0; i < 16; ++i)
-          x[i] = _mm512_loadu_ps(src + (r0 + i) * s_r + c0);
-        Transpose16(x);
-        for (int i = 0; i < 16; ++i)
-          _mm512_storeu_ps(dst + (c0 + i) * ld + r0, _mm512_mul_ps(x[i], vm));
+      for (; c0 + kTile <= cols; c0 += kTile) {
+        TileVec x[kTile];
+        for (int i = 0; i < kTile; ++i)
+          x[i] = TileLoad(src + (r0 + i) * s_r + c0);
+        TransposeTile(x);
+        for (int i = 0; i < kTile; ++i)
+          TileStore(dst + (c0 + i) * ld + r0, TileMul(x[i], vm));
       }
       for (int64_t c = c0; c < cols; ++c)
-        for (int64_t r = r0; r < r0 + kR; ++r)
+        for (int64_t r = r0; r < r0 + kTile; ++r)
           dst[c * ld + r] = mul * src[r * s_r + c];
     }
   }
@@ -342,20 +398,20 @@ HWY_INLINE void UnpackTransposed(const float* src, int64_t ld, int64_t rows, int
                                  const float* mul, float* dst, int64_t d_r, int64_t d_c) {
   constexpr int64_t kR = 16;
   int64_t r0 = 0;
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+#ifdef ATTN_FLASH_TILE_TRANSPOSE
   if (d_c == 1) {
-    for (; r0 + kR <= rows; r0 += kR) {
-      const __m512 vm = _mm512_loadu_ps(mul + r0);
+    for (; r0 + kTile <= rows; r0 += kTile) {
+      const TileVec vm = TileLoad(mul + r0);
       int64_t c0 = 0;
-      for (; c0 + kR <= cols; c0 += kR) {
-        __m512 x[16];
-        for (int i = 0; i < 16; ++i)
-          x[i] = _mm512_mul_ps(_mm512_loadu_ps(src + (c0 + i) * ld + r0), vm);
-        Transpose16(x);
-        for (int i = 0; i < 16; ++i)
-          _mm512_storeu_ps(dst + (r0 + i) * d_r + c0, x[i]);
+      for (; c0 + kTile <= cols; c0 += kTile) {
+        TileVec x[kTile];
+        for (int i = 0; i < kTile; ++i)
+          x[i] = TileMul(TileLoad(src + (c0 + i) * ld + r0), vm);
+        TransposeTile(x);
+        for (int i = 0; i < kTile; ++i)
+          TileStore(dst + (r0 + i) * d_r + c0, x[i]);
       }
-      for (int64_t r = r0; r < r0 + kR; ++r)
+      for (int64_t r = r0; r < r0 + kTile; ++r)
         for (int64_t c = c0; c < cols; ++c)
           dst[r * d_r + c] = src[c * ld + r] * mul[r];
     }
@@ -429,8 +485,8 @@ inline void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, 
           xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
           xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
         }
-        Transpose16(xa);
-        Transpose16(xb);
+        TransposeTile(xa);
+        TransposeTile(xb);
         for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
           lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
                                _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
