@@ -284,28 +284,9 @@ HWY_INLINE void PackRows(const float* src, int64_t rows, int64_t cols, int64_t s
   }
 }
 
-// Square tiles of floats transposed in registers: 16 x 16 on AVX-512, 8 x 8 on AVX2 (the
-// packing loops below; the scalar target has none). Undefined first: this file is compiled
-// once per target.
-#undef ATTN_FLASH_TILE_TRANSPOSE
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-#define ATTN_FLASH_TILE_TRANSPOSE 1
-using TileVec = __m512;
-constexpr int kTile = 16;
-HWY_INLINE TileVec TileLoad(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-HWY_INLINE void TileStore(float* p, TileVec v) {
-  _mm512_storeu_ps(p, v);
-}
-HWY_INLINE TileVec TileMul(TileVec a, TileVec b) {
-  return _mm512_mul_ps(a, b);
-}
-HWY_INLINE TileVec TileSet1(float x) {
-  return _mm512_set1_ps(x);
-}
-// kernels/cpu/transpose16.hpp
-HWY_INLINE void TransposeTile(TileVec r[16]) {
+// In-register transpose of a 16 x 16 tile of floats (kernels/cpu/transpose16.hpp).
+HWY_INLINE void Transpose16(__m512 r[16]) {
   __m512i x[16];
   for (int i = 0; i < 16; ++i)
     x[i] = _mm512_castps_si512(r[i]);
@@ -313,29 +294,30 @@ HWY_INLINE void TransposeTile(TileVec r[16]) {
   for (int i = 0; i < 16; ++i)
     r[i] = _mm512_castsi512_ps(x[i]);
 }
-#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+#endif
+
+// Square tiles of kTile x kTile floats transposed in registers, one vector per row: 16 x 16 on
+// AVX-512, 8 x 8 on AVX2 (the packing loops below; the scalar target has none). Undefined
+// first: this file is compiled once per target.
+#undef ATTN_FLASH_TILE_TRANSPOSE
+#if HWY_ARCH_X86 && (HWY_TARGET <= HWY_AVX3 || HWY_TARGET == HWY_AVX2)
 #define ATTN_FLASH_TILE_TRANSPOSE 1
-using TileVec = __m256;
-constexpr int kTile = 8;
-HWY_INLINE TileVec TileLoad(const float* p) {
-  return _mm256_loadu_ps(p);
-}
-HWY_INLINE void TileStore(float* p, TileVec v) {
-  _mm256_storeu_ps(p, v);
-}
-HWY_INLINE TileVec TileMul(TileVec a, TileVec b) {
-  return _mm256_mul_ps(a, b);
-}
-HWY_INLINE TileVec TileSet1(float x) {
-  return _mm256_set1_ps(x);
-}
-// Rows a..h: pairs interleaved within each 128-bit half (a0 b0 a1 b1 | a4 b4 a5 b5), then
-// quadruples (a0 b0 c0 d0 | a4 b4 c4 d4), then the halves of rows a-d and e-h joined.
-HWY_INLINE void TransposeTile(TileVec r[8]) {
+constexpr int kTile = HWY_LANES(float);
+HWY_INLINE void TransposeTile(VF r[kTile]) {
+#if HWY_TARGET <= HWY_AVX3
+  __m512 x[16];
+  for (int i = 0; i < 16; ++i)
+    x[i] = r[i].raw;
+  Transpose16(x);
+  for (int i = 0; i < 16; ++i)
+    r[i].raw = x[i];
+#else
+  // Rows a..h: pairs interleaved within each 128-bit half (a0 b0 a1 b1 | a4 b4 a5 b5), then
+  // quadruples (a0 b0 c0 d0 | a4 b4 c4 d4), then the halves of rows a-d and e-h joined.
   __m256 t[8], u[8];
   for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i].raw, r[2 * i + 1].raw);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i].raw, r[2 * i + 1].raw);
   }
   for (int h = 0; h < 2; ++h) {  // rows a-d, then e-h
     const __m256 lo0 = t[4 * h], hi0 = t[4 * h + 1], lo1 = t[4 * h + 2], hi1 = t[4 * h + 3];
@@ -345,9 +327,10 @@ HWY_INLINE void TransposeTile(TileVec r[8]) {
     u[4 * h + 3] = _mm256_shuffle_ps(hi0, hi1, _MM_SHUFFLE(3, 2, 3, 2));  // columns 3 | 7
   }
   for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    r[c].raw = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[c + 4].raw = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
   }
+#endif
 }
 #endif
 
@@ -364,16 +347,17 @@ HWY_INLINE void PackTransposed(const float* src, int64_t rows, int64_t cols, int
   int64_t r0 = 0;
 #ifdef ATTN_FLASH_TILE_TRANSPOSE
   if (s_c == 1) {
-    const TileVec vm = TileSet1(mul);
+    const DF d;
+    const VF vm = hn::Set(d, mul);
     for (; r0 + kTile <= rows; r0 += kTile) {
       int64_t c0 = 0;
       for (; c0 + kTile <= cols; c0 += kTile) {
-        TileVec x[kTile];
+        VF x[kTile];
         for (int i = 0; i < kTile; ++i)
-          x[i] = TileLoad(src + (r0 + i) * s_r + c0);
+          x[i] = hn::LoadU(d, src + (r0 + i) * s_r + c0);
         TransposeTile(x);
         for (int i = 0; i < kTile; ++i)
-          TileStore(dst + (c0 + i) * ld + r0, TileMul(x[i], vm));
+          hn::StoreU(hn::Mul(x[i], vm), d, dst + (c0 + i) * ld + r0);
       }
       for (int64_t c = c0; c < cols; ++c)
         for (int64_t r = r0; r < r0 + kTile; ++r)
@@ -400,16 +384,17 @@ HWY_INLINE void UnpackTransposed(const float* src, int64_t ld, int64_t rows, int
   int64_t r0 = 0;
 #ifdef ATTN_FLASH_TILE_TRANSPOSE
   if (d_c == 1) {
+    const DF d;
     for (; r0 + kTile <= rows; r0 += kTile) {
-      const TileVec vm = TileLoad(mul + r0);
+      const VF vm = hn::LoadU(d, mul + r0);
       int64_t c0 = 0;
       for (; c0 + kTile <= cols; c0 += kTile) {
-        TileVec x[kTile];
+        VF x[kTile];
         for (int i = 0; i < kTile; ++i)
-          x[i] = TileMul(TileLoad(src + (c0 + i) * ld + r0), vm);
+          x[i] = hn::Mul(hn::LoadU(d, src + (c0 + i) * ld + r0), vm);
         TransposeTile(x);
         for (int i = 0; i < kTile; ++i)
-          TileStore(dst + (r0 + i) * d_r + c0, x[i]);
+          hn::StoreU(x[i], d, dst + (r0 + i) * d_r + c0);
       }
       for (int64_t r = r0; r < r0 + kTile; ++r)
         for (int64_t c = c0; c < cols; ++c)
@@ -485,8 +470,8 @@ inline void RowDots(const float* a, int64_t a_st, int64_t a_sd, const float* b, 
           xa[i] = _mm512_loadu_ps(a + (t0 + i) * a_st + c0);
           xb[i] = _mm512_loadu_ps(b + (t0 + i) * b_st + c0);
         }
-        TransposeTile(xa);
-        TransposeTile(xb);
+        Transpose16(xa);
+        Transpose16(xb);
         for (int i = 0; i < 16; ++i) {  // column c0 + i of the 16 rows
           lo = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xa[i])),
                                _mm512_cvtps_pd(_mm512_castps512_ps256(xb[i])), lo);
