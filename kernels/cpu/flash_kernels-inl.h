@@ -45,7 +45,8 @@ constexpr int kNV = 4;  // vectors of B (columns of C) per micro-tile
 constexpr int kFwdMR = 8, kFwdNV = 3;  // forward: 24 accumulators as 8 rows x 3 vectors
 #elif HWY_TARGET == HWY_AVX2
 // forward: 12 accumulators + 3 vectors of B + 1 broadcast = AVX2's 16 registers (3 x 4 needs
-// one B vector from memory per row: 9 loads per 12 FMAs instead of 7); 5-9% faster on Zen 3.
+// one B vector from memory per row: 9 loads per 12 FMAs instead of 7); 1-3% faster on Zen 3
+// by bench/ab_least.sh (docs/performance.md, session 21).
 constexpr int kFwdMR = 4, kFwdNV = 3;
 #else
 constexpr int kFwdMR = kMR, kFwdNV = kNV;

@@ -69,7 +69,8 @@ ATTN_GEMM_ROWS_TARGET void tile(int64_t depth, const float* a, const float* b, f
     c1[r] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kPanel + 8);
   }
   // Unrolled by 4: the k step is 12 FMAs, 8 loads and 5 integer ops of loop control and
-  // addresses, which unrolling shares; 2-4% on Zen 3 (least of 24 runs, 1 thread).
+  // addresses, which unrolling shares; 2-6% on Zen 3's forward projections (bench/ab_least.sh,
+  // 1 thread).
 #pragma GCC unroll 4
   for (int64_t k = 0; k < depth; ++k) {
     const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
