@@ -141,18 +141,12 @@ void store(void* p, DType t, double v) {
 constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 47;
 
 Tensor Tensor::empty(const Shape& shape, DType dtype) {
-  Tensor t;
-  t.numel_ = shape_numel(shape, "Tensor::empty");
-  check(static_cast<uint64_t>(t.numel_) <= kMaxTensorBytes / dtype_size(dtype), "Tensor::empty",
+  const int64_t numel = shape_numel(shape, "Tensor::empty");
+  check(static_cast<uint64_t>(numel) <= kMaxTensorBytes / dtype_size(dtype), "Tensor::empty",
         "shape {} of {} needs more memory than this machine can address", shape_arg(shape),
         dtype_name(dtype));
-  t.storage_ = allocate(static_cast<size_t>(t.numel_) * dtype_size(dtype), shape);
-  t.data_ = t.storage_.get();
-  t.shape_ = shape;
-  t.strides_ = contiguous_strides(shape);
-  t.dtype_ = dtype;
-  t.defined_ = true;
-  return t;
+  return Tensor(allocate(static_cast<size_t>(numel) * dtype_size(dtype), shape), shape, dtype,
+                numel);
 }
 
 Tensor Tensor::zeros(const Shape& shape, DType dtype) {

@@ -18,6 +18,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace attn {
@@ -132,6 +133,18 @@ class Tensor {
 
   int64_t offset_of(const int64_t* index, size_t n) const;
   int64_t offset_of_flat(int64_t i) const;
+
+  // A fresh contiguous tensor on `storage` (Tensor::empty): each member set once by its
+  // initializer. (A default-constructed Tensor, then assigned, was first zeroed whole with
+  // `rep stos`: half of Tensor::empty's time.)
+  Tensor(std::shared_ptr<std::byte> storage, const Shape& shape, DType dtype, int64_t numel)
+      : storage_(std::move(storage)),
+        data_(storage_.get()),
+        shape_(shape),
+        strides_(contiguous_strides(shape)),
+        numel_(numel),
+        dtype_(dtype),
+        defined_(true) {}
 };
 
 inline ShapeArg shape_arg(const Tensor& t) {
