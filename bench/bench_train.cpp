@@ -17,8 +17,10 @@
 //
 // The encoder-decoder's step (model::Seq2SeqTrainer, what `attn train --task dates|translate`
 // runs): BM_Seq2SeqStep every pair full length, BM_Seq2SeqStepPadded source and target lengths
-// uniform in [T/2, T], at the `long` shape of bench/run_peers_seq2seq.sh (B 32, 64 + 64 tokens,
-// vocabularies of 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1).
+// uniform in [T/2, T], and both in bf16 mixed precision (BM_Seq2SeqStepBf16,
+// BM_Seq2SeqStepPaddedBf16: `attn train --precision bf16`), at the `long` shape of
+// bench/run_peers_seq2seq.sh (B 32, 64 + 64 tokens, vocabularies of 1000, E 128, 4 heads, FFN 256,
+// 2 + 2 blocks, dropout 0.1).
 //
 // Counter tokens_per_second: the valid tokens a step trains on per second of wall time (B * T
 // for the full-length encoder step; the sum of valid_lens for the padded ones; the target tokens
@@ -249,7 +251,7 @@ std::vector<attn::model::Seq2SeqBatch> make_seq2seq_batches(bool padded) {
   return batches;
 }
 
-void run_seq2seq_steps(benchmark::State& state, bool padded) {
+void run_seq2seq_steps(benchmark::State& state, bool padded, attn::model::Precision precision) {
   attn::model::Seq2SeqTrainOptions o;
   o.model.src_vocab_size = o.model.tgt_vocab_size = kS2sVocab;
   o.model.num_hiddens = kS2sE;
@@ -262,6 +264,7 @@ void run_seq2seq_steps(benchmark::State& state, bool padded) {
   o.clip_norm = 1.0;
   o.seed = 0;
   o.threads = bench_threads();
+  o.precision = precision;
   attn::model::Seq2SeqTrainer trainer(o, seq2seq_vocab(), seq2seq_vocab());
   const std::vector<attn::model::Seq2SeqBatch> batches = make_seq2seq_batches(padded);
   const double valid = cycle_steps(state, trainer, batches,
@@ -279,11 +282,19 @@ void run_seq2seq_steps(benchmark::State& state, bool padded) {
 }
 
 void BM_Seq2SeqStep(benchmark::State& state) {
-  run_seq2seq_steps(state, false);
+  run_seq2seq_steps(state, false, attn::model::Precision::kFloat32);
 }
 
 void BM_Seq2SeqStepPadded(benchmark::State& state) {
-  run_seq2seq_steps(state, true);
+  run_seq2seq_steps(state, true, attn::model::Precision::kFloat32);
+}
+
+void BM_Seq2SeqStepBf16(benchmark::State& state) {
+  run_seq2seq_steps(state, false, attn::model::Precision::kBFloat16);
+}
+
+void BM_Seq2SeqStepPaddedBf16(benchmark::State& state) {
+  run_seq2seq_steps(state, true, attn::model::Precision::kBFloat16);
 }
 
 // The same step in its four parts, each timed by hand (manual time = the whole step), with the
@@ -372,6 +383,8 @@ BENCHMARK(BM_TrainStepPadded)->Unit(benchmark::kMillisecond)->UseRealTime()->Min
 BENCHMARK(BM_TrainStepPaddedBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_Seq2SeqStep)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_Seq2SeqStepPadded)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_Seq2SeqStepBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
+BENCHMARK(BM_Seq2SeqStepPaddedBf16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(3.0);
 BENCHMARK(BM_TrainStepParts)->Unit(benchmark::kMillisecond)->UseManualTime()->MinTime(3.0);
 BENCHMARK(BM_AddNorm)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
 

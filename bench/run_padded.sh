@@ -5,8 +5,9 @@
 #    padded one (BM_TrainStepPadded, BM_TrainStepPaddedBf16: lengths uniform in [T/2, T], each
 #    batch padded to its longest, d2l's valid_lens) and beside `attn train` on the shift task
 #    (the same lengths and padding), without and with --bucket 8;
-#  - the seq2seq training step (B 32, 64 + 64 tokens, vocabularies of 1000, E 128, 2 + 2 blocks):
-#    BM_Seq2SeqStep beside BM_Seq2SeqStepPadded (source and target lengths uniform in [T/2, T]);
+#  - the seq2seq training step (B 32, 64 + 64 tokens, vocabularies of 1000, E 128, 2 + 2 blocks),
+#    fp32 and bf16: BM_Seq2SeqStep(Bf16) beside BM_Seq2SeqStepPadded(Bf16) (source and target
+#    lengths uniform in [T/2, T]);
 #  - MHA inference (B 4, E 512, 8 heads, T 512 and 2048), fp32 and bf16: BM_MhaInference(Bf16)
 #    beside BM_MhaInferencePadded(Bf16), GFLOP/s of the valid work;
 #  - `attn translate` on the dates checkpoint of docs/seq2seq.md (trained once and cached in
@@ -63,7 +64,7 @@ for ((r = 1; r <= rounds; r++)); do
   for kind in $( ((r % 2)) && echo "full padded" || echo "padded full"); do
     [[ $kind == full ]] && pad="" || pad=Padded
     "$build/bench/bench_train" --benchmark_format=json \
-      --benchmark_filter="^BM_TrainStep$pad(Bf16)?/|^BM_Seq2SeqStep$pad/" \
+      --benchmark_filter="^BM_TrainStep$pad(Bf16)?/|^BM_Seq2SeqStep$pad(Bf16)?/" \
       >"$tmp/train_${kind}_$r.json" 2>/dev/null
     "$build/bench/bench_mha" --benchmark_format=json --benchmark_min_time=2 \
       --benchmark_min_warmup_time=0.5 --benchmark_filter="^BM_MhaInference$pad(Bf16)?/" \
@@ -116,11 +117,9 @@ for r in range(1, rounds + 1):
             secs = float(open(f"{tmp}/tr_{beam}_{batch}_{r}.txt").read()) - empty
             tokens = int(open(f"{tmp}/trtok_{beam}_{batch}_{r}.txt").read())
             tr.setdefault((beam, batch), []).append(tokens / secs)
-cpu = "unknown"
-for line in open("/proc/cpuinfo"):
-    if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
+sys.path.insert(0, "bench")
+import peers_common  # noqa: E402
+cpu = peers_common.cpu_model()  # with family, model and vector extension: "AMD EPYC" is many CPUs
 
 
 def series(name, counter, arg=""):
@@ -166,19 +165,21 @@ print(f"{100 * frac:.0f}% of the padded batches' positions are padding, so where
       "so it can do a little better). `--bucket 8` sorts 8 batches' worth of sequences by length "
       "before cutting them into batches, so each batch pads to little more than its own lengths.")
 print()
-s_full = series("BM_Seq2SeqStep", "tokens_per_second")
-s_pad = series("BM_Seq2SeqStepPadded", "tokens_per_second")
 s_tf = series("BM_Seq2SeqStepPadded", "padded_fraction")[0]
 s_sf = series("BM_Seq2SeqStepPadded", "src_padded_fraction")[0]
 print("Seq2seq training step (`model::Seq2SeqTrainer`: B 32, 64 + 64 tokens, vocabularies of "
       "1000, E 128, 4 heads, FFN 256, 2 + 2 blocks, dropout 0.1; the `long` shape of "
-      "bench/run_peers_seq2seq.sh), valid target tokens per second:")
+      "bench/run_peers_seq2seq.sh), valid target tokens per second; bf16 is `attn train "
+      "--precision bf16`'s mixed precision:")
 print()
-print("| bench_train `BM_Seq2SeqStep` full (tok/s) | `BM_Seq2SeqStepPadded` (tok/s) | "
+print("| precision | bench_train `BM_Seq2SeqStep` full (tok/s) | `BM_Seq2SeqStepPadded` (tok/s) | "
       "padded / full | padding, source / target |")
-print("|---|---|---|---|")
-print(f"| {med(s_full)} | {med(s_pad)} | {ratio(s_pad, s_full)} | "
-      f"{100 * s_sf:.0f}% / {100 * s_tf:.0f}% |")
+print("|---|---|---|---|---|")
+for p, suffix in (("fp32", ""), ("bf16", "Bf16")):
+    s_full = series(f"BM_Seq2SeqStep{suffix}", "tokens_per_second")
+    s_pad = series(f"BM_Seq2SeqStepPadded{suffix}", "tokens_per_second")
+    print(f"| {p} | {med(s_full)} | {med(s_pad)} | {ratio(s_pad, s_full)} | "
+          f"{100 * s_sf:.0f}% / {100 * s_tf:.0f}% |")
 print()
 print("MHA inference (bench_mha: B 4, E 512, 8 heads, self-attention, biases, no weights kept), "
       "GFLOP/s; the padded ones count only the valid work (projections of valid rows, valid "

@@ -161,6 +161,39 @@ TEST_F(CliSeq2Seq, ResumeRepeatsAnUninterruptedRunBitForBit) {
                  {"--num-hiddens"}, 3);
 }
 
+// --precision bf16 trains the encoder-decoder in mixed precision; a resume without --precision
+// keeps it (the checkpoint's attn.precision) and repeats the uninterrupted run bit for bit; the
+// checkpoint translates.
+TEST_F(CliSeq2Seq, Bf16TrainsResumesAndTranslates) {
+  const std::string common = std::string(
+                                 "train --task reverse --symbols 4 --length 4 --dropout 0.1 "
+                                 "--eval-every 3 --precision bf16 ") +
+                             kTiny;
+  const Result a = run(common + " --steps 6 --checkpoint " + path("straight.safetensors"));
+  ASSERT_EQ(a.status, 0) << a.err;
+  EXPECT_NE(a.err.find("precision bf16"), std::string::npos) << a.err;
+  ASSERT_EQ(run(common + " --steps 4 --checkpoint " + path("half.safetensors")).status, 0);
+  const Result r = run("train --resume " + path("half.safetensors") +
+                       " --steps 6 --threads 2 --checkpoint " + path("resumed.safetensors"));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("precision bf16; resumed at step 4"), std::string::npos) << r.err;
+  const SafetensorsFile s = load_safetensors((out / "straight.safetensors").string());
+  const SafetensorsFile m = load_safetensors((out / "resumed.safetensors").string());
+  EXPECT_EQ(s.metadata.at("attn.precision"), "bf16");
+  EXPECT_EQ(m.metadata.at("attn.precision"), "bf16");
+  ASSERT_EQ(s.tensors.size(), m.tensors.size());
+  for (const auto& [name, t] : s.tensors) {
+    ASSERT_TRUE(m.tensors.count(name)) << name;
+    const Tensor& u = m.tensors.at(name);
+    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
+  }
+  const Result t = run("translate --checkpoint " + path("straight.safetensors") + " " +
+                       input("src.txt", "a b c\n\nd a\n"));
+  ASSERT_EQ(t.status, 0) << t.err;
+  EXPECT_EQ(lines(t.out).size(), 3u) << t.out;
+}
+
 TEST_F(CliSeq2Seq, TrainTranslateOnATsvFile) {
   std::string tsv;
   for (int i = 0; i < 6; ++i)

@@ -77,8 +77,13 @@ std::unique_ptr<nn::EncoderDecoder> replica_of(nn::EncoderDecoder& model) {
 // single-threaded ops: a decoder step of a small model is too little work to split, and a batch's
 // translation does not depend on which thread decodes it or with how many threads. Otherwise
 // batches run in order on `ctx` and `model`, whose ops use ctx's threads. `model` is in eval mode.
+// Decoding is float32 whatever the training precision (Seq2SeqTrainOptions::precision): every
+// context handed to `decode` is a copy of `trainer_ctx` with autocast off.
 template <class Decode>
-void decode_batches(Context& ctx, nn::EncoderDecoder& model, size_t n, Decode&& decode) {
+void decode_batches(const Context& trainer_ctx, nn::EncoderDecoder& model, size_t n,
+                    Decode&& decode) {
+  Context ctx = trainer_ctx;
+  ctx.autocast_bf16 = false;
   int workers = static_cast<int>(
       std::min<size_t>(n, static_cast<size_t>(std::max(1, ctx.resolved_threads()))));
   // A lazy layer not materialised yet would draw its own weights in each replica.
@@ -200,6 +205,7 @@ Seq2SeqTrainer::Seq2SeqTrainer(const Seq2SeqTrainOptions& options, Vocabulary sr
   options_.model.seed = options.seed;
   ctx_.threads = options.threads;
   ctx_.seed = options.seed;
+  ctx_.autocast_bf16 = options.precision == Precision::kBFloat16;
   model_ = std::make_unique<nn::EncoderDecoder>(options_.model);
   // The feed-forward layers are lazy (d2l's LazyLinear): one eval-mode forward on a single token
   // creates them now, so the optimiser and every checkpoint see all parameters from step 0.
@@ -347,7 +353,9 @@ void Seq2SeqTrainer::save_checkpoint(const std::string& path,
                                {{"attn.format", kSeq2SeqCheckpointFormat},
                                 {"attn.options", to_json(options_)},
                                 {"attn.src_vocab", src_vocab_.to_json()},
-                                {"attn.tgt_vocab", tgt_vocab_.to_json()}},
+                                {"attn.tgt_vocab", tgt_vocab_.to_json()},
+                                // Informative: a checkpoint loads in either precision.
+                                {"attn.precision", precision_name(options_.precision)}},
                                step_, ctx_.dropout_offset());
 }
 
@@ -373,6 +381,9 @@ std::unique_ptr<Seq2SeqTrainer> Seq2SeqTrainer::from_checkpoint(const std::strin
   const SafetensorsFile f = load_seq2seq_file(path);
   Seq2SeqTrainOptions o = seq2seq_train_options_from_json(meta_at(f, path, "attn.options"));
   o.threads = threads;
+  // Checkpoints written before the precision was recorded were float32 runs.
+  if (auto it = f.metadata.find("attn.precision"); it != f.metadata.end())
+    o.precision = parse_precision(it->second);
   Vocabulary src = Vocabulary::from_json(meta_at(f, path, "attn.src_vocab"), Reserved::kSeq2Seq);
   Vocabulary tgt = Vocabulary::from_json(meta_at(f, path, "attn.tgt_vocab"), Reserved::kSeq2Seq);
   auto trainer = std::make_unique<Seq2SeqTrainer>(o, std::move(src), std::move(tgt));

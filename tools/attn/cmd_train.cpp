@@ -306,9 +306,6 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
           "--device {}: the encoder tasks (shift, sorted, tsv, conllu) train on the GPU; the "
           "encoder-decoder ({}) on the GPU is not written yet",
           a.device, a.task);
-    check(a.precision == "fp32", kOp,
-          "--precision {} is for the encoder tasks; the encoder-decoder ({}) trains in fp32",
-          a.precision, a.task);
     run_seq2seq_train(a, result_args(a).dump());
     return;
   }
@@ -372,9 +369,7 @@ void run_train(TrainArgs a, const std::map<std::string, CLI::Option*>& given) {
       trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed, a.precision,
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
   if (o.precision != model::Precision::kFloat32 && o.device == Device::kCpu && !cpu_bf16_native())
-    progress.line(
-        "note: this CPU has no bfloat16 arithmetic (AVX512-BF16): bf16's products run as "
-        "float32 products of the rounded values, with its precision but no faster than fp32");
+    progress.line(kNoBf16Note);
   progress.line(fmt::format("evaluation: {}", src.eval_name));
   if (o.device != Device::kCpu)
     progress.line(
@@ -471,7 +466,8 @@ std::vector<Command> add_train_command(CLI::App& app) {
            a.precision_given = true;
          },
          "fp32, or bf16: mixed precision (linear layers and attention in bfloat16, float32 "
-         "master weights, AdamW state, LayerNorm and loss); default fp32, or the resumed run's")
+         "master weights, AdamW state, LayerNorm and loss; the encoder-decoder tasks decode in "
+         "fp32); default fp32, or the resumed run's")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   sub->add_option("--eval-every", a.eval_every, "evaluate every N steps (0: only at the end)")
       ->capture_default_str();

@@ -143,6 +143,7 @@ void run_seq2seq_train(const TrainArgs& a, const std::string& args_json) {
   o.clip_norm = a.clip;
   o.seed = a.seed;
   o.threads = a.threads;
+  o.precision = model::parse_precision(a.precision);
   model::Seq2SeqTrainer trainer(o, src.src_vocab, src.tgt_vocab);
 
   TrainHistory history(
@@ -161,10 +162,16 @@ void run_seq2seq_train(const TrainArgs& a, const std::string& args_json) {
   progress.line(fmt::format("attn train: {}", src.summary));
   progress.line(fmt::format(
       "model: encoder-decoder E={} F={} H={} blocks={}+{} dropout={}, {} parameters; AdamW lr={} "
-      "wd={}, clip {}; seed {}{}",
+      "wd={}, clip {}; seed {}; precision {}{}",
       a.num_hiddens, a.ffn_num_hiddens, a.num_heads, a.num_blks, a.num_blks, a.dropout,
-      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed,
+      trainer.model().num_parameters(), a.lr, a.weight_decay, a.clip, a.seed, a.precision,
       a.resume.empty() ? "" : fmt::format("; resumed at step {}", trainer.step())));
+  if (o.precision != model::Precision::kFloat32) {
+    if (!cpu_bf16_native()) progress.line(kNoBf16Note);
+    progress.line(
+        "precision bf16: the training steps and the evaluation loss; greedy decoding "
+        "(BLEU, exact match) runs in float32 on the float32 parameters");
+  }
   progress.line(fmt::format("evaluation: {}, greedy decoding with the KV cache", src.eval_name));
 
   const LoopResult run = run_train_loop(

@@ -160,6 +160,11 @@ struct TrainArgs {
 };
 
 bool is_seq2seq_task(const std::string& task);
+
+// What `attn train --precision bf16` prints on a CPU without AVX512-BF16 (cpu_bf16_native()).
+inline constexpr const char* kNoBf16Note =
+    "note: this CPU has no bfloat16 arithmetic (AVX512-BF16): bf16's products run as float32 "
+    "products of the rounded values, with its precision but no faster than fp32";
 // args_json: the run's result arguments, its checkpoints' "train.args" (what a resume compares).
 void run_seq2seq_train(const TrainArgs& args, const std::string& args_json);
 

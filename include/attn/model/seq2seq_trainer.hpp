@@ -28,6 +28,7 @@
 
 #include "attn/core/context.hpp"
 #include "attn/model/generation.hpp"
+#include "attn/model/precision.hpp"
 #include "attn/model/seq2seq_data.hpp"
 #include "attn/nn/decoder.hpp"
 #include "attn/nn/optim.hpp"
@@ -60,6 +61,11 @@ struct Seq2SeqTrainOptions {
   double clip_norm = 1.0;  // global L2 norm of the gradients; 0 turns clipping off
   uint64_t seed = 0;       // parameter initialisation and the dropout stream
   int threads = 0;         // 0: all hardware threads; results do not depend on it
+  // The training step's and the teacher-forced evaluation loss's precision (attn/model/
+  // precision.hpp); not in to_json. Decoding (greedy and beam search: evaluate's BLEU,
+  // translate, greedy_ids) runs in float32 on the float32 parameters in either precision, so a
+  // checkpoint translates the same whichever precision trained it or loads it.
+  Precision precision = Precision::kFloat32;
 };
 
 // JSON text of the options (threads left out: they do not change results) and back;

@@ -34,6 +34,7 @@
 #include "attn/core/context.hpp"
 #include "attn/core/device.hpp"
 #include "attn/model/data.hpp"
+#include "attn/model/precision.hpp"
 #include "attn/nn/optim.hpp"
 #include "attn/nn/transformer.hpp"
 
@@ -58,15 +59,6 @@ struct ModelConfig {
   int64_t max_len = 1000;  // learned table size / sinusoidal cache (see TransformerEncoder)
   bool operator==(const ModelConfig&) const = default;
 };
-
-// The precision a Trainer computes in. kBFloat16 is mixed precision (PyTorch's CPU autocast):
-// linear layers and the attention core in bfloat16 (Context::autocast_bf16), while parameters
-// (the float32 master weights), gradients, AdamW state, LayerNorm, softmax statistics and the
-// loss stay float32. Checkpoints hold the float32 parameters either way, so a checkpoint of one
-// precision loads into a trainer of the other; the precision is not part of to_json(options).
-enum class Precision : uint8_t { kFloat32, kBFloat16 };
-const char* precision_name(Precision p);             // "fp32", "bf16"
-Precision parse_precision(const std::string& name);  // Error("precision") for other names
 
 struct TrainOptions {
   ModelConfig model;
