@@ -15,8 +15,9 @@ padded to S and T (d2l's valid_lens).
   shape long   B 32, S = T = 64, vocab 1000 / 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks
 Dropout 0.1 in both. attn: the Python module (attn.EncoderDecoder, attn.cross_entropy[_backward],
 attn.optim) with numpy arrays, run by Debian's python3 with attn on PYTHONPATH; its Python glue
-is a few calls per step. torch: d2l's code (tests/fixtures/d2l_reference.py) in PyTorch 2.x,
-eager, fp32 or --autocast (bf16 autocast around forward and loss).
+is a few calls per step; --autocast sets the model's context.autocast_bf16 (bf16 mixed
+precision, as `attn train --precision bf16`). torch: d2l's code (tests/fixtures/d2l_reference.py)
+in PyTorch 2.x, eager, fp32 or --autocast (bf16 autocast around forward and loss).
 Prints one JSON object: pairs/s (sequence pairs per second) and target tokens/s (B*T per step).
 """
 import argparse
@@ -45,10 +46,11 @@ def batch(p):
     return src, src_lens, dec_in, tgt, tgt_lens
 
 
-def attn_step(p, threads):
+def attn_step(p, threads, autocast):
     import attn
     m = attn.EncoderDecoder(p["sv"], p["tv"], p["E"], p["F"], p["H"], p["L"], p["L"], 0.1,
                             seed=0, threads=threads).train()
+    m.context.autocast_bf16 = autocast
     opt = attn.optim.AdamW(m, lr=1e-3, weight_decay=0.01)
     src, src_lens, dec_in, tgt, tgt_lens = batch(p)
 
@@ -100,7 +102,7 @@ def main():
     args = ap.parse_args()
     p = SHAPES[args.shape]
     if args.engine == "attn":
-        step, version = attn_step(p, args.threads)
+        step, version = attn_step(p, args.threads, args.autocast)
     else:
         step, version = torch_step(p, args.threads, args.autocast)
     losses = [float(step()), float(step())]  # warm-up: allocator, thread pool, AdamW state

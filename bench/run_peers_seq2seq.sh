@@ -2,7 +2,8 @@
 # The seq2seq (n -> m) training step, attn against PyTorch 2.x from PyPI (bench/peers-venv.sh):
 # bench/peers_seq2seq.py on the dates model of docs/seq2seq.md (B 64, 11 + 11 tokens) and a
 # longer one (B 32, 64 + 64 tokens, E 128), padded batches, dropout 0.1, AdamW and clipping;
-# attn through its Python module, PyTorch 2.x eager fp32 and with bf16 autocast, the same thread
+# attn through its Python module and PyTorch 2.x eager, each in fp32 and in bf16 mixed precision
+# (attn: context.autocast_bf16; PyTorch: torch.autocast), the same thread
 # count (ATTN_THREADS, default 2), in turns per round. Writes the <!-- peers_seq2seq --> block of
 # docs/performance.md.
 #
@@ -26,8 +27,11 @@ if (( quick )); then rounds=1; min_time=1; fi
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 1; r <= rounds; r++)); do
   for shape in dates long; do
-    PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 bench/peers_seq2seq.py \
-      --engine attn --threads "$threads" --shape "$shape" --min-time "$min_time" >>"$tmp/rows.jsonl"
+    for ac in "" --autocast; do
+      PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" /usr/bin/python3 \
+        bench/peers_seq2seq.py --engine attn $ac --threads "$threads" --shape "$shape" \
+        --min-time "$min_time" >>"$tmp/rows.jsonl"
+    done
     "$py" bench/peers_seq2seq.py --engine torch --threads "$threads" --shape "$shape" \
       --min-time "$min_time" >>"$tmp/rows.jsonl"
     "$py" bench/peers_seq2seq.py --engine torch --autocast --threads "$threads" --shape "$shape" \
@@ -71,15 +75,19 @@ print("- `dates`: B 64, 11 + 11 tokens, vocab 70 / 236, E 64, 4 heads, FFN 128, 
       "(the model of docs/seq2seq.md). `long`: B 32, 64 + 64 tokens, vocab 1000, E 128, 4 heads, "
       "FFN 256, 2 + 2 blocks.")
 print(f"- {rounds} round(s), in turns; best (median). Load average before: {lb}; after: {la}.\n")
-print("| shape | attn fp32 | PyTorch eager fp32 | PyTorch bf16 autocast | attn / eager fp32 | "
-      "attn / bf16 autocast |")
-print("|---|---|---|---|---|---|")
+print("| shape | attn fp32 | PyTorch eager fp32 | attn / eager fp32 | attn bf16 mixed | "
+      "PyTorch bf16 autocast | attn bf16 / bf16 autocast |")
+print("|---|---|---|---|---|---|---|")
 for shape in ("dates", "long"):
-    a, t, tb = res[("attn", shape)], res[("torch", shape)], res[("torch-autocast", shape)]
-    print(f"| {shape} | {fmt(a)} | {fmt(t)} | {fmt(tb)} | {ratio(a, t)} | {ratio(a, tb)} |")
-print("\n`attn.EncoderDecoder` takes float32 or float64 only (bf16 runs in attn's attention and "
-      "linear layers), so only attn's fp32 step runs here; bench_train's BM_TrainStepBf16 "
-      "covers bf16 for the encoder (the peers_train block).")
+    a, t = res[("attn", shape)], res[("torch", shape)]
+    ab, tb = res[("attn-autocast", shape)], res[("torch-autocast", shape)]
+    print(f"| {shape} | {fmt(a)} | {fmt(t)} | {ratio(a, t)} | {fmt(ab)} | {fmt(tb)} | "
+          f"{ratio(ab, tb)} |")
+bf16 = "native" if "avx512_bf16" in pc.cpu_flags() or "amx_bf16" in pc.cpu_flags() else "none"
+print("\nbf16 mixed precision: attn's `EncoderDecoder` with `context.autocast_bf16 = True` (as "
+      "`attn train --precision bf16`), PyTorch's d2l model under `torch.autocast(\"cpu\", "
+      f"dtype=torch.bfloat16)`. bf16 arithmetic on this CPU: {bf16} (without AVX512-BF16 or AMX "
+      "both engines multiply the rounded values in float32).")
 PY
 cat "$tmp/block.md"
 if (( quick )); then

@@ -52,15 +52,18 @@ stream offset the next dropout site takes, and the backend.
     attn.scaled_dot_product_attention(q, k, v, dropout=0.1, ctx=ctx)
 
 Modules own one each (module.context); free functions use attn.default_context unless given
-ctx=. Results do not depend on the thread count (static partitioning).)doc")
-      .def(py::init([](uint64_t seed, int threads, const std::string& backend) {
+ctx=. Results do not depend on the thread count (static partitioning). autocast_bf16=True is
+bf16 mixed precision, as `attn train --precision bf16` trains.)doc")
+      .def(py::init([](uint64_t seed, int threads, const std::string& backend, bool autocast) {
              auto c = std::make_shared<SharedContext>();
              c->ctx.seed = seed;
              c->ctx.threads = threads;
              c->ctx.backend = parse_backend(backend);
+             c->ctx.autocast_bf16 = autocast;
              return c;
            }),
-           py::arg("seed") = 0, py::arg("threads") = 0, py::arg("backend") = "auto")
+           py::arg("seed") = 0, py::arg("threads") = 0, py::arg("backend") = "auto",
+           py::arg("autocast_bf16") = false)
       .def_property(
           "seed", [](SharedContext& c) { return c.ctx.seed; },
           [](SharedContext& c, uint64_t seed) {
@@ -85,6 +88,19 @@ ctx=. Results do not depend on the thread count (static partitioning).)doc")
           },
           "'auto' (fastest available), 'reference' (plain loops, the oracle) or 'cpu'.")
       .def_property(
+          "autocast_bf16", [](SharedContext& c) { return c.ctx.autocast_bf16; },
+          [](SharedContext& c, bool on) {
+            std::lock_guard lock(c.mutex);
+            c.ctx.autocast_bf16 = on;
+          },
+          R"doc(
+bf16 mixed precision (PyTorch's torch.autocast("cpu", dtype=torch.bfloat16)): float32 modules
+run their linear layers and attention cores in bfloat16 (inputs and weights rounded to bf16,
+float32 sums, one rounding), while parameters, gradients, LayerNorm, softmax statistics and the
+loss stay float32; a weight's gradient is the bf16 product widened to float32. Modules of other
+dtypes and backend='reference' ignore it. Set it on a module's context (module.context) to
+train that module in mixed precision; what a forward ran under, its backward must too.)doc")
+      .def_property(
           "dropout_offset", [](SharedContext& c) { return c.ctx.dropout_offset(); },
           [](SharedContext& c, uint64_t offset) {
             std::lock_guard lock(c.mutex);
@@ -106,7 +122,8 @@ depend on which rank holds it: N ranks train the model 1 rank trains.)doc")
       .def("__repr__", [](SharedContext& c) {
         return "Context(seed=" + std::to_string(c.ctx.seed) +
                ", threads=" + std::to_string(c.ctx.threads) + ", backend='" +
-               backend_name(c.ctx.backend) + "')";
+               backend_name(c.ctx.backend) + "'" +
+               (c.ctx.autocast_bf16 ? ", autocast_bf16=True" : "") + ")";
       });
   m.attr("default_context") = default_context();
 

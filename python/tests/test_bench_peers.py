@@ -39,8 +39,10 @@ def test_peers_attention_runs_attn_on_every_kind_of_case():
         assert r["flops"] > 0 and r["reps"] == 1
 
 
-def test_peers_seq2seq_runs_attn_training_steps():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_peers_seq2seq_runs_attn_training_steps(autocast):
     (row,) = run_script("peers_seq2seq.py", "--engine", "attn", "--threads", "1", "--shape",
-                        "dates", "--min-time", "0")
+                        "dates", "--min-time", "0", *(["--autocast"] if autocast else []))
     assert row["engine"] == "attn" and row["tokens_per_second"] > 0
+    assert row["autocast"] == autocast
     assert len(row["first_losses"]) == 2 and all(x > 0 for x in row["first_losses"])

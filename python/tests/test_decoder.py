@@ -124,3 +124,49 @@ def test_encoder_decoder_state_dict_and_search(rng):
         assert all(len(t) <= 6 for t in cached["tokens"])
     with pytest.raises(attn.Error, match="beam_size"):
         model.beam_search(src, lens, bos=0, eos=10, beam_size=0)
+
+
+def test_encoder_decoder_trains_in_bf16_mixed_precision(rng):
+    """context.autocast_bf16: bf16 mixed precision, as `attn train --precision bf16`. The output
+    layer's logits are bf16 values widened to float32 (its product is rounded once to bf16), the
+    loss and gradients stay close to float32's, and the parameters stay float32."""
+    fp32, bf16 = make_model(dropout=0.0), make_model(dropout=0.0)
+    bf16.context.autocast_bf16 = True
+    assert bf16.context.autocast_bf16 and not fp32.context.autocast_bf16
+    assert "autocast_bf16=True" in repr(bf16.context)
+    assert attn.Context(autocast_bf16=True).autocast_bf16
+    src = rng.integers(4, 13, size=(3, 5))
+    dec_in = rng.integers(4, 11, size=(3, 6))
+    tgt = rng.integers(4, 11, size=(3, 6))
+    src_lens, tgt_lens = np.array([5, 2, 4]), np.array([6, 3, 1])
+    losses = {}
+    for name, m in (("fp32", fp32), ("bf16", bf16)):
+        logits = m(src, dec_in, src_lens)
+        assert logits.dtype == np.float32
+        if name == "bf16":
+            assert not np.any(logits.view(np.uint32) & 0xFFFF), "logits are not bf16 values"
+        else:
+            assert np.any(logits.view(np.uint32) & 0xFFFF)
+        losses[name] = attn.cross_entropy(logits, tgt, tgt_lens)
+        m.backward(attn.cross_entropy_backward(logits, tgt, tgt_lens))
+    assert losses["bf16"] != losses["fp32"]
+    np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=2e-2)
+    for (name, g32), (_, g16) in zip(sorted(fp32.grads.items()), sorted(bf16.grads.items())):
+        assert g16.dtype == np.float32 and np.isfinite(g16).all(), name
+    # Close as a whole (single elements can differ more: rounding a pre-activation near 0 to
+    # bf16 can flip its ReLU).
+    g32 = np.concatenate([g.ravel() for _, g in sorted(fp32.grads.items())])
+    g16 = np.concatenate([g.ravel() for _, g in sorted(bf16.grads.items())])
+    assert np.linalg.norm(g16 - g32) <= 0.1 * np.linalg.norm(g32)
+    assert np.any(g16 != g32)
+    opt = attn.optim.AdamW(bf16, lr=1e-2)
+    first = None
+    for _ in range(30):
+        opt.zero_grad()
+        logits = bf16(src, dec_in, src_lens)
+        loss = attn.cross_entropy(logits, tgt, tgt_lens)
+        first = loss if first is None else first
+        bf16.backward(attn.cross_entropy_backward(logits, tgt, tgt_lens))
+        opt.step()
+    assert loss < 0.5 * first
+    assert all(p.dtype == np.float32 for _, p in bf16.named_parameters())
