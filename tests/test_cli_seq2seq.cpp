@@ -50,6 +50,17 @@ constexpr const char* kTiny =
     "--num-hiddens 16 --ffn-num-hiddens 16 --num-heads 2 --num-blks 1 --batch-size 8 "
     "--eval-examples 8 --threads 1";
 
+// Both checkpoints hold the same tensors, bit for bit.
+void expect_same_tensors(const SafetensorsFile& s, const SafetensorsFile& m) {
+  ASSERT_EQ(s.tensors.size(), m.tensors.size());
+  for (const auto& [name, t] : s.tensors) {
+    ASSERT_TRUE(m.tensors.count(name)) << name;
+    const Tensor& u = m.tensors.at(name);
+    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
+  }
+}
+
 class CliSeq2Seq : public ::testing::Test {
  protected:
   fs::path root, out;
@@ -149,13 +160,7 @@ TEST_F(CliSeq2Seq, ResumeRepeatsAnUninterruptedRunBitForBit) {
   EXPECT_EQ(s.metadata.at("attn.step"), "8");
   EXPECT_EQ(m.metadata.at("attn.step"), "8");
   EXPECT_EQ(s.metadata.at("attn.dropout_offset"), m.metadata.at("attn.dropout_offset"));
-  ASSERT_EQ(s.tensors.size(), m.tensors.size());
-  for (const auto& [name, t] : s.tensors) {
-    ASSERT_TRUE(m.tensors.count(name)) << name;
-    const Tensor& u = m.tensors.at(name);
-    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
-    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
-  }
+  expect_same_tensors(s, m);
   // A resume that changes the model is refused.
   expect_refused("train --resume " + path("half.safetensors") + " --steps 8 --num-hiddens 32",
                  {"--num-hiddens"}, 3);
@@ -181,13 +186,7 @@ TEST_F(CliSeq2Seq, Bf16TrainsResumesAndTranslates) {
   const SafetensorsFile m = load_safetensors((out / "resumed.safetensors").string());
   EXPECT_EQ(s.metadata.at("attn.precision"), "bf16");
   EXPECT_EQ(m.metadata.at("attn.precision"), "bf16");
-  ASSERT_EQ(s.tensors.size(), m.tensors.size());
-  for (const auto& [name, t] : s.tensors) {
-    ASSERT_TRUE(m.tensors.count(name)) << name;
-    const Tensor& u = m.tensors.at(name);
-    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
-    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
-  }
+  expect_same_tensors(s, m);
   const Result t = run("translate --checkpoint " + path("straight.safetensors") + " " +
                        input("src.txt", "a b c\n\nd a\n"));
   ASSERT_EQ(t.status, 0) << t.err;
@@ -288,13 +287,7 @@ TEST_F(CliSeq2Seq, BucketByLengthResumesBitForBit) {
   ASSERT_EQ(r.status, 0) << r.err;
   const SafetensorsFile s = load_safetensors((out / "straight.safetensors").string());
   const SafetensorsFile m = load_safetensors((out / "resumed.safetensors").string());
-  ASSERT_EQ(s.tensors.size(), m.tensors.size());
-  for (const auto& [name, t] : s.tensors) {
-    ASSERT_TRUE(m.tensors.count(name)) << name;
-    const Tensor& u = m.tensors.at(name);
-    ASSERT_EQ(t.nbytes(), u.nbytes()) << name;
-    EXPECT_EQ(std::memcmp(t.raw_data(), u.raw_data(), t.nbytes()), 0) << name << " differs";
-  }
+  expect_same_tensors(s, m);
   const size_t files = static_cast<size_t>(std::distance(fs::directory_iterator(out), {}));
   expect_refused("train --task reverse --steps 1 --bucket 4", {"--bucket", "reverse"}, files);
   expect_refused("train --task shift --steps 1 --bucket 0", {"--bucket"}, files);
