@@ -87,7 +87,7 @@ bf16 = "native" if "avx512_bf16" in pc.cpu_flags() or "amx_bf16" in pc.cpu_flags
 print("\nbf16 mixed precision: attn's `EncoderDecoder` with `context.autocast_bf16 = True` (as "
       "`attn train --precision bf16`), PyTorch's d2l model under `torch.autocast(\"cpu\", "
       f"dtype=torch.bfloat16)`. bf16 arithmetic on this CPU: {bf16} (without AVX512-BF16 or AMX "
-      "both engines multiply the rounded values in float32).")
+      "attn multiplies the bf16-rounded values in float32, at about its fp32 speed).")
 PY
 cat "$tmp/block.md"
 if (( quick )); then
