@@ -22,8 +22,9 @@
 // "optimizer.<AdamW state>"; metadata attn.format = "attn-seq2seq-checkpoint/1", attn.options
 // (to_json below: model config, num_steps, preprocessing, AdamW, clip, seed), attn.src_vocab and
 // attn.tgt_vocab (Vocabulary::to_json), attn.step, attn.dropout_offset, attn.precision ("fp32"
-// or "bf16", informative: from_checkpoint takes it up), plus the caller's extra entries. The encoder tasks' checkpoints (model::Trainer) are "attn-checkpoint/1": loading one
-// here, or this one there, is an Error that says which kind the file is.
+// or "bf16", informative: from_checkpoint takes it up), plus the caller's extra entries. The
+// encoder tasks' checkpoints (model::Trainer) are "attn-checkpoint/1": loading one here, or this
+// one there, is an Error that says which kind the file is.
 #pragma once
 
 #include "attn/core/context.hpp"
