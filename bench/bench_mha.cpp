@@ -359,9 +359,10 @@ void BM_GemmPeak(benchmark::State& state) {
 }
 
 // The linear layers' products of the d2l encoder's training step (B 32 x T 128 = 4096 tokens,
-// E 128, FFN 256, Q/K/V fused: 384), on either f32 kernel: range(1) the shape, range(0) the
-// kernel (1 oneDNN, 2 attn's row-exact one, gemm_rows.hpp; what CPUs without AVX-512 run).
-// Each pair runs back to back, so the two share the host's state of the moment.
+// E 128, FFN 256, Q/K/V fused: 384) and the seq2seq step's output layer, on either f32 kernel:
+// range(1) the shape, range(0) the kernel (1 oneDNN, 2 attn's row-exact one, gemm_rows.hpp; what
+// CPUs without AVX-512 run). Each pair runs back to back, so the two share the host's state of the
+// moment.
 void BM_GemmLinear(benchmark::State& state) {
   struct Product {
     const char* name;
@@ -369,10 +370,18 @@ void BM_GemmLinear(benchmark::State& state) {
     bool trans_a, trans_b;
   };
   static constexpr Product kProducts[] = {
-      {"fwd_qkv", 4096, 384, 128, false, true},  {"fwd_128", 4096, 128, 128, false, true},
-      {"fwd_ffn1", 4096, 256, 128, false, true}, {"fwd_ffn2", 4096, 128, 256, false, true},
-      {"dx_qkv", 4096, 128, 384, false, false},  {"dx_128", 4096, 128, 128, false, false},
-      {"dW_qkv", 384, 128, 4096, true, false},   {"dW_128", 128, 128, 4096, true, false}};
+      {"fwd_qkv", 4096, 384, 128, false, true},
+      {"fwd_128", 4096, 128, 128, false, true},
+      {"fwd_ffn1", 4096, 256, 128, false, true},
+      {"fwd_ffn2", 4096, 128, 256, false, true},
+      {"dx_qkv", 4096, 128, 384, false, false},
+      {"dx_128", 4096, 128, 128, false, false},
+      {"dW_qkv", 384, 128, 4096, true, false},
+      {"dW_128", 128, 128, 4096, true, false},
+      // The seq2seq `long` shape's output layer (B 32 x T 64 tokens, E 128, vocabulary 1000).
+      {"fwd_vocab", 2048, 1000, 128, false, true},
+      {"dx_vocab", 2048, 128, 1000, false, false},
+      {"dW_vocab", 1000, 128, 2048, true, false}};
   const Product& p = kProducts[state.range(1)];
   const auto kernel =
       state.range(0) == 1 ? attn::cpu::GemmF32Kernel::kOneDnn : attn::cpu::GemmF32Kernel::kRows;
@@ -422,7 +431,7 @@ ATTN_MHA_BENCH(BM_ProjectionBackwardBf16);
 ATTN_MHA_BENCH(BM_AttentionCoreForwardBf16);
 ATTN_MHA_BENCH(BM_AttentionCoreBackwardBf16);
 BENCHMARK(BM_GemmLinear)
-    ->ArgsProduct({{1, 2}, {0, 1, 2, 3, 4, 5, 6, 7}})
+    ->ArgsProduct({{1, 2}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MeasureProcessCPUTime();

@@ -13,7 +13,7 @@ padded to S and T (d2l's valid_lens).
   shape dates  B 64, S = T = 11 (num_steps of the dates task), vocab 70 / 236, E 64, 4 heads,
                FFN 128, 2 + 2 blocks: the model of docs/seq2seq.md
   shape long   B 32, S = T = 64, vocab 1000 / 1000, E 128, 4 heads, FFN 256, 2 + 2 blocks
-Dropout 0.1 in both. attn: the Python module (attn.EncoderDecoder, attn.cross_entropy[_backward],
+Dropout 0.1 in both. attn: the Python module (attn.EncoderDecoder, attn.cross_entropy_with_grad,
 attn.optim) with numpy arrays, run by Debian's python3 with attn on PYTHONPATH; its Python glue
 is a few calls per step; --autocast sets the model's context.autocast_bf16 (bf16 mixed
 precision, as `attn train --precision bf16`). torch: d2l's code (tests/fixtures/d2l_reference.py)
@@ -57,8 +57,8 @@ def attn_step(p, threads, autocast):
     def step():
         opt.zero_grad()
         logits = m(src, dec_in, src_lens)
-        loss = attn.cross_entropy(logits, tgt, tgt_lens)
-        m.backward(attn.cross_entropy_backward(logits, tgt, tgt_lens))
+        loss, dlogits = attn.cross_entropy_with_grad(logits, tgt, tgt_lens)
+        m.backward(dlogits)
         attn.optim.clip_grad_norm(m, 1.0)
         opt.step()
         return loss

@@ -97,6 +97,53 @@ int64_t count_kept(const std::vector<uint8_t>& keep) {
   return n;
 }
 
+// The reduced loss of the kept positions' sum.
+CrossEntropyResult reduced(double total, int64_t kept, Reduction reduction) {
+  CrossEntropyResult r;
+  r.kept = kept;
+  if (reduction == Reduction::kSum) {
+    r.loss = total;
+  } else {
+    // PyTorch: mean over nothing is 0/0 = NaN.
+    r.loss =
+        kept > 0 ? total / static_cast<double>(kept) : std::numeric_limits<double>::quiet_NaN();
+  }
+  return r;
+}
+
+// What each kept row's gradient carries. forward (mean): loss = sum_kept loss_n / kept, so
+// dloss / kept.
+double gradient_scale(Reduction reduction, int64_t kept, double dloss) {
+  if (reduction == Reduction::kSum) return dloss;
+  return kept > 0 ? dloss / static_cast<double>(kept) : 0.0;
+}
+
+double reference_forward(const Tensor& lc, const Tensor& tc, const std::vector<uint8_t>& keep) {
+  const int64_t C = lc.dim(-1), N = tc.numel();
+  double total = 0.0;
+  dispatch_ids(tc.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    detail::dispatch_float(lc.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      total = ref::cross_entropy_forward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(), N, C);
+    });
+  });
+  return total;
+}
+
+void reference_backward(const Tensor& lc, const Tensor& tc, const std::vector<uint8_t>& keep,
+                        double scale, Tensor& dlogits) {
+  const int64_t C = lc.dim(-1), N = tc.numel();
+  dispatch_ids(tc.dtype(), [&](auto id_zero) {
+    using Id = decltype(id_zero);
+    detail::dispatch_float(lc.dtype(), [&](auto zero) {
+      using F = decltype(zero);
+      ref::cross_entropy_backward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(),
+                                         dlogits.data<F>(), N, C, scale);
+    });
+  });
+}
+
 }  // namespace
 
 CrossEntropyResult softmax_cross_entropy(Context& ctx, const Tensor& logits, const Tensor& targets,
@@ -105,29 +152,11 @@ CrossEntropyResult softmax_cross_entropy(Context& ctx, const Tensor& logits, con
   const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
   const int64_t C = logits.dim(-1), N = targets.numel();
   const Tensor lc = logits.contiguous(), tc = targets.contiguous();
-  double total = 0.0;
-  if (fast_path(ctx, logits)) {
-    total = cpu::cross_entropy_forward_f32(lc.data<float>(), targets_i64(tc).data(), keep.data(), N,
-                                           C, ctx.resolved_threads());
-  } else {
-    dispatch_ids(targets.dtype(), [&](auto id_zero) {
-      using Id = decltype(id_zero);
-      detail::dispatch_float(logits.dtype(), [&](auto zero) {
-        using F = decltype(zero);
-        total = ref::cross_entropy_forward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(), N, C);
-      });
-    });
-  }
-  CrossEntropyResult r;
-  r.kept = count_kept(keep);
-  if (opts.reduction == Reduction::kSum) {
-    r.loss = total;
-  } else {
-    // PyTorch: mean over nothing is 0/0 = NaN.
-    r.loss =
-        r.kept > 0 ? total / static_cast<double>(r.kept) : std::numeric_limits<double>::quiet_NaN();
-  }
-  return r;
+  const double total = fast_path(ctx, logits) ? cpu::cross_entropy_forward_f32(
+                                                    lc.data<float>(), targets_i64(tc).data(),
+                                                    keep.data(), N, C, ctx.resolved_threads())
+                                              : reference_forward(lc, tc, keep);
+  return reduced(total, count_kept(keep), opts.reduction);
 }
 
 Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets,
@@ -135,27 +164,40 @@ Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const 
   constexpr const char* op = "softmax_cross_entropy_backward";
   const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
   const int64_t C = logits.dim(-1), N = targets.numel();
-  const int64_t kept = count_kept(keep);
-  // forward (mean): loss = sum_kept loss_n / kept, so each kept row carries dloss / kept.
-  const double scale = opts.reduction == Reduction::kSum
-                           ? dloss
-                           : (kept > 0 ? dloss / static_cast<double>(kept) : 0.0);
+  const double scale = gradient_scale(opts.reduction, count_kept(keep), dloss);
   const Tensor lc = logits.contiguous(), tc = targets.contiguous();
   Tensor dlogits = Tensor::empty(logits.shape(), logits.dtype());
   if (fast_path(ctx, logits)) {
     cpu::cross_entropy_backward_f32(lc.data<float>(), targets_i64(tc).data(), keep.data(),
                                     dlogits.data<float>(), N, C, scale, ctx.resolved_threads());
-    return dlogits;
+  } else {
+    reference_backward(lc, tc, keep, scale, dlogits);
   }
-  dispatch_ids(targets.dtype(), [&](auto id_zero) {
-    using Id = decltype(id_zero);
-    detail::dispatch_float(logits.dtype(), [&](auto zero) {
-      using F = decltype(zero);
-      ref::cross_entropy_backward<Id, F>(lc.data<F>(), tc.data<Id>(), keep.data(),
-                                         dlogits.data<F>(), N, C, scale);
-    });
-  });
   return dlogits;
+}
+
+CrossEntropyWithGrad softmax_cross_entropy_with_grad(Context& ctx, const Tensor& logits,
+                                                     const Tensor& targets,
+                                                     const CrossEntropyOptions& opts,
+                                                     double dloss) {
+  constexpr const char* op = "softmax_cross_entropy_with_grad";
+  const std::vector<uint8_t> keep = keep_mask(op, logits, targets, opts);
+  const int64_t C = logits.dim(-1), N = targets.numel(), kept = count_kept(keep);
+  const double scale = gradient_scale(opts.reduction, kept, dloss);
+  const Tensor lc = logits.contiguous(), tc = targets.contiguous();
+  CrossEntropyWithGrad out;
+  out.dlogits = Tensor::empty(logits.shape(), logits.dtype());
+  double total = 0.0;
+  if (fast_path(ctx, logits)) {
+    total = cpu::cross_entropy_forward_backward_f32(lc.data<float>(), targets_i64(tc).data(),
+                                                    keep.data(), out.dlogits.data<float>(), N, C,
+                                                    scale, ctx.resolved_threads());
+  } else {
+    total = reference_forward(lc, tc, keep);
+    reference_backward(lc, tc, keep, scale, out.dlogits);
+  }
+  out.result = reduced(total, kept, opts.reduction);
+  return out;
 }
 
 }  // namespace attn

@@ -286,30 +286,42 @@ TEST(CrossEntropyOp, LargeLogitsStayFinite) {
   EXPECT_TRUE(std::isfinite(softmax_cross_entropy_backward(ctx, z, y).flat(0)));
 }
 
+// The cross-entropy sweep's case: logits (5, 7, C) with -inf and huge logits, a row holding a NaN
+// and a row of -inf, an ignored target, and (with `lens`) length-masked positions.
+struct CrossEntropyCase {
+  Tensor z, y;
+  CrossEntropyOptions o;
+};
+CrossEntropyCase cross_entropy_case(int64_t C, bool lens) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t B = 5, T = 7;
+  CrossEntropyCase c;
+  c.z = random_tensor({B, T, C}, DType::F32, static_cast<uint64_t>(C), -6.0, 6.0);
+  c.z.set_flat(3, -inf);
+  if (C > 2) c.z.set_flat(C + 1, 3e4);
+  std::vector<int64_t> ids(static_cast<size_t>(B * T));
+  for (size_t i = 0; i < ids.size(); ++i)
+    ids[i] = static_cast<int64_t>((i * 7) % static_cast<size_t>(C));
+  ids[4] = -100;
+  if (C > 1) {  // row 6 has a NaN; row 9 is all -inf (both kept: NaN losses, as the oracle)
+    c.z.set_flat(6 * C + 1, std::nan(""));
+    for (int64_t k = 0; k < C; ++k)
+      c.z.set_flat(9 * C + k, -inf);
+  }
+  c.y = Tensor::from_vector(ids, {B, T});
+  if (lens) c.o.valid_lens = Tensor::from_vector(std::vector<int64_t>{7, 3, 0, 6, 5}, {B});
+  return c;
+}
+constexpr int64_t kCrossEntropyWidths[] = {1, 3, 7, 8, 9, 16, 17, 236, 1000};
+
 // The float32 fast path (kernels/cpu/cross_entropy: SIMD double exp, rows over threads) against
 // the reference loops, over row lengths straddling the vector width, with ignored and
 // length-masked positions, -inf and huge logits, a row holding a NaN and a row of -inf; 1 and 2
 // threads give the same bits.
 TEST(CrossEntropyOp, CpuPathMatchesTheReference) {
-  const double inf = std::numeric_limits<double>::infinity();
-  for (int64_t C : {1, 3, 7, 8, 9, 16, 17, 236, 1000})
+  for (int64_t C : kCrossEntropyWidths)
     for (bool lens : {false, true}) {
-      const int64_t B = 5, T = 7;
-      Tensor z = random_tensor({B, T, C}, DType::F32, static_cast<uint64_t>(C), -6.0, 6.0);
-      z.set_flat(3, -inf);
-      if (C > 2) z.set_flat(C + 1, 3e4);
-      std::vector<int64_t> ids(static_cast<size_t>(B * T));
-      for (size_t i = 0; i < ids.size(); ++i)
-        ids[i] = static_cast<int64_t>((i * 7) % static_cast<size_t>(C));
-      ids[4] = -100;
-      if (C > 1) {  // row 6 has a NaN; row 9 is all -inf (both kept: NaN losses, as the oracle)
-        z.set_flat(6 * C + 1, std::nan(""));
-        for (int64_t c = 0; c < C; ++c)
-          z.set_flat(9 * C + c, -inf);
-      }
-      Tensor y = Tensor::from_vector(ids, {B, T});
-      CrossEntropyOptions o;
-      if (lens) o.valid_lens = Tensor::from_vector(std::vector<int64_t>{7, 3, 0, 6, 5}, {B});
+      const auto [z, y, o] = cross_entropy_case(C, lens);
       Context ref;
       ref.backend = Backend::kReference;
       const double want = softmax_cross_entropy(ref, z, y, o).loss;
@@ -338,7 +350,37 @@ TEST(CrossEntropyOp, CpuPathMatchesTheReference) {
         }
       }
     }
-  (void)inf;
+}
+
+// softmax_cross_entropy_with_grad (the trainers' one pass) against the two calls it replaces:
+// the same loss, count and dlogits bit for bit, on the fast path at 1 and 2 threads and on the
+// reference, mean and sum, over the same sweep.
+TEST(CrossEntropyOp, WithGradIsTheForwardAndTheBackward) {
+  for (int64_t C : kCrossEntropyWidths)
+    for (bool lens : {false, true})
+      for (Reduction reduction : {Reduction::kMean, Reduction::kSum})
+        for (int threads : {0, 1, 2}) {  // 0: the reference backend
+          auto [z, y, o] = cross_entropy_case(C, lens);
+          o.reduction = reduction;
+          Context ctx;
+          if (threads == 0) ctx.backend = Backend::kReference;
+          ctx.threads = std::max(threads, 1);
+          const CrossEntropyResult want = softmax_cross_entropy(ctx, z, y, o);
+          const Tensor dwant = softmax_cross_entropy_backward(ctx, z, y, o, 0.75);
+          const CrossEntropyWithGrad got = softmax_cross_entropy_with_grad(ctx, z, y, o, 0.75);
+          SCOPED_TRACE("C " + std::to_string(C) + (lens ? " with valid_lens" : "") +
+                       (reduction == Reduction::kSum ? ", sum" : ", mean") + ", threads " +
+                       std::to_string(threads));
+          EXPECT_EQ(got.result.kept, want.kept);
+          EXPECT_TRUE(std::isnan(want.loss) ? std::isnan(got.result.loss)
+                                            : got.result.loss == want.loss);
+          EXPECT_TRUE(close(got.dlogits, dwant, 0.0, 0.0));  // NaN where NaN
+        }
+  Context ctx;
+  EXPECT_THROW(
+      softmax_cross_entropy_with_grad(ctx, Tensor::zeros({2, 3}, DType::F32),
+                                      Tensor::from_vector(std::vector<int64_t>{0, 3}, {2})),
+      Error);
 }
 
 TEST(CrossEntropyOp, BadInput) {

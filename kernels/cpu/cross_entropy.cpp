@@ -93,38 +93,62 @@ double ForwardRows(const float* logits, const int64_t* targets, const uint8_t* k
   return total;
 }
 
-void BackwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, float* dlogits,
-                  int64_t r0, int64_t r1, int64_t C, double scale) {
+// drow = scale * (softmax(row) - onehot(y)) from the row's log-sum-exp `lse`.
+void GradRow(const float* row, int64_t y, double lse, int64_t C, double scale, float* drow) {
   const hn::ScalableTag<double> dd;
   const hn::Rebind<float, decltype(dd)> df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
-  for (int64_t n = r0; n < r1; ++n) {
-    float* drow = dlogits + n * C;
-    if (!keep[n]) {
-      for (int64_t c = 0; c < C; ++c)
-        drow[c] = 0.0f;
-      continue;
-    }
-    const float* row = logits + n * C;
-    const double lse = RowLse(row, C);
-    const int64_t y = targets[n];
-    if (!std::isfinite(lse)) {
-      // A NaN, or an infinite largest logit: the reference's row (NaNs where it gives NaN;
-      // Highway's exp would turn exp(NaN) into 0).
-      ref::cross_entropy_backward(row, targets + n, keep + n, drow, 1, C, scale);
-      continue;
-    }
-    const auto vl = hn::Set(dd, lse), vs = hn::Set(dd, scale);
-    int64_t c = 0;
-    for (; c + N <= C; c += N) {
-      const auto p = hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vl));
-      hn::StoreU(hn::DemoteTo(df, hn::Mul(vs, p)), df, drow + c);
-    }
-    for (; c < C; ++c)
-      drow[c] = static_cast<float>(scale * std::exp(row[c] - lse));
-    // The target's entry: softmax - 1 (the exp again, so that p - 1 is taken in double).
-    drow[y] = static_cast<float>(scale * (std::exp(row[y] - lse) - 1.0));
+  const auto vl = hn::Set(dd, lse), vs = hn::Set(dd, scale);
+  int64_t c = 0;
+  for (; c + N <= C; c += N) {
+    const auto p = hn::Exp(dd, hn::Sub(hn::PromoteTo(dd, hn::LoadU(df, row + c)), vl));
+    hn::StoreU(hn::DemoteTo(df, hn::Mul(vs, p)), df, drow + c);
   }
+  for (; c < C; ++c)
+    drow[c] = static_cast<float>(scale * std::exp(row[c] - lse));
+  // The target's entry: softmax - 1 (the exp again, so that p - 1 is taken in double).
+  drow[y] = static_cast<float>(scale * (std::exp(row[y] - lse) - 1.0));
+}
+
+// The backward of one row, kept or not, from its log-sum-exp (a kept row's).
+void BackwardRow(const float* row, const int64_t* target, const uint8_t* keep, double lse,
+                 int64_t C, double scale, float* drow) {
+  if (!*keep) {
+    for (int64_t c = 0; c < C; ++c)
+      drow[c] = 0.0f;
+  } else if (!std::isfinite(lse)) {
+    // A NaN, or an infinite largest logit: the reference's row (NaNs where it gives NaN;
+    // Highway's exp would turn exp(NaN) into 0).
+    ref::cross_entropy_backward(row, target, keep, drow, 1, C, scale);
+  } else {
+    GradRow(row, *target, lse, C, scale, drow);
+  }
+}
+
+void BackwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, float* dlogits,
+                  int64_t r0, int64_t r1, int64_t C, double scale) {
+  for (int64_t n = r0; n < r1; ++n) {
+    const float* row = logits + n * C;
+    BackwardRow(row, targets + n, keep + n, keep[n] ? RowLse(row, C) : 0.0, C, scale,
+                dlogits + n * C);
+  }
+}
+
+// ForwardRows' sum and BackwardRows' rows in one pass: each row's log-sum-exp taken once, its
+// gradient written while the row is in cache. The same bits as the two.
+double ForwardBackwardRows(const float* logits, const int64_t* targets, const uint8_t* keep,
+                           float* dlogits, int64_t r0, int64_t r1, int64_t C, double scale) {
+  double total = 0.0;
+  for (int64_t n = r0; n < r1; ++n) {
+    const float* row = logits + n * C;
+    double lse = 0.0;
+    if (keep[n]) {
+      lse = RowLse(row, C);
+      total += lse - static_cast<double>(row[targets[n]]);
+    }
+    BackwardRow(row, targets + n, keep + n, lse, C, scale, dlogits + n * C);
+  }
+  return total;
 }
 
 }  // namespace attn::cpu::HWY_NAMESPACE
@@ -139,6 +163,7 @@ namespace attn::cpu {
 
 HWY_EXPORT(ForwardRows);
 HWY_EXPORT(BackwardRows);
+HWY_EXPORT(ForwardBackwardRows);
 HWY_EXPORT(LogSumExpF64);
 
 double log_sum_exp(const double* x, int64_t n, double m) {
@@ -184,6 +209,23 @@ void cross_entropy_backward_f32(const float* logits, const int64_t* targets, con
     rows(logits, targets, keep, dlogits, k * kChunkRows, std::min(N, (k + 1) * kChunkRows), C,
          scale);
   });
+}
+
+double cross_entropy_forward_backward_f32(const float* logits, const int64_t* targets,
+                                          const uint8_t* keep, float* dlogits, int64_t N, int64_t C,
+                                          double scale, int threads) {
+  const int64_t chunks = (N + kChunkRows - 1) / kChunkRows;
+  std::vector<double> sums(static_cast<size_t>(chunks), 0.0);
+  auto* rows = HWY_DYNAMIC_DISPATCH(ForwardBackwardRows);
+  // As much work per row as the backward alone (the forward's log-sum-exp is the one it takes).
+  parallel_for(chunks, ce_threads(N, C, threads, true), [&](int64_t k) {
+    sums[static_cast<size_t>(k)] = rows(logits, targets, keep, dlogits, k * kChunkRows,
+                                        std::min(N, (k + 1) * kChunkRows), C, scale);
+  });
+  double total = 0.0;
+  for (double s : sums)
+    total += s;
+  return total;
 }
 
 }  // namespace attn::cpu

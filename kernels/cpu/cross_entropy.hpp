@@ -24,6 +24,13 @@ double cross_entropy_forward_f32(const float* logits, const int64_t* targets, co
 void cross_entropy_backward_f32(const float* logits, const int64_t* targets, const uint8_t* keep,
                                 float* dlogits, int64_t N, int64_t C, double scale, int threads);
 
+// Both in one pass over the rows (a training step's loss and its gradient): returns the forward's
+// sum and writes the backward's dlogits, the same bits as the two calls, each row's log-sum-exp
+// taken once instead of twice.
+double cross_entropy_forward_backward_f32(const float* logits, const int64_t* targets,
+                                          const uint8_t* keep, float* dlogits, int64_t N, int64_t C,
+                                          double scale, int threads);
+
 // log(sum_i exp(x[i])) of one row of doubles whose largest element is m (finite), in the same
 // lanes as the rows above: the normaliser greedy and beam search take once per decoder row and
 // step (model/generation.cpp; a 236-token vocabulary made glibc's scalar exp a tenth of a beam

@@ -225,9 +225,10 @@ Seq2SeqStepStats Seq2SeqTrainer::train_step(const Seq2SeqBatch& batch) {
   CrossEntropyOptions ce;
   ce.valid_lens = batch.tgt_valid_lens;
   Tensor logits = model_->forward(ctx_, batch.src, batch.dec_input, batch.src_valid_lens);
-  const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.labels, ce);
+  CrossEntropyWithGrad ce_step = softmax_cross_entropy_with_grad(ctx_, logits, batch.labels, ce);
+  const CrossEntropyResult loss = ce_step.result;
   detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
-  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.labels, ce));
+  model_->backward(ctx_, ce_step.dlogits);
   const double norm =
       detail::clip_gradients(optimizer_->parameters(), options_.clip_norm, ctx_.resolved_threads());
   optimizer_->threads = ctx_.resolved_threads();

@@ -156,9 +156,10 @@ StepStats Trainer::train_step(const Batch& batch) {
   CrossEntropyOptions ce;  // ignore_index = kIgnoreTag: padding and untargeted positions
   static_assert(kIgnoreTag == -100);
   Tensor logits = model_->forward(ctx_, batch.ids, batch.valid_lens);
-  const CrossEntropyResult loss = softmax_cross_entropy(ctx_, logits, batch.targets, ce);
+  CrossEntropyWithGrad ce_step = softmax_cross_entropy_with_grad(ctx_, logits, batch.targets, ce);
+  const CrossEntropyResult loss = ce_step.result;
   detail::check_loss_finite(loss.loss, step_ + 1, options_.adamw.lr);
-  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, batch.targets, ce));
+  model_->backward(ctx_, ce_step.dlogits);
   const double norm =
       detail::clip_gradients(optimizer_->parameters(), options_.clip_norm, ctx_.resolved_threads());
   optimizer_->threads = ctx_.resolved_threads();
@@ -215,18 +216,17 @@ StepStats Trainer::train_step_parallel(const Batch& batch) {
   } window{ctx_};
   ctx_.dropout_first_sample = static_cast<uint64_t>(lo);
   Tensor logits = model_->forward(ctx_, ids, valid_lens);
-  const CrossEntropyResult local = softmax_cross_entropy(ctx_, logits, targets, ce);
-  double loss_sum[1] = {local.loss};
-  Request loss_request = comm_->iallreduce(std::span<double>(loss_sum));
   const double scale = kept > 0 ? 1.0 / static_cast<double>(kept) : 0.0;
+  CrossEntropyWithGrad local = softmax_cross_entropy_with_grad(ctx_, logits, targets, ce, scale);
+  double loss_sum[1] = {local.result.loss};
+  Request loss_request = comm_->iallreduce(std::span<double>(loss_sum));
   // Each stage's bucket starts as soon as its gradients are final; testing the earlier ones
   // between stages lets MPI progress them while backward computes.
-  model_->backward(ctx_, softmax_cross_entropy_backward(ctx_, logits, targets, ce, scale),
-                   [&](int64_t stage) {
-                     start_bucket(buckets_[static_cast<size_t>(stage)]);
-                     for (int64_t s = 0; s < stage; ++s)
-                       buckets_[static_cast<size_t>(s)].request.test();
-                   });
+  model_->backward(ctx_, local.dlogits, [&](int64_t stage) {
+    start_bucket(buckets_[static_cast<size_t>(stage)]);
+    for (int64_t s = 0; s < stage; ++s)
+      buckets_[static_cast<size_t>(s)].request.test();
+  });
   loss_request.wait();
   for (Bucket& b : buckets_)
     b.request.wait();

@@ -44,7 +44,7 @@ grads, zero_grad(), named_parameters(), context)
 
 Training: Linear(in_features, out_features, bias=True) (an output head; in_features=None: lazy),
 cross_entropy(logits, targets, valid_lens=None) and cross_entropy_backward(...) (the loss and
-its gradient), attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
+its gradient; cross_entropy_with_grad(...) both in one pass), attn.optim.SGD(layer, lr, ...), attn.optim.AdamW(layer, ...) (torch.optim's rules,
 step()/zero_grad()/state_dict()), attn.optim.clip_grad_norm(layer, max_norm)
 
 Data parallel: attn.distributed (world(), Communicator.allreduce/broadcast/barrier,
@@ -74,6 +74,7 @@ from ._attn import (  # noqa: F401  (re-exported API)
     __version__,
     cross_entropy,
     cross_entropy_backward,
+    cross_entropy_with_grad,
     default_context,
     dropout,
     linear,
@@ -99,6 +100,7 @@ __all__ = [
     "PositionalEncoding",
     "cross_entropy",
     "cross_entropy_backward",
+    "cross_entropy_with_grad",
     "default_context",
     "dropout",
     "linear",

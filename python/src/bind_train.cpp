@@ -136,6 +136,26 @@ NaN, as in PyTorch.)doc");
 Gradient of cross_entropy(...) * grad_loss with respect to logits, shaped and typed as logits:
 (softmax(logits) - onehot(targets)) * grad_loss / n_kept ('mean') for kept positions, 0
 elsewhere.)doc");
+  m.def(
+      "cross_entropy_with_grad",
+      [](py::handle logits, py::handle targets, py::handle valid_lens, int64_t ignore_index,
+         const std::string& reduction, double grad_loss, ContextPtr ctx) {
+        const LossArgs a = loss_args("cross_entropy_with_grad", logits, targets, valid_lens,
+                                     ignore_index, reduction);
+        if (!ctx) ctx = default_context();
+        CrossEntropyWithGrad r = without_gil([&] {
+          std::lock_guard lock(ctx->mutex);
+          return softmax_cross_entropy_with_grad(ctx->ctx, a.logits.tensor, a.targets.tensor,
+                                                 a.opts, grad_loss);
+        });
+        return py::make_tuple(r.result.loss, to_numpy(r.dlogits));
+      },
+      py::arg("logits"), py::arg("targets"), py::arg("valid_lens") = py::none(), py::kw_only(),
+      py::arg("ignore_index") = -100, py::arg("reduction") = "mean", py::arg("grad_loss") = 1.0,
+      py::arg("ctx") = py::none(), R"doc(
+(loss, grad) of a training step in one pass over the logits: cross_entropy(...) and
+cross_entropy_backward(..., grad_loss=grad_loss), the same values bit for bit, each row's
+log-sum-exp taken once instead of twice.)doc");
 }
 
 }  // namespace attn::python

@@ -107,6 +107,25 @@ def test_cross_entropy_valid_lens_leave_out_the_padding(rng):
                                lt.grad.numpy(), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_with_grad_is_the_loss_and_the_gradient(rng, dtype, reduction):
+    # A vocabulary past the vector widths, padded rows, an ignored target: the one-pass op gives
+    # the two calls' values bit for bit.
+    logits = (rng.standard_normal((3, 5, 37)) * 4).astype(dtype)
+    targets = rng.integers(0, 37, size=(3, 5))
+    targets[1, 2] = -100
+    lens = np.array([5, 2, 4])
+    loss, grad = attn.cross_entropy_with_grad(logits, targets, lens, reduction=reduction,
+                                              grad_loss=0.25)
+    assert loss == attn.cross_entropy(logits, targets, lens, reduction=reduction)
+    want = attn.cross_entropy_backward(logits, targets, lens, reduction=reduction, grad_loss=0.25)
+    assert grad.dtype == dtype and grad.shape == logits.shape
+    np.testing.assert_array_equal(grad, want)
+    with pytest.raises(attn.Error, match="cross_entropy_with_grad"):
+        attn.cross_entropy_with_grad(logits, targets[:, :4])
+
+
 def test_cross_entropy_edge_cases_and_errors():
     logits = np.zeros((2, 3))
     assert math.isnan(attn.cross_entropy(logits, np.array([-100, -100])))  # 0/0, as PyTorch

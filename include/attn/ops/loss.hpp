@@ -43,4 +43,17 @@ CrossEntropyResult softmax_cross_entropy(Context& ctx, const Tensor& logits, con
 Tensor softmax_cross_entropy_backward(Context& ctx, const Tensor& logits, const Tensor& targets,
                                       const CrossEntropyOptions& opts = {}, double dloss = 1.0);
 
+// Both at once, for a training step whose dloss is known before the loss (1, or a data-parallel
+// step's 1 / kept positions over all ranks): softmax_cross_entropy's result and
+// softmax_cross_entropy_backward's dlogits, the same bits, in one pass over the logits that takes
+// each row's log-sum-exp once (the backward alone takes it again).
+struct CrossEntropyWithGrad {
+  CrossEntropyResult result;
+  Tensor dlogits;
+};
+CrossEntropyWithGrad softmax_cross_entropy_with_grad(Context& ctx, const Tensor& logits,
+                                                     const Tensor& targets,
+                                                     const CrossEntropyOptions& opts = {},
+                                                     double dloss = 1.0);
+
 }  // namespace attn
