@@ -50,6 +50,16 @@ LossArgs loss_args(const char* op, py::handle logits, py::handle targets, py::ha
   return a;
 }
 
+// f(context) on `ctx` (the default one when None), under its lock, without the GIL.
+template <typename F>
+auto on_context(ContextPtr ctx, F&& f) {
+  if (!ctx) ctx = default_context();
+  return without_gil([&] {
+    std::lock_guard lock(ctx->mutex);
+    return f(ctx->ctx);
+  });
+}
+
 }  // namespace
 
 void bind_train(py::module_& m) {
@@ -102,10 +112,8 @@ d2l's choice). weight (out_features, in_features) and bias are initialised as Py
          const std::string& reduction, ContextPtr ctx) {
         const LossArgs a =
             loss_args("cross_entropy", logits, targets, valid_lens, ignore_index, reduction);
-        if (!ctx) ctx = default_context();
-        return without_gil([&] {
-          std::lock_guard lock(ctx->mutex);
-          return softmax_cross_entropy(ctx->ctx, a.logits.tensor, a.targets.tensor, a.opts).loss;
+        return on_context(ctx, [&](Context& c) {
+          return softmax_cross_entropy(c, a.logits.tensor, a.targets.tensor, a.opts).loss;
         });
       },
       py::arg("logits"), py::arg("targets"), py::arg("valid_lens") = py::none(), py::kw_only(),
@@ -122,10 +130,8 @@ NaN, as in PyTorch.)doc");
          const std::string& reduction, double grad_loss, ContextPtr ctx) {
         const LossArgs a = loss_args("cross_entropy_backward", logits, targets, valid_lens,
                                      ignore_index, reduction);
-        if (!ctx) ctx = default_context();
-        Tensor dx = without_gil([&] {
-          std::lock_guard lock(ctx->mutex);
-          return softmax_cross_entropy_backward(ctx->ctx, a.logits.tensor, a.targets.tensor, a.opts,
+        Tensor dx = on_context(ctx, [&](Context& c) {
+          return softmax_cross_entropy_backward(c, a.logits.tensor, a.targets.tensor, a.opts,
                                                 grad_loss);
         });
         return to_numpy(dx);
@@ -142,11 +148,9 @@ elsewhere.)doc");
          const std::string& reduction, double grad_loss, ContextPtr ctx) {
         const LossArgs a = loss_args("cross_entropy_with_grad", logits, targets, valid_lens,
                                      ignore_index, reduction);
-        if (!ctx) ctx = default_context();
-        CrossEntropyWithGrad r = without_gil([&] {
-          std::lock_guard lock(ctx->mutex);
-          return softmax_cross_entropy_with_grad(ctx->ctx, a.logits.tensor, a.targets.tensor,
-                                                 a.opts, grad_loss);
+        CrossEntropyWithGrad r = on_context(ctx, [&](Context& c) {
+          return softmax_cross_entropy_with_grad(c, a.logits.tensor, a.targets.tensor, a.opts,
+                                                 grad_loss);
         });
         return py::make_tuple(r.result.loss, to_numpy(r.dlogits));
       },
