@@ -66,7 +66,7 @@ print("## Seq2seq training step: attn against PyTorch 2.x (PyPI)\n")
 print(f"Written by `bench/run_peers_seq2seq.sh`; do not edit by hand. "
       f"{datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC, {pc.cpu_model()}, {threads} threads on "
       f"both sides. attn {ver.get('attn', '?')} (its Python module: `attn.EncoderDecoder`, "
-      f"`attn.cross_entropy`, `attn.optim`); PyTorch {ver.get('torch', '?')} eager running d2l's "
+      f"`attn.cross_entropy_with_grad`, `attn.optim`); PyTorch {ver.get('torch', '?')} eager running d2l's "
       "code (tests/fixtures/d2l_reference.py). Script: `bench/peers_seq2seq.py`.\n")
 print("- One step: teacher-forced forward, cross-entropy over the target positions < "
       "tgt_valid_lens, backward, clip_grad_norm 1.0, AdamW; dropout 0.1; padded batches (source "
