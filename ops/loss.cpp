@@ -1,6 +1,7 @@
-// softmax_cross_entropy / _backward: validation (shapes, target range, valid_lens), the keep
-// mask, then the kernel: float32 logits on the CPU backends go to kernels/cpu/cross_entropy
-// (SIMD, rows over threads), the rest to the reference (kernels/ref/loss.cpp).
+// softmax_cross_entropy / _backward / _with_grad: validation (shapes, target range, valid_lens),
+// the keep mask, then the kernel: float32 logits on the CPU backends go to
+// kernels/cpu/cross_entropy (SIMD, rows over threads), the rest to the reference
+// (kernels/ref/loss.cpp).
 #include "attn/ops/loss.hpp"
 
 #include "kernels/cpu/cross_entropy.hpp"
