@@ -99,20 +99,25 @@ class PrefixDecoder {
   Tensor enc_, lens_;
 };
 
-// The logits (R, V) of a step as doubles, row-major, into `out` (one typed pass, not R*V element
-// lookups: V is the target vocabulary, 10k in a translation model; `out` is reused from step to
-// step).
-void to_doubles(const Tensor& logits, std::vector<double>& out) {
-  const Tensor c = logits.contiguous();
-  out.resize(static_cast<size_t>(c.numel()));
-  if (c.dtype() == DType::F32) {
-    const float* p = c.data<float>();
-    std::copy(p, p + c.numel(), out.begin());
-  } else {
-    const double* p = c.data<double>();
-    std::copy(p, p + c.numel(), out.begin());
+// The logits (R, V) of a step, row by row in their own float type (float32 or float64), read
+// in place: the log-probabilities are taken in double from the widened values, the same bits as
+// from a double copy (cpu::log_sum_exp sums a float row as its widened copy), without the copy
+// of R x V values per step (V is the target vocabulary, 10k in a translation model).
+class StepLogits {
+ public:
+  explicit StepLogits(const Tensor& logits)
+      : t_(logits.contiguous()), V_(t_.dim(-1)), f32_(t_.dtype() == DType::F32) {}
+  // f(row r as `const float*` or `const double*`).
+  template <typename F>
+  auto with_row(int64_t r, F&& f) const {
+    return f32_ ? f(t_.data<float>() + r * V_) : f(t_.data<double>() + r * V_);
   }
-}
+
+ private:
+  Tensor t_;
+  int64_t V_;
+  bool f32_;
+};
 
 struct Checked {
   int64_t B = 0, V = 0;
@@ -158,10 +163,9 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
   std::vector<Tensor> step_logits;
   std::vector<std::vector<Tensor>> step_weights(static_cast<size_t>(model.decoder.num_blks()));
   int64_t live = B;
-  std::vector<double> rows;
   while (live > 0 && g.steps < o.max_len) {
     const Tensor logits = dec.next_logits(prefixes, B, g.steps + 1, stride);  // (B, V)
-    to_doubles(logits, rows);
+    const StepLogits rows(logits);
     ++g.steps;
     if (o.keep_logits) step_logits.push_back(logits);
     if (keep_weights)
@@ -174,9 +178,12 @@ Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& 
         continue;
       }
       // argmax, the lowest index on ties (torch.argmax on CPU).
-      const double* row = rows.data() + b * V;
-      const int64_t best = std::max_element(row, row + V) - row;
-      g.scores[static_cast<size_t>(b)] += row[best] - cpu::log_sum_exp(row, V, row[best]);
+      const int64_t best = rows.with_row(b, [&](const auto* row) {
+        const int64_t i = std::max_element(row, row + V) - row;
+        const double m = row[i];
+        g.scores[static_cast<size_t>(b)] += m - cpu::log_sum_exp(row, V, m);
+        return i;
+      });
       next = best;
       if (best == o.eos) {
         g.ended[static_cast<size_t>(b)] = true;
@@ -280,10 +287,9 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
   std::vector<double> next_logp(static_cast<size_t>(R));
   Generation g;
   int64_t open = B;
-  std::vector<double> rows;
   while (open > 0 && g.steps < o.max_len) {
     const int64_t t = g.steps++;  // the prefixes hold t + 1 tokens
-    to_doubles(dec.next_logits(prefixes, R, t + 1, stride), rows);  // (R, V)
+    const StepLogits rows(dec.next_logits(prefixes, R, t + 1, stride));  // (R, V)
     std::iota(parents.begin(), parents.end(), 0);
     std::fill(next_logp.begin(), next_logp.end(), kNegInf);
     // Row r of the next step: row `from` of this one and `token`.
@@ -303,10 +309,11 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
       for (int64_t k = 0; k < K; ++k) {
         const size_t r = static_cast<size_t>(b * K + k);
         if (beam_logp[r] == kNegInf) continue;
-        const double* row = rows.data() + (b * K + k) * V;
-        const double lse = cpu::log_sum_exp(row, V, *std::max_element(row, row + V));
-        for (int64_t v = 0; v < V; ++v)
-          top.offer({beam_logp[r] + (row[v] - lse), k, v});
+        rows.with_row(b * K + k, [&](const auto* row) {
+          const double lse = cpu::log_sum_exp(row, V, *std::max_element(row, row + V));
+          for (int64_t v = 0; v < V; ++v)
+            top.offer({beam_logp[r] + (static_cast<double>(row[v]) - lse), k, v});
+        });
       }
       const std::vector<Candidate>& best = top.kept();
       int64_t live = 0;

@@ -3,6 +3,7 @@
 // batch sizes 1 and 5 with sources of different lengths. Beam search is also checked against
 // exhaustive search on a tiny vocabulary and against greedy search at beam size 1.
 #include "attn/model/generation.hpp"
+#include "kernels/cpu/cross_entropy.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
@@ -265,6 +266,23 @@ GenerationOptions options_with_reachable_eos(Context& ctx, nn::EncoderDecoder& m
   Generation probe = greedy_search(ctx, model, batch.src, batch.lens, o);
   if (probe.tokens[0].size() >= 3) o.eos = probe.tokens[0][2];
   return o;
+}
+
+// Search reads a float32 model's logits in place: the log-sum-exp of a float row is bit for bit
+// that of its widened copy (what search took before), over lengths straddling the vector widths.
+TEST(Generation, LogSumExpOfAFloatRowIsThatOfItsWidenedCopy) {
+  for (int64_t n : {1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 33, 236, 1000}) {
+    const Tensor x = random_tensor({n}, DType::F32, static_cast<uint64_t>(n), -30.0, 12.0);
+    std::vector<double> wide(static_cast<size_t>(n));
+    double m = -1e300;
+    for (int64_t i = 0; i < n; ++i) {
+      wide[static_cast<size_t>(i)] = x.data<float>()[i];
+      m = std::max(m, wide[static_cast<size_t>(i)]);
+    }
+    const double a = cpu::log_sum_exp(x.data<float>(), n, m);
+    const double b = cpu::log_sum_exp(wide.data(), n, m);
+    EXPECT_EQ(std::memcmp(&a, &b, sizeof a), 0) << "n " << n << ": " << a << " vs " << b;
+  }
 }
 
 TEST(Generation, GreedyWithCacheEqualsRecomputing) {

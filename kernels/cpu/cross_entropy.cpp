@@ -81,6 +81,9 @@ double RowLse(const float* row, int64_t C) {
 double LogSumExpF64(const double* x, int64_t n, double m) {
   return m + std::log(SumExp(x, n, m));
 }
+double LogSumExpF32(const float* x, int64_t n, double m) {
+  return m + std::log(SumExp(x, n, m));
+}
 
 double ForwardRows(const float* logits, const int64_t* targets, const uint8_t* keep, int64_t r0,
                    int64_t r1, int64_t C) {
@@ -165,9 +168,13 @@ HWY_EXPORT(ForwardRows);
 HWY_EXPORT(BackwardRows);
 HWY_EXPORT(ForwardBackwardRows);
 HWY_EXPORT(LogSumExpF64);
+HWY_EXPORT(LogSumExpF32);
 
 double log_sum_exp(const double* x, int64_t n, double m) {
   return HWY_DYNAMIC_DISPATCH(LogSumExpF64)(x, n, m);
+}
+double log_sum_exp(const float* x, int64_t n, double m) {
+  return HWY_DYNAMIC_DISPATCH(LogSumExpF32)(x, n, m);
 }
 
 namespace {

@@ -36,5 +36,7 @@ double cross_entropy_forward_backward_f32(const float* logits, const int64_t* ta
 // step (model/generation.cpp; a 236-token vocabulary made glibc's scalar exp a tenth of a beam
 // search step at batch 1). Differs from the sequential sum of std::exp by a few ULP.
 double log_sum_exp(const double* x, int64_t n, double m);
+// The same of a float row, the same bits as of its widened copy.
+double log_sum_exp(const float* x, int64_t n, double m);
 
 }  // namespace attn::cpu
