@@ -248,6 +248,9 @@ class TopCandidates {
     kept_.insert(std::upper_bound(kept_.begin(), kept_.end(), c, ranks_before), c);
   }
   const std::vector<Candidate>& kept() const { return kept_; }
+  // Whether a candidate of log P `logp` is turned away whatever its beam and token: the test
+  // most of the K*V candidates fail, made before one is built (offer decides the ties).
+  bool below_kept(double logp) const { return kept_.size() == keep_ && logp < kept_.back().logp; }
 
  private:
   size_t keep_ = 0;
@@ -311,8 +314,10 @@ Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& sr
         if (beam_logp[r] == kNegInf) continue;
         rows.with_row(b * K + k, [&](const auto* row) {
           const double lse = cpu::log_sum_exp(row, V, *std::max_element(row, row + V));
-          for (int64_t v = 0; v < V; ++v)
-            top.offer({beam_logp[r] + (static_cast<double>(row[v]) - lse), k, v});
+          for (int64_t v = 0; v < V; ++v) {
+            const double logp = beam_logp[r] + (static_cast<double>(row[v]) - lse);
+            if (!top.below_kept(logp)) top.offer({logp, k, v});
+          }
         });
       }
       const std::vector<Candidate>& best = top.kept();
