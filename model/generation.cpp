@@ -146,7 +146,10 @@ Checked check_generation(const char* op, nn::EncoderDecoder& model, const Tensor
 Generation greedy_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& src,
                          const Tensor& src_valid_lens, const GenerationOptions& o) {
   const char* op = "greedy_search";
-  const auto [B, V] = check_generation(op, model, src, src_valid_lens, o);
+  // Plain variables, not a structured binding: the searches' lambdas capture V (clang 14 does
+  // not capture bindings).
+  const Checked dims = check_generation(op, model, src, src_valid_lens, o);
+  const int64_t B = dims.B, V = dims.V;
   const bool keep_weights = o.keep_cross_attention && o.use_cache;
   EvalGuard guard(model, keep_weights);
   const Tensor enc = model.encoder.forward(ctx, src, src_valid_lens);
@@ -262,7 +265,10 @@ class TopCandidates {
 Generation beam_search(Context& ctx, nn::EncoderDecoder& model, const Tensor& src,
                        const Tensor& src_valid_lens, const GenerationOptions& o) {
   const char* op = "beam_search";
-  const auto [B, V] = check_generation(op, model, src, src_valid_lens, o);
+  // Plain variables, not a structured binding: the searches' lambdas capture V (clang 14 does
+  // not capture bindings).
+  const Checked dims = check_generation(op, model, src, src_valid_lens, o);
+  const int64_t B = dims.B, V = dims.V;
   check(o.beam_size >= 1, op, "beam_size must be >= 1, got {}", o.beam_size);
   check(std::isfinite(o.length_penalty), op, "length_penalty is {}, expected a finite number",
         o.length_penalty);
