@@ -39,8 +39,10 @@ mpi4py does), so no preloading is needed. mpi4py is not needed either (and can b
 attn: both then share one MPI_COMM_WORLD; attn initialises MPI only if nobody has).
 """
 
+import os
 import sys
 import threading
+import traceback
 
 from . import _attn as _ext
 from ._attn import Communicator
@@ -69,16 +71,37 @@ def is_mpi_available():
     return _ext._mpi_available()
 
 
+def _write_whole(text):
+    """Writes text to standard error in as few write calls as the pipe takes (one, up to its
+    size), so that it does not interleave with what other processes write to the same terminal."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a replaced stream (a notebook, a test)
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        return
+    data = text.encode(sys.stderr.encoding or "utf-8", "backslashreplace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def _abort_on_uncaught(comm):
     """Chains sys.excepthook: print the traceback as usual, then end every rank (MPI_Abort)."""
     previous = sys.excepthook
 
-    def hook(kind, value, traceback):
+    def hook(kind, value, tb):
         try:
-            previous(kind, value, traceback)
-            sys.stderr.write(f"attn.distributed: rank {comm.rank} of {comm.size} raised "
-                             f"{kind.__name__}; ending every rank (MPI_Abort)\n")
-            sys.stderr.flush()
+            ending = (f"attn.distributed: rank {comm.rank} of {comm.size} raised "
+                      f"{kind.__name__}; ending every rank (MPI_Abort)\n")
+            if previous is sys.__excepthook__:
+                # The whole report in one write: the ranks share the terminal, and Python's own
+                # hook writes a traceback in pieces that interleave with another rank's.
+                _write_whole("".join(traceback.format_exception(kind, value, tb)) + ending)
+            else:
+                previous(kind, value, tb)
+                sys.stderr.write(ending)
+                sys.stderr.flush()
         finally:
             comm.abort(1)
 
