@@ -8,6 +8,7 @@
 // --train-only: the training steps alone, e.g. with ATTN_CUDA_STEP_PROFILE=1)
 #include "attn/cuda/runtime.hpp"
 #include "kernels/cuda/device_math.hpp"
+#include "kernels/cuda/flash_mma.hpp"
 #include "kernels/cuda/kernels.hpp"
 
 #include "attn/core/rng.hpp"
@@ -122,9 +123,9 @@ void bench_attention(int64_t batch, int64_t heads, int64_t N, int64_t D, bool ca
   emit("sdpa_fwd", shape, dts, fwd, flops);
   if (bf16) {
     // The SIMT kernel on the same problem, to see what the tensor-core forward buys.
-    setenv("ATTN_CUDA_SIMT_ATTENTION", "1", 1);
+    cuda::flash_mma_set_simt_only(true);
     const double simt = time_ms([&] { cuda::flash_attention_forward(a, nullptr); }, reps, inner);
-    unsetenv("ATTN_CUDA_SIMT_ATTENTION");
+    cuda::flash_mma_set_simt_only(false);
     emit("fwd_simt", shape, dts, simt, flops);
   }
   if (backward) {

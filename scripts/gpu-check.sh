@@ -12,7 +12,9 @@
 #                                     a small subset, `attn train --device cuda` resumed on the
 #                                     CPU, bench_cuda beside PyTorch (SDPA, the training step), one
 #                                     table.
+#                                     Section 6 times the host CPU's training step beside PyTorch.
 #                                     Results also go to $OUT (the device tool's folder) if set.
+#   scripts/gpu-check.sh cpu          section 6 alone (any machine with the bundle and PyTorch)
 #
 # The GPU machine has the NVIDIA driver, the CUDA 13 toolkit (cuBLASLt comes from there: 500 MB
 # is too much to carry) and PyTorch 2.x, but none of Debian's packages.
@@ -26,14 +28,17 @@ build() {
   source scripts/ccache-env.sh
   cmake -S . -B build/cuda -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTN_WERROR=ON \
     -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=ON \
-    -DATTN_BUILD_BENCH=OFF -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF >/dev/null
-  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn
+    -DATTN_BUILD_BENCH=ON -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF >/dev/null
+  # bench_train and the OpenMP trace for section 6 (the host's CPU), beside the CUDA binaries.
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn bench_train attn_omp_trace
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
     -exec cp {} "$bundle/bin/" \;
-  cp build/cuda/bench_cuda build/cuda/attn "$bundle/bin/"
+  cp build/cuda/bench_cuda build/cuda/attn build/cuda/bench/bench_train "$bundle/bin/"
   strip --strip-debug "$bundle"/bin/*
+  # Preloaded, not linked: the loop below would not find it.
+  cp build/cuda/bench/libattn_omp_trace.so "$bundle/lib/"
   # Every shared library the binaries load, except glibc's own (the GPU machine's glibc is newer)
   # and the CUDA toolkit's large libraries (the GPU machine has the same CUDA 13 toolkit).
   for bin in "$bundle"/bin/*; do
@@ -60,19 +65,9 @@ build() {
   fi
 }
 
-run() {
-  local quick=""
-  [ "${1:-}" = "--quick" ] && quick="--quick"
-  local out=${OUT:-$bundle/out}
-  mkdir -p "$out"
-  local start=$SECONDS
-  # Per-binary limit: a hung kernel costs this much device time, not the whole run.
-  local tlimit=${GPU_CHECK_TEST_TIMEOUT:-240}
-  if [ ! -x "$bundle/bin/test_cuda_host" ]; then
-    echo "gpu-check: $bundle is missing; run 'scripts/gpu-check.sh build' on the build machine" >&2
-    echo "and carry build/gpu-check to this one" >&2
-    exit 2
-  fi
+# The bundle's libraries on LD_LIBRARY_PATH (the machine's own kept in orig_ld, for PyTorch),
+# cuBLASLt found, the large libraries unpacked; prints the GPU and the host CPU.
+setup() {
   # cuBLASLt from the toolkit, or else from PyTorch's wheels (nvidia/cu13/lib or nvidia/cublas/lib).
   local cublas_dir=""
   for d in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib; do
@@ -96,10 +91,111 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
     libs="$libs:$PWD/$bundle/lib-fallback"
     echo "(system libstdc++ too old or missing: using the bundled one)"
   fi
-  local orig_ld=${LD_LIBRARY_PATH:-}
+  orig_ld=${LD_LIBRARY_PATH:-}
   export LD_LIBRARY_PATH="$libs${orig_ld:+:$orig_ld}"
   nvidia-smi -L 2>/dev/null || echo "(nvidia-smi not found)"
   echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs ($(lscpu | sed -n 's/^Thread(s) per core: *//p' | head -1) threads a core)$(grep -qw amx_bf16 /proc/cpuinfo && echo ', AMX-BF16')"
+}
+
+# Section 6: the d2l encoder's training step on the host's CPU at GPU_CHECK_CPU_THREADS threads
+# (default 2, as issue 23's targets): bench_train beside PyTorch's eager and bf16 autocast step
+# (bench/peers_train.py with the machine's PyTorch), full length and padded; `attn train` on
+# padded batches (the CLI's own loop, --bucket 1 and the default 8) against bench_train's full
+# length; and where a bf16 `attn train` run's threads wait (bench/omp_trace.py; the trace comes
+# back in $out for symbolizing on the build machine, whose build/cuda/attn has the same addresses).
+cpu_step() {
+  local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
+  echo "== 6. the host's CPU, $t threads (issue 23): the encoder step beside PyTorch, attn train"
+  if [ ! -x "$bundle/bin/bench_train" ]; then
+    echo "bench_train is not in the bundle: skipped"
+    return
+  fi
+  local train=(train --task shift --length 128 --symbols 8 --num-hiddens 128
+    --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 --threads "$t"
+    --eval-every 0 --eval-examples 64)
+  (
+    export ATTN_THREADS=$t OMP_WAIT_POLICY=PASSIVE
+    export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
+    timeout 120 "$bundle/bin/bench_train" \
+      --benchmark_filter='BM_TrainStep(Bf16)?/|BM_TrainStep.*[Pp]ad' --benchmark_min_time=1 \
+      --benchmark_format=json >"$out/cpu_train_attn.json" 2>/dev/null
+    : >"$out/cpu_train_torch.jsonl"
+    for m in eager autocast; do
+      for pad in "" --padded; do
+        # shellcheck disable=SC2086
+        LD_LIBRARY_PATH="$orig_ld" timeout 120 python3 bench/peers_train.py --threads "$t" \
+          --mode "$m" $pad --min-time 1 >>"$out/cpu_train_torch.jsonl" 2>>"$out/cpu_train_torch.err"
+      done
+    done
+    for p in fp32 bf16; do
+      for k in 1 8; do
+        timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 100 --precision "$p" --bucket "$k" \
+          2>"$out/cli_${p}_$k.txt" >/dev/null
+      done
+    done
+    LD_PRELOAD="$PWD/$bundle/lib/libattn_omp_trace.so" ATTN_OMP_TRACE="$out/omp_bf16.trace" \
+      timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 60 --precision bf16 >/dev/null 2>&1
+  )
+  python3 - "$out" "$t" <<'PY'
+import json, re, sys
+out, threads = sys.argv[1], sys.argv[2]
+attn = {}
+try:
+    for b in json.load(open(f"{out}/cpu_train_attn.json"))["benchmarks"]:
+        if "tokens_per_second" in b:
+            attn[b["name"].split("/")[0]] = b["tokens_per_second"]
+except (OSError, ValueError) as e:
+    print(f"bench_train gave no JSON: {e}")
+torch, version = {}, "?"
+for line in open(f"{out}/cpu_train_torch.jsonl"):
+    t = json.loads(line)
+    version = t.get("torch", version)
+    torch[(t["mode"], t["padded"])] = t.get("tokens_per_second")
+cli = {}
+for p in ("fp32", "bf16"):
+    for k in (1, 8):
+        rates = re.findall(r"([0-9.]+)k tok/s", open(f"{out}/cli_{p}_{k}.txt").read())
+        cli[(p, k)] = float(rates[-1]) * 1e3 if rates else None
+
+
+def f(v):
+    return f"{v:>10,.0f}" if v else f"{'-':>10}"
+
+
+def r(a, b):
+    return f"{a / b:5.2f}x" if a and b else "    -"
+
+
+print(f"tokens/s, {threads} threads; PyTorch {version}")
+print("                     full length      padded   attn/torch full  padded")
+for label, sfx, mode in (("attn fp32", "", "eager"), ("attn bf16", "Bf16", "autocast")):
+    a, ap = attn.get(f"BM_TrainStep{sfx}"), attn.get(f"BM_TrainStepPadded{sfx}")
+    t, tp = torch.get((mode, False)), torch.get((mode, True))
+    print(f"{label:12}        {f(a)}  {f(ap)}")
+    print(f"torch {mode:9}     {f(t)}  {f(tp)}        {r(a, t)}  {r(ap, tp)}")
+for p, sfx in (("fp32", ""), ("bf16", "Bf16")):
+    full = attn.get(f"BM_TrainStep{sfx}")
+    print(f"attn train {p}: --bucket 1 {f(cli[(p, 1)])} ({r(cli[(p, 1)], full)} of bench_train's "
+          f"full length), --bucket 8 {f(cli[(p, 8)])} ({r(cli[(p, 8)], full)})")
+PY
+  [ -s "$out/cpu_train_torch.err" ] && tail -n 3 "$out/cpu_train_torch.err"
+  python3 bench/omp_trace.py "$out/omp_bf16.trace" --top 8 2>&1 | head -30
+}
+
+run() {
+  local quick=""
+  [ "${1:-}" = "--quick" ] && quick="--quick"
+  local out=${OUT:-$bundle/out}
+  mkdir -p "$out"
+  local start=$SECONDS
+  # Per-binary limit: a hung kernel costs this much device time, not the whole run.
+  local tlimit=${GPU_CHECK_TEST_TIMEOUT:-240}
+  if [ ! -x "$bundle/bin/test_cuda_host" ]; then
+    echo "gpu-check: $bundle is missing; run 'scripts/gpu-check.sh build' on the build machine" >&2
+    echo "and carry build/gpu-check to this one" >&2
+    exit 2
+  fi
+  setup
 
   echo "== 1. tests (every failure reported; log in $out/tests.log)"
   local failed=0 summary=""
@@ -236,6 +332,9 @@ for dtype in ("f32", "bf16"):
         print(f"{dtype:5} {p:24} {cells}")
 PY
   echo "   ($((SECONDS - start)) s so far)"
+
+  cpu_step "$out"
+  echo "   ($((SECONDS - start)) s so far)"
   echo
   echo "== summary ($((SECONDS - start)) s)"
   printf '%s' "$summary"
@@ -250,8 +349,14 @@ PY
 case "$mode" in
   build) build ;;
   run) shift; run "$@" ;;
+  cpu)
+    # Section 6 alone (the host's CPU), results in $OUT or build/gpu-check/out.
+    setup
+    mkdir -p "${OUT:-$bundle/out}"
+    cpu_step "${OUT:-$bundle/out}"
+    ;;
   *)
-    echo "usage: scripts/gpu-check.sh build | run [--quick]" >&2
+    echo "usage: scripts/gpu-check.sh build | run [--quick] | cpu" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdlib>
 
 namespace attn::cuda {
@@ -257,9 +258,18 @@ size_t flash_mma_smem(int64_t D) {
   return static_cast<size_t>(kMmaKeys * (D + kPad) + D * (kMmaKeys + kPad)) * sizeof(uint16_t);
 }
 
+namespace {
+// A/B: the environment variable read once (a getenv per launch cost as much as a small kernel),
+// then flash_mma_set_simt_only (bench_cuda times both kernels in one process).
+std::atomic<bool> simt_only{std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr};
+}  // namespace
+
+void flash_mma_set_simt_only(bool on) {
+  simt_only.store(on, std::memory_order_relaxed);
+}
+
 bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
-  static const bool simt_only = std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr;  // A/B
-  if (simt_only) return false;
+  if (simt_only.load(std::memory_order_relaxed)) return false;
   if (a.D != a.Dv || (a.D != 32 && a.D != 64 && a.D != 128)) return false;
   if (a.q.sd != 1 || a.k.sd != 1 || a.v.sd != 1 || a.out.sd != 1) return false;
   // 32-bit loads and stores of bf16 pairs: even strides and 4-byte aligned bases.

@@ -12,6 +12,8 @@ namespace attn::cuda {
 // bf16, D == Dv in {32, 64, 128}, unit stride along D, even strides, 4-byte aligned bases; and the
 // environment variable ATTN_CUDA_SIMT_ATTENTION unset (set: the SIMT kernel, for A/B runs).
 bool flash_mma_supports(const kernels::AttentionArgs<uint16_t>& a);
+// Benchmarks: on, every problem takes the SIMT kernel (as ATTN_CUDA_SIMT_ATTENTION set at start).
+void flash_mma_set_simt_only(bool on);
 // Shared memory of one block: a K tile (64 x (D + 8)) and a transposed V tile (D x 72), bf16.
 size_t flash_mma_smem(int64_t D);
 void flash_mma_forward(const kernels::AttentionArgs<uint16_t>& a, void* stream);
