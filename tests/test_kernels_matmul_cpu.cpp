@@ -256,9 +256,10 @@ TEST(GemmCpu, CachesOnePrimitivePerConfiguration) {
 
 // oneDNN fixes its thread partition when a primitive is created. For the products of
 // MultiHeadAttention's projections it splits rows and columns, never the contraction, so 1 and
-// 2 threads agree bitwise. (It does split K of the weight-grad product dy^T x when the output is
-// small next to the contraction, e.g. (M, N, K) = (512, 64, 4096); there thread counts differ in
-// the last bits, which matmul.hpp documents; a fixed thread count stays reproducible.)
+// 2 threads agree bitwise. (On its own threads it splits K of the weight-grad product dy^T x when
+// the output is small next to the contraction, e.g. (M, N, K) = (512, 64, 4096), and thread
+// counts differ in the last bits; attn cuts such products into chunks of K itself, which
+// matmul.hpp documents; a fixed thread count stays reproducible either way.)
 TEST(GemmCpu, ThreadCountBitwiseOnLinearShapes) {
   struct Shape3 {
     int64_t M, N, K;
@@ -624,6 +625,60 @@ TEST(GemmRows, RowsAreTheSameInAnyPieceAndOnAnyThreadCount) {
           << p.name() << " in pieces of " << piece << " rows";
     }
   }
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kAuto);
+}
+
+// The weight gradient on oneDNN (WgradCut): a product with trans_a on oneDNN's threads or in
+// chunks of 512 rows of the contraction (partials summed in chunk order) is within the bound for
+// every flag; the chunks (K > 512) give the same bits on 1, 2 and 3 threads; a bf16 output is the
+// float output rounded once. oneDNN's f32 kernel forced, so that any CPU runs them.
+TEST(GemmCpu, WeightGradientCutsAreWithinTheBound) {
+  cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kOneDnn);
+  struct Shape3 {
+    int64_t M, N, K;
+  };
+  for (const cpu::WgradCut cut : {cpu::WgradCut::kOneDnn, cpu::WgradCut::kChunksOfK}) {
+    cpu::gemm_set_wgrad_cut(cut);
+    for (const Shape3 s :
+         {Shape3{33, 48, 513}, Shape3{5, 40, 2049}, Shape3{64, 97, 1537}, Shape3{40, 33, 511}}) {
+      for (const bool trans_b : {false, true})
+        for (const bool bias : {false, true})
+          for (const bool accumulate : {false, true}) {
+            Problem p{s.M, s.N, s.K, true, trans_b, bias, accumulate, 3};
+            p.fill(1300 + s.K + trans_b + 2 * bias + 4 * accumulate);
+            std::vector<std::vector<float>> out(3, p.c);
+            for (int threads = 1; threads <= 3; ++threads) {
+              cpu::gemm(p.args(out[threads - 1].data()), threads);
+              EXPECT_TRUE(p.verify(out[threads - 1]))
+                  << "cut " << static_cast<int>(cut) << ", threads " << threads;
+            }
+            // (K of at most one chunk takes oneDNN's threads: 511 checks that it still does.)
+            const bool chunked = cut == cpu::WgradCut::kChunksOfK && s.K > 512;
+            for (int threads = 2; threads <= 3 && chunked; ++threads) {
+              EXPECT_EQ(0, std::memcmp(out[0].data(), out[threads - 1].data(),
+                                       out[0].size() * sizeof(float)))
+                  << p.name() << ": 1 and " << threads << " threads differ";
+            }
+            if (!cpu::gemm_bf16_native() || accumulate) continue;
+            // bf16 inputs, a float and a bf16 output (the same product rounded once).
+            const Problem::Bf16 m = p.as_bf16();
+            std::vector<float> f = p.c;
+            cpu::gemm(p.bf16_args(m, f.data()), 2);
+            EXPECT_TRUE(p.verify(f, round_bf16)) << "bf16, cut " << static_cast<int>(cut);
+            std::vector<uint16_t> h(p.c.size(), 0);
+            cpu::GemmArgs g = p.bf16_args(m, nullptr);
+            g.C_bf16 = h.data() + Problem::kOffset;
+            cpu::gemm(g, 2);
+            for (int64_t r = 0; r < p.M; ++r)
+              for (int64_t n = 0; n < p.N; ++n) {
+                const int64_t i = Problem::kOffset + r * p.ldc + n;
+                ASSERT_EQ(h[i], float_to_bf16(f[i]))
+                    << p.name() << " bf16 output at " << r << "," << n;
+              }
+          }
+    }
+  }
+  cpu::gemm_set_wgrad_cut(cpu::WgradCut::kChunksOfK);
   cpu::gemm_set_f32_kernel(cpu::GemmF32Kernel::kAuto);
 }
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -92,6 +93,14 @@ std::unordered_map<GemmKey, std::shared_ptr<GemmPlan>, GemmKeyHash> cache;
 using dims = dnnl::memory::dims;
 using dt = dnnl::memory::data_type;
 
+bool prefer_gemm_impl() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTN_GEMM_F32_IMPL");
+    return v != nullptr && std::strcmp(v, "gemm") == 0;
+  }();
+  return on;
+}
+
 std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   const dt in = k.type == static_cast<uint8_t>(GemmType::kBF16) ? dt::bf16 : dt::f32;
   auto plan = std::make_shared<GemmPlan>();
@@ -117,6 +126,15 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   auto desc = k.has_bias ? dnnl::matmul::desc(plan->a_md, plan->b_md, plan->bias_md, plan->c_md)
                          : dnnl::matmul::desc(plan->a_md, plan->b_md, plan->c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+  if (k.type == static_cast<uint8_t>(GemmType::kF32) && prefer_gemm_impl()) {
+    // A/B (ATTN_GEMM_F32_IMPL=gemm): oneDNN's BLAS-style jit kernel where it offers one, in place
+    // of its first choice (brgemm on AVX-512).
+    bool found = false;
+    do {
+      found = std::strncmp(pd.impl_info_str(), "gemm:", 5) == 0;
+    } while (!found && pd.next_impl());
+    if (!found) pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
+  }
   plan->scratch_md = pd.scratchpad_desc();
   plan->primitive = dnnl::matmul(pd);
   return plan;
@@ -336,7 +354,45 @@ Cut rows_cut(int64_t M, int slices) {
   return c;
 }
 
-std::atomic<GemmF32Kernel> f32_kernel{GemmF32Kernel::kAuto};
+// The f32 kernel at start: kAuto, or the A/B switch ATTN_GEMM_F32=onednn|rows (benchmarks on one
+// machine; tests set it through gemm_set_f32_kernel).
+GemmF32Kernel f32_kernel_from_env() {
+  const char* v = std::getenv("ATTN_GEMM_F32");
+  if (v != nullptr && std::strcmp(v, "onednn") == 0) return GemmF32Kernel::kOneDnn;
+  if (v != nullptr && std::strcmp(v, "rows") == 0) return GemmF32Kernel::kRows;
+  return GemmF32Kernel::kAuto;
+}
+std::atomic<GemmF32Kernel> f32_kernel{f32_kernel_from_env()};
+
+// How a product with trans_a on oneDNN (a weight gradient: the contraction over the batch's rows)
+// runs on several threads. kChunksOfK (the default): single-thread primitives on chunks of
+// about kWgradChunk rows of the contraction, each into its own float partial, summed in
+// chunk order, so the bits depend on the shape alone, whatever the thread count. oneDNN's own
+// threads (kOneDnn) split K by the thread count, and on an AMX Xeon spent more time in a serial
+// part than in the parallel one (session 24: 8% of a bf16 step's wall, the other thread idle).
+// A/B switch: ATTN_GEMM_WGRAD=onednn; tests: gemm_set_wgrad_cut.
+WgradCut wgrad_cut_from_env() {
+  const char* v = std::getenv("ATTN_GEMM_WGRAD");
+  return v != nullptr && std::strcmp(v, "onednn") == 0 ? WgradCut::kOneDnn : WgradCut::kChunksOfK;
+}
+std::atomic<WgradCut> wgrad_cut{wgrad_cut_from_env()};
+constexpr int64_t kWgradChunk = 512;
+constexpr int64_t kWgradMaxChunks = 32;
+constexpr int64_t kWgradPartialBytes = int64_t{32} << 20;
+
+// The chunks of a weight gradient's contraction: ceil(K / kWgradChunk) of them (at most
+// kWgradMaxChunks, their float partials within kWgradPartialBytes), of equal rows but the last;
+// count 0: not cut (K of one chunk, or an output too large to hold twice). The shape alone decides.
+struct WgradChunks {
+  int64_t count = 0, rows = 0;
+};
+WgradChunks wgrad_chunks(const GemmArgs& g) {
+  if (g.K <= kWgradChunk) return {};
+  int64_t count = std::min((g.K + kWgradChunk - 1) / kWgradChunk, kWgradMaxChunks);
+  count = std::min(count, kWgradPartialBytes / std::max<int64_t>(1, g.M * g.N * 4));
+  if (count < 2) return {};
+  return {count, (g.K + count - 1) / count};
+}
 std::atomic<bool> force_widened{false}, force_widened_whole{false};  // test switches
 
 bool widened_bf16();  // below
@@ -413,6 +469,7 @@ GemmArgs gemm_rows(const GemmArgs& g, int64_t begin, int64_t end) {
 
 void gemm_one(const GemmArgs& g, const GemmKey& key);                              // below
 void gemm_widened(const GemmArgs& g, int threads, RegionTask task, RowTask rows);  // below
+void gemm_wgrad_chunks(const GemmArgs& g, WgradChunks chunks, int threads);        // below
 
 // Whether oneDNN multiplies bf16 matrices on this CPU (AVX-512 and up; probed once with a small
 // plan). Below AVX-512 (Zen 2 and 3, Intel's client cores before AVX10) oneDNN 2.6 rejects every
@@ -523,6 +580,13 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
     gemm_rows_columns(g, threads);
     return run_task_after();
   }
+  if (g.trans_a && !rows_kernel(g) && !omp_in_parallel() &&
+      wgrad_cut.load(std::memory_order_relaxed) == WgradCut::kChunksOfK) {
+    if (const WgradChunks chunks = wgrad_chunks(g); chunks.count > 0) {
+      gemm_wgrad_chunks(g, chunks, threads);
+      return run_task_after();
+    }
+  }
   const GemmKey key{g.M,
                     g.N,
                     g.K,
@@ -570,6 +634,54 @@ void gemm_one(const GemmArgs& g, const GemmKey& key) {
   } catch (const dnnl::error&) {
     gemm_fallback(g);
   }
+}
+
+// WgradCut::kChunksOfK: op(A) is A's storage transposed, so the contraction's rows [k0, k1) are
+// rows k0.. of A's storage and of B (or columns of B's storage, trans_b). Each chunk's product
+// goes to its own float (M, N) partial on one thread; then each output row is the partials' sum
+// in chunk order, plus the bias, plus the old C (accumulate), rounded once for a bf16 output.
+void gemm_wgrad_chunks(const GemmArgs& g, WgradChunks cut, int threads) {
+  const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
+  const int64_t chunks = cut.count, mn = g.M * g.N;
+  thread_local std::vector<float> buffer;
+  float* partials = grown_aligned(buffer, static_cast<size_t>(chunks * mn));
+  parallel_for(chunks, threads, [&](int64_t c) {
+    const int64_t k0 = c * cut.rows, k1 = std::min(g.K, k0 + cut.rows);
+    if (k1 <= k0) {  // (cannot happen for count <= ceil(K / 512); kept exact regardless)
+      std::fill_n(partials + c * mn, mn, 0.0f);
+      return;
+    }
+    GemmArgs p = g;
+    p.K = k1 - k0;
+    p.A = static_cast<const std::byte*>(g.A) + static_cast<size_t>(k0 * g.lda) * in_bytes;
+    p.B = static_cast<const std::byte*>(g.B) +
+          static_cast<size_t>(g.trans_b ? k0 : k0 * g.ldb) * in_bytes;
+    p.C = partials + c * mn, p.ldc = g.N, p.C_bf16 = nullptr;
+    p.bias = nullptr, p.accumulate = false;
+    gemm(p, 1);
+  });
+  constexpr int64_t kRowsPerTask = 8;
+  parallel_for((g.M + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t t) {
+    const int64_t m0 = t * kRowsPerTask, m1 = std::min(g.M, m0 + kRowsPerTask);
+    for (int64_t m = m0; m < m1; ++m) {
+      float* sum = partials + m * g.N;  // the first chunk's row, summed in place
+      for (int64_t c = 1; c < chunks; ++c) {
+        const float* part = partials + c * mn + m * g.N;
+        for (int64_t n = 0; n < g.N; ++n)
+          sum[n] += part[n];
+      }
+      if (g.bias != nullptr)
+        for (int64_t n = 0; n < g.N; ++n)
+          sum[n] += g.bias[n];
+      if (g.C_bf16 != nullptr) {
+        round_rows_to_bf16(sum, g.N, g.C_bf16 + m * g.ldc, g.ldc, 1, g.N, g.accumulate);
+      } else {
+        float* out = g.C + m * g.ldc;
+        for (int64_t n = 0; n < g.N; ++n)
+          out[n] = g.accumulate ? sum[n] + out[n] : sum[n];
+      }
+    }
+  });
 }
 
 // A bf16 output's rows [r0, r1) from the float product c32 (M, N): each value (plus the old
@@ -770,6 +882,10 @@ void gemm_force_fallback(bool on) {
 
 void gemm_set_f32_kernel(GemmF32Kernel kernel) {
   f32_kernel.store(kernel, std::memory_order_relaxed);
+}
+
+void gemm_set_wgrad_cut(WgradCut cut) {
+  wgrad_cut.store(cut, std::memory_order_relaxed);
 }
 
 void gemm_force_widened_bf16(bool on) {

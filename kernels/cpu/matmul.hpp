@@ -34,7 +34,10 @@
 // least 32 rows per thread is cut into that many slices of rows (multiples of 16), each a
 // single-thread oneDNN primitive, in one OpenMP region: even work per thread, and a slice's rows
 // have the single-thread product's bits (matmul.cpp has the figures). On attn's own kernel
-// trans_a products are cut the same way. Any other product runs on
+// trans_a products are cut the same way. A trans_a product on oneDNN (a weight gradient) with a
+// contraction longer than 512 runs as single-thread primitives on chunks of ~512 rows of K, each
+// into its own float partial, summed in chunk order (at most 32 chunks, 32 MB of partials): its
+// bits depend on the shape alone. Any other product runs on
 // oneDNN's own threads: `threads` is applied with omp_set_num_threads around primitive creation
 // and execution and restored afterwards, and is part of the cache key, because oneDNN fixes its
 // work partition when the primitive is created. Call from outside an OpenMP parallel region
@@ -42,11 +45,12 @@
 // Determinism: for a fixed `threads` results are bitwise reproducible run to run. Across thread
 // counts oneDNN 2.6 gives no promise, and we probed it (1 vs 2 threads,
 // tests/test_kernels_matmul_cpu.cpp and a sweep M, N in 1..512, K in 1e3..1e5): the plain and
-// trans_b products (forward x W^T, input grad dy W) were identical on every probed shape; the
-// trans_a product (weight grad dy^T x) is split along K by oneDNN when the output is small next to
-// the contraction and then differs in the last bits, e.g. (M, N, K) = (512, 64, 4096) or (16, 16,
-// 20000). MultiHeadAttention's (512, 512, 2048 | 8192) agree. Making those bitwise would cost an
-// explicit transpose of dy, dearer than the GEMM itself, so we accept it and say so here.
+// trans_b products (forward x W^T, input grad dy W) were identical on every probed shape; on
+// oneDNN's threads the trans_a product (weight grad dy^T x) is split along K by oneDNN when the
+// output is small next to the contraction and then differs in the last bits, e.g. (M, N, K) =
+// (512, 64, 4096) or (16, 16, 20000). The chunks above (session 24) make every trans_a product
+// with K > 512 the same bits on any thread count; K <= 512, or an output of more than 4M
+// elements, still runs on oneDNN's threads.
 //
 // A few rows times a small weight (M <= 4, at most 2^15 multiply-adds, the linear forward's
 // layout, f32) skip the primitive and go through oneDNN's sgemm on the calling thread: its cost
@@ -172,6 +176,11 @@ void gemm_force_fallback(bool on);
 // on the same machine; its bits then depend on M below AVX-512).
 enum class GemmF32Kernel : uint8_t { kAuto, kOneDnn, kRows };
 void gemm_set_f32_kernel(GemmF32Kernel kernel);
+// Tests and benchmarks only: how a trans_a product on oneDNN (a weight gradient) runs on several
+// threads: in chunks of the contraction with the bits fixed by the shape (kChunksOfK, the
+// default; matmul.cpp says how), or on oneDNN's threads (kOneDnn; ATTN_GEMM_WGRAD=onednn at start).
+enum class WgradCut : uint8_t { kOneDnn, kChunksOfK };
+void gemm_set_wgrad_cut(WgradCut cut);
 
 // Tests only: while on, every bf16 gemm() widens its inputs and runs the f32 product, as on a
 // CPU where oneDNN has no bf16 matmul (so that path stays tested on CPUs that have one).
