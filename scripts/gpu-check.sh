@@ -12,7 +12,10 @@
 #                                     a small subset, `attn train --device cuda` resumed on the
 #                                     CPU, bench_cuda beside PyTorch (SDPA, the training step), one
 #                                     table.
-#                                     Section 6 times the host CPU's training step beside PyTorch.
+#                                     Section 5 sweeps the host CPU's attention by threads
+#                                     (GPU_CHECK_SKIP_THREADS=1 skips it); section 6 runs the CPU
+#                                     GEMM tests there (AVX-512 + AMX) and times the training step
+#                                     beside PyTorch (GPU_CHECK_CPU_THREADS, default 2).
 #                                     Results also go to $OUT (the device tool's folder) if set.
 #   scripts/gpu-check.sh cpu          section 6 alone (any machine with the bundle and PyTorch)
 #
@@ -30,12 +33,14 @@ build() {
     -DATTN_WITH_CUDA=ON -DATTN_WITH_MPI=ON -DATTN_BUILD_TESTS=ON -DATTN_BUILD_CLI=ON \
     -DATTN_BUILD_BENCH=ON -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF >/dev/null
   # bench_train and the OpenMP trace for section 6 (the host's CPU), beside the CUDA binaries.
-  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn bench_train attn_omp_trace
+  cmake --build build/cuda --target attn_cuda_tests bench_cuda attn bench_train attn_omp_trace \
+    test_kernels_matmul_cpu
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
     -exec cp {} "$bundle/bin/" \;
-  cp build/cuda/bench_cuda build/cuda/attn build/cuda/bench/bench_train "$bundle/bin/"
+  cp build/cuda/bench_cuda build/cuda/attn build/cuda/bench/bench_train \
+    build/cuda/tests/test_kernels_matmul_cpu "$bundle/bin/"
   strip --strip-debug "$bundle"/bin/*
   # Preloaded, not linked: the loop below would not find it.
   cp build/cuda/bench/libattn_omp_trace.so "$bundle/lib/"
@@ -97,6 +102,37 @@ with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
   echo "host: $(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs ($(lscpu | sed -n 's/^Thread(s) per core: *//p' | head -1) threads a core)$(grep -qw amx_bf16 /proc/cpuinfo && echo ', AMX-BF16')"
 }
 
+# Section 5: attn's fused attention on the host's CPU by threads (issue 24's scaling).
+thread_sweep() {
+  local out=$1
+  echo "== 5. the host's CPU (issue 24): attn's fused attention, B*H=16, T=S=1024, D=64, by threads"
+  : >"$out/cpu_threads.jsonl"
+  local threads_list="1 2 4 8 $(nproc)"
+  for dtype in f32 bf16; do
+    for pass in "" --backward; do
+      for t in $threads_list; do
+        timeout 30 "$bundle/bin/attn" bench attention --batch-heads 16 --queries 1024 \
+          --head-dim 64 --dtype "$dtype" $pass --threads "$t" --repeats 3 \
+          --warmup-seconds 0.2 --json 2>/dev/null | python3 -c \
+          'import json, sys; print(json.dumps(json.load(sys.stdin)))' >>"$out/cpu_threads.jsonl"
+      done
+    done
+  done
+  python3 - "$out/cpu_threads.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+threads = sorted({r["threads"] for r in rows})
+print("GFLOP/s (x the 1-thread rate)   " + "".join(f"{t:>16}" for t in threads))
+for dtype in ("f32", "bf16"):
+    for p in ("forward", "backward"):
+        got = {r["threads"]: r["gflops"] for r in rows if r["dtype"] == dtype and r["pass"] == p}
+        one = got.get(1)
+        cells = "".join(f"{got[t]:>8.0f} ({got[t] / one:4.1f}x)" if t in got and one else f"{'-':>16}"
+                        for t in threads)
+        print(f"{dtype:5} {p:24} {cells}")
+PY
+}
+
 # Section 6: the d2l encoder's training step on the host's CPU at GPU_CHECK_CPU_THREADS threads
 # (default 2, as issue 23's targets): bench_train beside PyTorch's eager and bf16 autocast step
 # (bench/peers_train.py with the machine's PyTorch), full length and padded; `attn train` on
@@ -109,6 +145,17 @@ cpu_step() {
   if [ ! -x "$bundle/bin/bench_train" ]; then
     echo "bench_train is not in the bundle: skipped"
     return
+  fi
+  # The GEMM tests on this CPU: the GPU host is the only AVX-512 + AMX machine the project sees,
+  # and the tests' oneDNN paths (bf16 products, the weight gradient's chunks) run only there.
+  if [ -x "$bundle/bin/test_kernels_matmul_cpu" ]; then
+    timeout 180 "$bundle/bin/test_kernels_matmul_cpu" --gtest_color=no >"$out/cpu_gemm_tests.log" 2>&1
+    local rc=$?
+    echo "CPU GEMM tests on this host: rc $rc, $(grep -c '^\[       OK \]' "$out/cpu_gemm_tests.log") passed, $(grep -c '^\[  SKIPPED \] [A-Za-z]*\.[A-Za-z]* (' "$out/cpu_gemm_tests.log") skipped"
+    if [ "$rc" -ne 0 ]; then
+      grep -B1 -A6 'Failure$' "$out/cpu_gemm_tests.log" | head -60
+      failed=1
+    fi
   fi
   local train=(train --task shift --length 128 --symbols 8 --num-hiddens 128
     --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 --threads "$t"
@@ -305,32 +352,11 @@ run() {
   ATTN_CUDA_STEP_PROFILE=1 timeout 60 "$bundle/bin/bench_cuda" --train-only 2>&1 >/dev/null |
     grep 'step profile' | fold -w 150
   echo
-  echo "== 5. the host's CPU (issue 24): attn's fused attention, B*H=16, T=S=1024, D=64, by threads"
-  : >"$out/cpu_threads.jsonl"
-  local threads_list="1 2 4 8 $(nproc)"
-  for dtype in f32 bf16; do
-    for pass in "" --backward; do
-      for t in $threads_list; do
-        timeout 30 "$bundle/bin/attn" bench attention --batch-heads 16 --queries 1024 \
-          --head-dim 64 --dtype "$dtype" $pass --threads "$t" --repeats 3 \
-          --warmup-seconds 0.2 --json 2>/dev/null | python3 -c \
-          'import json, sys; print(json.dumps(json.load(sys.stdin)))' >>"$out/cpu_threads.jsonl"
-      done
-    done
-  done
-  python3 - "$out/cpu_threads.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-threads = sorted({r["threads"] for r in rows})
-print("GFLOP/s (x the 1-thread rate)   " + "".join(f"{t:>16}" for t in threads))
-for dtype in ("f32", "bf16"):
-    for p in ("forward", "backward"):
-        got = {r["threads"]: r["gflops"] for r in rows if r["dtype"] == dtype and r["pass"] == p}
-        one = got.get(1)
-        cells = "".join(f"{got[t]:>8.0f} ({got[t] / one:4.1f}x)" if t in got and one else f"{'-':>16}"
-                        for t in threads)
-        print(f"{dtype:5} {p:24} {cells}")
-PY
+  if [ -n "${GPU_CHECK_SKIP_THREADS:-}" ]; then
+    echo "== 5. skipped (GPU_CHECK_SKIP_THREADS set)"
+  else
+    thread_sweep "$out"
+  fi
   echo "   ($((SECONDS - start)) s so far)"
 
   cpu_step "$out"
