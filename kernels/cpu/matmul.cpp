@@ -93,14 +93,6 @@ std::unordered_map<GemmKey, std::shared_ptr<GemmPlan>, GemmKeyHash> cache;
 using dims = dnnl::memory::dims;
 using dt = dnnl::memory::data_type;
 
-bool prefer_gemm_impl() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTN_GEMM_F32_IMPL");
-    return v != nullptr && std::strcmp(v, "gemm") == 0;
-  }();
-  return on;
-}
-
 std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   const dt in = k.type == static_cast<uint8_t>(GemmType::kBF16) ? dt::bf16 : dt::f32;
   auto plan = std::make_shared<GemmPlan>();
@@ -126,15 +118,6 @@ std::shared_ptr<GemmPlan> make_plan(const GemmKey& k) {
   auto desc = k.has_bias ? dnnl::matmul::desc(plan->a_md, plan->b_md, plan->bias_md, plan->c_md)
                          : dnnl::matmul::desc(plan->a_md, plan->b_md, plan->c_md);
   dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
-  if (k.type == static_cast<uint8_t>(GemmType::kF32) && prefer_gemm_impl()) {
-    // A/B (ATTN_GEMM_F32_IMPL=gemm): oneDNN's BLAS-style jit kernel where it offers one, in place
-    // of its first choice (brgemm on AVX-512).
-    bool found = false;
-    do {
-      found = std::strncmp(pd.impl_info_str(), "gemm:", 5) == 0;
-    } while (!found && pd.next_impl());
-    if (!found) pd = dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
-  }
   plan->scratch_md = pd.scratchpad_desc();
   plan->primitive = dnnl::matmul(pd);
   return plan;
@@ -367,9 +350,10 @@ std::atomic<GemmF32Kernel> f32_kernel{f32_kernel_from_env()};
 // How a product with trans_a on oneDNN (a weight gradient: the contraction over the batch's rows)
 // runs on several threads. kChunksOfK (the default): single-thread primitives on chunks of
 // about kWgradChunk rows of the contraction, each into its own float partial, summed in
-// chunk order, so the bits depend on the shape alone, whatever the thread count. oneDNN's own
-// threads (kOneDnn) split K by the thread count, and on an AMX Xeon spent more time in a serial
-// part than in the parallel one (session 24: 8% of a bf16 step's wall, the other thread idle).
+// chunk order, so the bits depend on the shape alone, for any thread count up to the number of
+// chunks (more threads than chunks take oneDNN's). oneDNN's own threads (kOneDnn) split K by the
+// thread count, and on an AMX Xeon spent more time in a serial part than in the parallel one
+// (session 24: 8% of a bf16 step's wall at 2 threads, the other thread idle).
 // A/B switch: ATTN_GEMM_WGRAD=onednn; tests: gemm_set_wgrad_cut.
 WgradCut wgrad_cut_from_env() {
   const char* v = std::getenv("ATTN_GEMM_WGRAD");
@@ -582,7 +566,9 @@ void gemm_then(const GemmArgs& g, int threads, RegionTask task, RowTask rows) {
   }
   if (g.trans_a && !rows_kernel(g) && !omp_in_parallel() &&
       wgrad_cut.load(std::memory_order_relaxed) == WgradCut::kChunksOfK) {
-    if (const WgradChunks chunks = wgrad_chunks(g); chunks.count > 0) {
+    // No more threads than chunks: on 16 threads 8 chunks left half of them idle (-10% on an
+    // AMX Xeon's training step, where oneDNN's threads cut M and N too).
+    if (const WgradChunks chunks = wgrad_chunks(g); chunks.count >= std::max(threads, 2)) {
       gemm_wgrad_chunks(g, chunks, threads);
       return run_task_after();
     }

@@ -36,8 +36,9 @@
 // have the single-thread product's bits (matmul.cpp has the figures). On attn's own kernel
 // trans_a products are cut the same way. A trans_a product on oneDNN (a weight gradient) with a
 // contraction longer than 512 runs as single-thread primitives on chunks of ~512 rows of K, each
-// into its own float partial, summed in chunk order (at most 32 chunks, 32 MB of partials): its
-// bits depend on the shape alone. Any other product runs on
+// into its own float partial, summed in chunk order (at most 32 chunks, 32 MB of partials), when
+// there are no more threads than chunks: its bits depend on the shape alone. Any other product
+// runs on
 // oneDNN's own threads: `threads` is applied with omp_set_num_threads around primitive creation
 // and execution and restored afterwards, and is part of the cache key, because oneDNN fixes its
 // work partition when the primitive is created. Call from outside an OpenMP parallel region
@@ -49,8 +50,9 @@
 // oneDNN's threads the trans_a product (weight grad dy^T x) is split along K by oneDNN when the
 // output is small next to the contraction and then differs in the last bits, e.g. (M, N, K) =
 // (512, 64, 4096) or (16, 16, 20000). The chunks above (session 24) make every trans_a product
-// with K > 512 the same bits on any thread count; K <= 512, or an output of more than 4M
-// elements, still runs on oneDNN's threads.
+// with K > 512 the same bits on any thread count up to its number of chunks (K / 512, at most
+// 32); K <= 512, an output of more than 4M elements, or more threads than chunks still run on
+// oneDNN's threads.
 //
 // A few rows times a small weight (M <= 4, at most 2^15 multiply-adds, the linear forward's
 // layout, f32) skip the primitive and go through oneDNN's sgemm on the calling thread: its cost
@@ -173,7 +175,8 @@ void gemm_force_fallback(bool on);
 // Tests and benchmarks only: which kernel computes f32 products. kAuto: attn's row-exact kernel
 // (gemm_rows.hpp) on CPUs without AVX-512, else oneDNN; kRows: attn's wherever the CPU has AVX2 +
 // FMA (so that AVX-512 machines test it); kOneDnn: oneDNN's everywhere (its speed beside attn's
-// on the same machine; its bits then depend on M below AVX-512).
+// on the same machine; its bits then depend on M below AVX-512). ATTN_GEMM_F32=onednn|rows sets it
+// at start (A/B runs of whole programs).
 enum class GemmF32Kernel : uint8_t { kAuto, kOneDnn, kRows };
 void gemm_set_f32_kernel(GemmF32Kernel kernel);
 // Tests and benchmarks only: how a trans_a product on oneDNN (a weight gradient) runs on several
