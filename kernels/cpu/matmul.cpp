@@ -626,11 +626,14 @@ void gemm_one(const GemmArgs& g, const GemmKey& key) {
 // rows k0.. of A's storage and of B (or columns of B's storage, trans_b). Each chunk's product
 // goes to its own float (M, N) partial on one thread; then each output row is the partials' sum
 // in chunk order, plus the bias, plus the old C (accumulate), rounded once for a bf16 output.
+// On one thread the chunks run in turn, so that 1 and 2 threads give the same bits.
 void gemm_wgrad_chunks(const GemmArgs& g, WgradChunks cut, int threads) {
   const size_t in_bytes = g.type == GemmType::kBF16 ? sizeof(uint16_t) : sizeof(float);
   const int64_t chunks = cut.count, mn = g.M * g.N;
   thread_local std::vector<float> buffer;
   float* partials = grown_aligned(buffer, static_cast<size_t>(chunks * mn));
+  // No exception may leave the region (a plan's allocation): the first one is kept and rethrown.
+  std::exception_ptr error;
   parallel_for(chunks, threads, [&](int64_t c) {
     const int64_t k0 = c * cut.rows, k1 = std::min(g.K, k0 + cut.rows);
     if (k1 <= k0) {  // (cannot happen for count <= ceil(K / 512); kept exact regardless)
@@ -644,8 +647,14 @@ void gemm_wgrad_chunks(const GemmArgs& g, WgradChunks cut, int threads) {
           static_cast<size_t>(g.trans_b ? k0 : k0 * g.ldb) * in_bytes;
     p.C = partials + c * mn, p.ldc = g.N, p.C_bf16 = nullptr;
     p.bias = nullptr, p.accumulate = false;
-    gemm(p, 1);
+    try {
+      gemm(p, 1);
+    } catch (...) {
+#pragma omp critical(attn_gemm_chunk_error)
+      if (!error) error = std::current_exception();
+    }
   });
+  if (error) std::rethrow_exception(error);
   constexpr int64_t kRowsPerTask = 8;
   parallel_for((g.M + kRowsPerTask - 1) / kRowsPerTask, threads, [&](int64_t t) {
     const int64_t m0 = t * kRowsPerTask, m1 = std::min(g.M, m0 + kRowsPerTask);
