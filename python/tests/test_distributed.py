@@ -162,3 +162,52 @@ def test_ddp_errors(rng):
     ddp.synchronize()
     with pytest.raises(attn.Error, match="array 1 has 3 rows, array 0 has 4"):
         ddp.shard(np.zeros((4, 2)), np.zeros((3, 2)))
+
+
+def test_uncaught_exception_report_is_one_write(monkeypatch):
+    # With several ranks on one terminal, each rank's report (the traceback and the abort line)
+    # must reach stderr in one write, or two ranks' reports interleave mid-line (CI saw
+    # "attnattn.Error: .allreduce" and the fault test's pattern missed).
+    import os
+    import sys
+    import attn.distributed as d
+
+    class Comm:
+        rank, size, aborted = 1, 2, None
+
+        def abort(self, code):
+            Comm.aborted = code
+
+    read_end, write_end = os.pipe()
+
+    class Stream:
+        encoding = "utf-8"
+
+        def fileno(self):
+            return write_end
+
+        def write(self, text):
+            raise AssertionError("the report went through write(), in pieces")
+
+        def flush(self):
+            pass
+
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
+    monkeypatch.setattr(sys, "stderr", Stream())
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    d._abort_on_uncaught(Comm())
+    try:
+        raise attn.Error("allreduce: shapes differ across ranks")
+    except attn.Error as e:
+        sys.excepthook(type(e), e, e.__traceback__)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    assert len(writes) == 1, writes
+    assert text.startswith("Traceback (most recent call last):"), text
+    assert "attn.Error: allreduce: shapes differ across ranks\n" in text
+    assert text.endswith("attn.distributed: rank 1 of 2 raised Error; ending every rank "
+                         "(MPI_Abort)\n"), text
+    assert Comm.aborted == 1
