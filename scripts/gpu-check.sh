@@ -276,6 +276,17 @@ run() {
     failed=1
     grep -B1 -A6 'Failure$' "$out/attention_simt.log" | head -60
   fi
+  # Every tensor-core case once more through the pipelined forward (off by default until this
+  # check has passed it on a GPU: then flip its default in flash_mma.cu).
+  ATTN_CUDA_MMA_PIPELINED=1 timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
+    --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_pipelined.log" 2>&1
+  local rc_pipe=$?
+  cat "$out/attention_pipelined.log" >>"$out/tests.log"
+  summary+=$(printf '%-24s rc %-3s (every bf16 case through the pipelined forward)' "attention, pipelined" "$rc_pipe")$'\n'
+  if [ "$rc_pipe" -ne 0 ]; then
+    failed=1
+    grep -B1 -A6 'Failure$' "$out/attention_pipelined.log" | head -60
+  fi
   printf '%s' "$summary"
   # The largest errors of every comparison (all cases, passing or not).
   grep -h 'max err' "$out/tests.log" >"$out/errors.txt"

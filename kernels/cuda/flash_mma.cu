@@ -76,6 +76,32 @@ __device__ __forceinline__ uint32_t load_u32(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
+// The pipelined kernel's memory instructions (sm_80+): 16-byte asynchronous copies to shared
+// memory (zeros where `valid` is false: the source is then not read), and ldmatrix x4.
+__device__ __forceinline__ void cp_async16(uint16_t* smem, const uint16_t* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_one() {  // all groups but the newest complete
+  asm volatile("cp.async.wait_group 1;\n" ::);
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const uint16_t* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const uint16_t* smem) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 template <int D>
 __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(const MmaParams P) {
   constexpr int ld = D + kPad;          // K tile row stride (keys x D)
@@ -234,6 +260,195 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
   }
 }
 
+// The pipelined variant (ATTN_CUDA_MMA_PIPELINED=1 or flash_mma_set_pipelined, until a GPU run
+// has verified and timed it against the kernel above): the same schedule and arithmetic, with
+//  - K and V tiles copied to shared memory with cp.async, 16 bytes a thread and step, both kept
+//    row-major (no transpose through 2-byte stores), two buffers: tile j + 1 is in flight while
+//    tile j is multiplied;
+//  - B fragments read with ldmatrix x4 (K: two key tiles a load; V with .trans: two dim tiles a
+//    load) instead of one 32-bit shared load per register (mma_layout.hpp: ldsm_k_row,
+//    ldsm_v_row, tested on the host against mma_b_pos).
+// Needs 16-byte aligned K and V rows (flash_mma_pipelined_supports).
+template <int D>
+__global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(const MmaParams P) {
+  constexpr int ld = D + kPad;  // a row of either tile, bf16; (D + 8) * 2 bytes, 16-byte multiple
+  constexpr int kChunks = D / 16, kOutTiles = D / 8, kKeyTiles = kMmaKeys / 8;
+  constexpr int kTile = kMmaKeys * ld;  // elements of one K (or V) tile
+  extern __shared__ uint16_t smem16[];  // [buffer][K tile, V tile]
+
+  const int64_t b = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const uint64_t offset = P.offset_dev != nullptr ? *P.offset_dev + P.offset : P.offset;
+  const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t t0 = t_block + warp * 16;
+  const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
+
+  uint32_t qa[kChunks][4];
+  const uint16_t* qb = P.q + P.row_off(b, P.q_sb, P.q_sh);
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const FragPos pos = mma_a_pos(lane, r, 0);
+      const int64_t t = t0 + pos.row;
+      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
+    }
+
+  bool uniform[2] = {false, false};
+  int64_t lim[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &uniform[i]) : 0;
+  int64_t block_limit = 0;
+  for (int r = 0; r < kMmaRows && t_block + r < P.T; ++r) {
+    bool u;
+    block_limit = max(block_limit, P.limit(b, t_block + r, &u));
+  }
+
+  float o[kOutTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n)
+    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
+  const uint16_t* vb = P.v + P.row_off(b, P.v_sb, P.v_sh);
+  // Tile s0's keys into buffer `buf`: 16-byte pieces, zeros past S.
+  const auto load_tile = [&](int buf, int64_t s0) {
+    uint16_t* ks = smem16 + buf * 2 * kTile;
+    uint16_t* vs = ks + kTile;
+    for (int i = threadIdx.x; i < kMmaKeys * (D / 8); i += blockDim.x) {
+      const int key = i / (D / 8), d = 8 * (i % (D / 8));
+      const int64_t s = s0 + key;
+      const bool valid = s < P.S;
+      cp_async16(ks + key * ld + d, valid ? kb + s * P.k_st + d : kb, valid);
+      cp_async16(vs + key * ld + d, valid ? vb + s * P.v_st + d : vb, valid);
+    }
+  };
+  const int64_t tiles = (block_limit + kMmaKeys - 1) / kMmaKeys;
+  if (tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+  const FragPos k_row = ldsm_k_row(lane), v_row = ldsm_v_row(lane);
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t s0 = j * kMmaKeys;
+    if (j + 1 < tiles) load_tile(static_cast<int>((j + 1) & 1), s0 + kMmaKeys);
+    cp_async_commit();    // (an empty group after the last tile)
+    cp_async_wait_one();  // tile j has landed (this thread's copies) ...
+    __syncthreads();      // ... and every thread's
+    const uint16_t* ks = smem16 + (j & 1) * 2 * kTile;
+    const uint16_t* vs = ks + kTile;
+    if (!__all_sync(0xffffffffu, s0 >= max(lim[0], lim[1]))) {
+      // S = Q K^T for 16 rows x 64 keys: one ldmatrix x4 gives two key tiles' B fragments.
+      float sc[kKeyTiles][4];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+        sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+      for (int np = 0; np < kKeyTiles / 2; ++np)
+#pragma unroll
+        for (int kc = 0; kc < kChunks; ++kc) {
+          uint32_t r[4];
+          ldsm_x4(r, ks + (np * 16 + k_row.row) * ld + kc * 16 + k_row.col);
+          mma_bf16(sc[2 * np], qa[kc], r[0], r[1]);
+          mma_bf16(sc[2 * np + 1], qa[kc], r[2], r[3]);
+        }
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
+          float x = -INFINITY;
+          if (s < lim[i]) x = uniform[i] ? 0.0f : sc[n][e] * P.scale;
+          sc[n][e] = x;
+          tile_max[i] = fmaxf(tile_max[i], x);
+        }
+      float alpha[2], row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float m_new = fmaxf(m[i], tile_max[i]);
+        alpha[i] = SoftmaxState::rescale(m[i], m_new);
+        m[i] = m_new;
+      }
+      uint32_t pa[kMmaKeys / 16][4];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        float pe[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          const float x = sc[n][e];
+          float pv = x == -INFINITY ? 0.0f : expf(x - m[i]);
+          row_sum[i] += pv;
+          if (P.p > 0.0f && pv != 0.0f)
+            pv *= dropout_factor(P.seed, offset,
+                                 P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
+          pe[e] = pv;
+        }
+        pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
+        pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+        l[i] = l[i] * alpha[i] + row_sum[i];
+      }
+#pragma unroll
+      for (int n = 0; n < kOutTiles; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+      // O += P V: one ldmatrix x4.trans gives two dim tiles' B fragments of a 16-key chunk.
+#pragma unroll
+      for (int np = 0; np < kOutTiles / 2; ++np)
+#pragma unroll
+        for (int kc = 0; kc < kMmaKeys / 16; ++kc) {
+          uint32_t r[4];
+          ldsm_x4_trans(r, vs + (kc * 16 + v_row.row) * ld + np * 16 + v_row.col);
+          mma_bf16(o[2 * np], pa[kc], r[0], r[1]);
+          mma_bf16(o[2 * np + 1], pa[kc], r[2], r[3]);
+        }
+    }
+    __syncthreads();  // every warp is done with buffer j & 1 before tile j + 2 goes there
+  }
+
+  uint16_t* ob = P.out + P.row_off(b, P.o_sb, P.o_sh);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t = rows[i];
+    if (t >= P.T) continue;
+    const float inv = lim[i] > 0 ? 1.0f / l[i] : 0.0f;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n)
+      *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
+          pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+    if (lane % 4 == 0 && P.lse != nullptr)
+      P.lse[b * P.T + t] = (lim[i] == 0 || uniform[i]) ? -INFINITY : m[i] + logf(l[i]);
+  }
+}
+
+template <int D>
+void launch_pipelined(const MmaParams& P, void* stream) {
+  const char* op = "cuda::flash_attention_forward";
+  const size_t smem = flash_mma_pipelined_smem(D);
+  if (smem > 48 * 1024) {  // D 128: 68 KB, opted in once
+    static const cudaError_t opted =
+        cudaFuncSetAttribute(flash_mma_pipelined_kernel<D>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    ATTN_CUDA_CHECK(op, opted);
+  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
+  flash_mma_pipelined_kernel<D>
+      <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
+  ATTN_CUDA_CHECK_LAUNCH(op);
+}
+
 template <int D>
 void launch_mma(const MmaParams& P, void* stream) {
   const char* op = "cuda::flash_attention_forward";
@@ -258,14 +473,33 @@ size_t flash_mma_smem(int64_t D) {
   return static_cast<size_t>(kMmaKeys * (D + kPad) + D * (kMmaKeys + kPad)) * sizeof(uint16_t);
 }
 
+size_t flash_mma_pipelined_smem(int64_t D) {
+  return static_cast<size_t>(2 * 2 * kMmaKeys * (D + kPad)) * sizeof(uint16_t);
+}
+
 namespace {
 // A/B: the environment variable read once (a getenv per launch cost as much as a small kernel),
 // then flash_mma_set_simt_only (bench_cuda times both kernels in one process).
 std::atomic<bool> simt_only{std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr};
+std::atomic<bool> pipelined{std::getenv("ATTN_CUDA_MMA_PIPELINED") != nullptr};
 }  // namespace
 
 void flash_mma_set_simt_only(bool on) {
   simt_only.store(on, std::memory_order_relaxed);
+}
+
+void flash_mma_set_pipelined(bool on) {
+  pipelined.store(on, std::memory_order_relaxed);
+}
+
+bool flash_mma_pipelined_supports(const AttentionArgs<uint16_t>& a) {
+  if (!pipelined.load(std::memory_order_relaxed) || !flash_mma_supports(a)) return false;
+  // 16-byte copies of K and V rows: 16-byte aligned bases, strides of whole 8-element pieces.
+  for (const void* p : {static_cast<const void*>(a.k.data), static_cast<const void*>(a.v.data)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  for (int64_t s : {a.k.sb, a.k.sh, a.k.st, a.v.sb, a.v.sh, a.v.st})
+    if (s % 8 != 0) return false;
+  return true;
 }
 
 bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
@@ -321,6 +555,15 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
   P.o_st = a.out.st;
   P.lse = a.lse;
   if (a.B == 0 || a.T == 0) return;
+  if (flash_mma_pipelined_supports(a)) {
+    if (a.D == 32)
+      launch_pipelined<32>(P, stream);
+    else if (a.D == 64)
+      launch_pipelined<64>(P, stream);
+    else
+      launch_pipelined<128>(P, stream);
+    return;
+  }
   if (a.D == 32)
     launch_mma<32>(P, stream);
   else if (a.D == 64)

@@ -32,4 +32,27 @@ ATTN_HOST_DEVICE inline int p_reg_of(int n, int e) {
   return 2 * (n % 2) + (e >> 1);
 }
 
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16 (PTX ISA): lane l gives the address of row
+// l % 8 of matrix l / 8 (16 bytes, 8 bf16); register i of lane `lane` then holds two elements of
+// matrix i, the low one first: without .trans (row lane / 4, cols 2 (lane % 4) + half), with
+// .trans the transposed pair (rows 2 (lane % 4) + half, col lane / 4) of the stored matrix.
+ATTN_HOST_DEVICE inline FragPos ldmatrix_pos(int lane, bool trans, int half) {
+  return trans ? FragPos{2 * (lane % 4) + half, lane / 4}
+               : FragPos{lane / 4, 2 * (lane % 4) + half};
+}
+// The row a lane addresses for the pipelined forward's two x4 loads (flash_mma.cu), relative to
+// the block of 16 keys x 16 dims it reads, as (key, dim):
+//  - from the K tile (keys x dims, row-major), without .trans: registers 0, 1 are B = K^T's
+//    fragment (reg0, reg1) of keys 0..7, registers 2, 3 that of keys 8..15;
+//  - from the V tile (keys x dims, row-major), with .trans: registers 0, 1 are B = V's fragment
+//    of dims 0..7, registers 2, 3 that of dims 8..15.
+ATTN_HOST_DEVICE inline FragPos ldsm_k_row(int lane) {
+  const int i = lane / 8, r = lane % 8;
+  return {(i / 2) * 8 + r, (i % 2) * 8};
+}
+ATTN_HOST_DEVICE inline FragPos ldsm_v_row(int lane) {
+  const int i = lane / 8, r = lane % 8;
+  return {(i % 2) * 8 + r, (i / 2) * 8};
+}
+
 }  // namespace attn::cuda

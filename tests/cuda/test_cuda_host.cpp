@@ -328,6 +328,29 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
   b = a;
   b.q.data = buf + 1;
   EXPECT_FALSE(flash_mma_supports(b));
+
+  // The pipelined variant: off unless switched on; then 16-byte K and V rows only.
+  flash_mma_set_pipelined(false);
+  EXPECT_FALSE(flash_mma_pipelined_supports(a));
+  flash_mma_set_pipelined(true);
+  EXPECT_TRUE(flash_mma_pipelined_supports(a));
+  EXPECT_EQ(flash_mma_pipelined_smem(128), size_t{2 * 2 * 64 * 136 * 2});
+  b = a;
+  b.q.data = buf + 2;  // Q and the output only need 4-byte words
+  EXPECT_TRUE(flash_mma_pipelined_supports(b));
+  b = a;
+  b.k.data = buf + 2;
+  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  b = a;
+  b.v.st = 68;  // 136-byte rows: not whole 16-byte pieces
+  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  b = a;
+  b.k.sh = 4;
+  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  b = a;
+  b.D = b.Dv = 48;  // what the tensor-core forward refuses
+  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  flash_mma_set_pipelined(false);
 }
 
 TEST(CudaHostMma, FragmentLayoutsAreBijections) {
@@ -360,6 +383,48 @@ TEST(CudaHostMma, FragmentLayoutsAreBijections) {
   EXPECT_EQ(a.size(), 256u);
   EXPECT_EQ(b.size(), 128u);
   EXPECT_EQ(c.size(), 128u);
+}
+
+// The pipelined forward's ldmatrix loads (flash_mma.cu), emulated from the PTX layout: each x4
+// from the K tile yields exactly the B fragments of K^T that mma_b_pos prescribes for two key
+// tiles, and each x4.trans from the V tile those of V for two dim tiles.
+TEST(CudaHostMma, LdmatrixAddressesGiveTheMmaBFragments) {
+  constexpr int kLd = 24;  // a padded row of 16 dims + 8
+  uint16_t tile[16][kLd];  // 16 keys x 16 dims, each element its own value
+  for (int key = 0; key < 16; ++key)
+    for (int d = 0; d < kLd; ++d)
+      tile[key][d] = static_cast<uint16_t>(key * 100 + d);
+  // ldmatrix x4: lane l's address is row l % 8 of matrix l / 8; register i of a lane gets the
+  // pair ldmatrix_pos names from the 8 x 8 matrix whose rows the lanes 8i..8i+7 addressed.
+  auto ldsm = [&](bool trans, FragPos (*row_of)(int), uint32_t out[32][4]) {
+    for (int lane = 0; lane < 32; ++lane)
+      for (int i = 0; i < 4; ++i) {
+        uint16_t v[2];
+        for (int half = 0; half < 2; ++half) {
+          const FragPos e = ldmatrix_pos(lane, trans, half);  // (row, col) in matrix i
+          const FragPos at = row_of(8 * i + e.row);           // the row's address, (key, dim)
+          v[half] = tile[at.row][at.col + e.col];
+        }
+        out[lane][i] = uint32_t(v[0]) | uint32_t(v[1]) << 16;
+      }
+  };
+  uint32_t k[32][4], v[32][4];
+  ldsm(false, ldsm_k_row, k);
+  ldsm(true, ldsm_v_row, v);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int half_tile = 0; half_tile < 2; ++half_tile)
+      for (int reg = 0; reg < 2; ++reg)
+        for (int half = 0; half < 2; ++half) {
+          const FragPos b = mma_b_pos(lane, reg, half);  // (k, n) of a 16 x 8 B
+          const int shift = 16 * half;
+          // K^T: B(k = dim, n = key) of keys 8 half_tile..; V: B(k = key, n = dim) of dims 8 ht...
+          EXPECT_EQ((k[lane][2 * half_tile + reg] >> shift) & 0xffff,
+                    tile[8 * half_tile + b.col][b.row])
+              << "K lane " << lane << " reg " << reg << " half " << half;
+          EXPECT_EQ((v[lane][2 * half_tile + reg] >> shift) & 0xffff,
+                    tile[b.row][8 * half_tile + b.col])
+              << "V lane " << lane << " reg " << reg << " half " << half;
+        }
 }
 
 // One warp of flash_mma.cu's forward on the host: 16 query rows against S keys in tiles of 64,
