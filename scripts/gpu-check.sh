@@ -266,27 +266,23 @@ run() {
       [ "$skipped" -gt 0 ] && echo "$name: tests skipped on a GPU machine (no device visible?)"
     fi
   done
-  # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel.
-  ATTN_CUDA_SIMT_ATTENTION=1 timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
-    --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_simt.log" 2>&1
-  local rc_simt=$?
-  cat "$out/attention_simt.log" >>"$out/tests.log"
-  summary+=$(printf '%-24s rc %-3s (every bf16 case through the SIMT kernel)' "attention, SIMT only" "$rc_simt")$'\n'
-  if [ "$rc_simt" -ne 0 ]; then
-    failed=1
-    grep -B1 -A6 'Failure$' "$out/attention_simt.log" | head -60
-  fi
-  # Every tensor-core case once more through the pipelined forward (off by default until this
-  # check has passed it on a GPU: then flip its default in flash_mma.cu).
-  ATTN_CUDA_MMA_PIPELINED=1 timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
-    --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_pipelined.log" 2>&1
-  local rc_pipe=$?
-  cat "$out/attention_pipelined.log" >>"$out/tests.log"
-  summary+=$(printf '%-24s rc %-3s (every bf16 case through the pipelined forward)' "attention, pipelined" "$rc_pipe")$'\n'
-  if [ "$rc_pipe" -ne 0 ]; then
-    failed=1
-    grep -B1 -A6 'Failure$' "$out/attention_pipelined.log" | head -60
-  fi
+  # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel and
+  # through the pipelined tensor-core kernel (off by default until this check has passed it on a
+  # GPU: then flip its default in flash_mma.cu).
+  local rerun label env_var log what rc_rerun
+  for rerun in "SIMT only|ATTN_CUDA_SIMT_ATTENTION|simt|the SIMT kernel" \
+    "pipelined|ATTN_CUDA_MMA_PIPELINED|pipelined|the pipelined forward"; do
+    IFS='|' read -r label env_var log what <<<"$rerun"
+    env "$env_var=1" timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
+      --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_$log.log" 2>&1
+    rc_rerun=$?
+    cat "$out/attention_$log.log" >>"$out/tests.log"
+    summary+=$(printf '%-24s rc %-3s (every bf16 case through %s)' "attention, $label" "$rc_rerun" "$what")$'\n'
+    if [ "$rc_rerun" -ne 0 ]; then
+      failed=1
+      grep -B1 -A6 'Failure$' "$out/attention_$log.log" | head -60
+    fi
+  done
   printf '%s' "$summary"
   # The largest errors of every comparison (all cases, passing or not).
   grep -h 'max err' "$out/tests.log" >"$out/errors.txt"
