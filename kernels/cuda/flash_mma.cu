@@ -268,7 +268,9 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
 //  - B fragments read with ldmatrix x4 (K: two key tiles a load; V with .trans: two dim tiles a
 //    load) instead of one 32-bit shared load per register (mma_layout.hpp: ldsm_k_row,
 //    ldsm_v_row, tested on the host against mma_b_pos).
-// Needs 16-byte aligned K and V rows (flash_mma_pipelined_supports).
+// Needs 16-byte aligned K and V rows (flash_mma_pipelined_supports). Its masking, online softmax,
+// dropout and epilogue repeat the kernel above's on purpose: that one stays as a GPU run verified
+// it until this one is verified too; then this one replaces it (and the repetition goes).
 template <int D>
 __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(const MmaParams P) {
   constexpr int ld = D + kPad;  // a row of either tile, bf16; (D + 8) * 2 bytes, 16-byte multiple
