@@ -58,8 +58,10 @@ build() {
       *) cp -L "$lib" "$bundle/lib/" ;;
     esac
   done
-  # Large libraries (oneDNN: ~38 MB) travel xz-compressed; `run` unpacks them.
+  # Large libraries (oneDNN: ~38 MB) and binaries travel xz-compressed; `run` unpacks them
+  # (test_cuda_host stays as it is: `run` looks for it first).
   find "$bundle/lib" -type f -size +8M -exec xz -T2 -6 {} \;
+  find "$bundle/bin" -type f -size +3M ! -name test_cuda_host -exec xz -T2 -6 {} \;
   local size
   size=$(du -sm "$bundle" | cut -f1)
   echo "bundle $bundle: ${size} MB"
@@ -82,11 +84,12 @@ setup() {
     cublas_dir=$(dirname "$(find /usr/local /opt /usr/lib -name 'libcublasLt.so.13' 2>/dev/null | head -1)")
   fi
   echo "cuBLASLt from: ${cublas_dir:-(not found)}"
-  for packed in "$bundle"/lib/*.xz; do
+  for packed in "$bundle"/lib/*.xz "$bundle"/bin/*.xz; do
     [ -e "$packed" ] || continue
     python3 -c 'import lzma, shutil, sys
 with lzma.open(sys.argv[1]) as f, open(sys.argv[1][:-3], "wb") as o:
     shutil.copyfileobj(f, o)' "$packed" && rm -f "$packed"
+    case "$packed" in */bin/*) chmod +x "${packed%.xz}" ;; esac
   done
   local libs="$PWD/$bundle/lib:${cublas_dir}"
   # The binaries need GLIBCXX_3.4.29 (GCC 11); an older system C++ runtime gets the bundled one.
