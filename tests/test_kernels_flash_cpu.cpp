@@ -21,6 +21,10 @@
 
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -206,6 +210,49 @@ TEST(FlashCpu, RisingAndFallingScoresMatchReference) {
   }
 }
 
+// Case c's forward and backward on every target, on 1 and 2 threads (so of different next items),
+// with the forward's dropout keep bits where the kernel keeps them: out and the gradients within
+// the bounds of the reference `ref` (the gradients relative to its largest entry), and the two
+// thread counts' bits equal. `fill(pr)` sets a run's inputs; `after(pr, what)` runs after each
+// kernel call ("forward", then "backward").
+template <class Fill, class After>
+void check_targets_and_threads(const Case& c, const Reference& ref, Fill&& fill, After&& after) {
+  const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
+  for (int64_t target : flash_attention_targets()) {
+    SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
+    std::vector<Problem> runs;
+    runs.reserve(2);  // no reallocation: p and g point into each Problem's buffers
+    for (const int threads : {1, 2}) {
+      Problem& pr = runs.emplace_back(c);
+      fill(pr);
+      pr.p.simd_targets = target;
+      pr.p.threads = threads;
+      std::vector<uint16_t> keep;
+      if (flash_attention_keeps_dropout(pr.p)) {
+        keep.assign(static_cast<size_t>(flash_dropout_keep_words(pr.p)), 0xdead);
+        pr.p.dropout_keep = keep.data();
+      }
+      flash_attention_forward(pr.p);
+      after(pr, "forward");
+      flash_attention_backward(pr.p, pr.g);
+      after(pr, "backward");
+      pr.p.dropout_keep = nullptr;
+    }
+    const Problem& pr = runs[0];
+    EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
+    EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, 0, 1e-5 * gscale));
+    EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, 0, 1e-5 * gscale));
+    EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, 0, 1e-5 * gscale));
+    for (size_t i = 1; i < runs.size(); ++i) {
+      EXPECT_EQ(pr.out.buf, runs[i].out.buf);
+      EXPECT_EQ(0, std::memcmp(pr.lse.data(), runs[i].lse.data(), pr.lse.size() * 4));
+      EXPECT_EQ(pr.dq.buf, runs[i].dq.buf);
+      EXPECT_EQ(pr.dk.buf, runs[i].dk.buf);
+      EXPECT_EQ(pr.dv.buf, runs[i].dv.buf);
+    }
+  }
+}
+
 // Short rows with many batch rows, as d2l's PyTorch loop calls the kernel (T = S = 128, D = 32,
 // padded lengths, dropout 0.1 with the forward's keep bits): every item prefetches the rows of
 // the one its thread runs next (ShortRows), the backward's products stop at the last kept key of
@@ -216,42 +263,61 @@ TEST(FlashCpu, ShortRowsManyItemsMatchReference) {
     for (const bool causal : {false, true}) {
       const Case c{8, t, t, 32, 32, Lens::k1D, causal, false, 0.1f, int(t % 3)};
       SCOPED_TRACE(c.name());
-      Problem ref_pr(c);
-      const Reference ref = reference(ref_pr, /*backward=*/true);
-      const double gscale = std::max({max_abs(ref.dq), max_abs(ref.dk), max_abs(ref.dv)});
-      for (int64_t target : flash_attention_targets()) {
-        SCOPED_TRACE(std::string("target ") + flash_attention_target_name(target));
-        std::vector<Problem> runs;
-        runs.reserve(2);  // no reallocation: p and g point into each Problem's buffers
-        for (const int threads : {1, 2}) {
-          Problem& pr = runs.emplace_back(c);
-          pr.p.simd_targets = target;
-          pr.p.threads = threads;
-          pr.p.weights = nullptr;
-          std::vector<uint16_t> keep;
-          if (flash_attention_keeps_dropout(pr.p)) {
-            keep.assign(static_cast<size_t>(flash_dropout_keep_words(pr.p)), 0xdead);
-            pr.p.dropout_keep = keep.data();
-          }
-          flash_attention_forward(pr.p);
-          flash_attention_backward(pr.p, pr.g);
-          pr.p.dropout_keep = nullptr;
-        }
-        const Problem& pr = runs[0];
-        EXPECT_TRUE(close_view("out", pr.out, ref.out, 2e-6, 2e-6));
-        EXPECT_TRUE(close_view("dq", pr.dq, ref.dq, 0, 1e-5 * gscale));
-        EXPECT_TRUE(close_view("dk", pr.dk, ref.dk, 0, 1e-5 * gscale));
-        EXPECT_TRUE(close_view("dv", pr.dv, ref.dv, 0, 1e-5 * gscale));
-        for (size_t i = 1; i < runs.size(); ++i) {
-          EXPECT_EQ(pr.out.buf, runs[i].out.buf);
-          EXPECT_EQ(0, std::memcmp(pr.lse.data(), runs[i].lse.data(), pr.lse.size() * 4));
-          EXPECT_EQ(pr.dq.buf, runs[i].dq.buf);
-          EXPECT_EQ(pr.dk.buf, runs[i].dk.buf);
-          EXPECT_EQ(pr.dv.buf, runs[i].dv.buf);
-        }
-      }
+      const Reference ref = reference(Problem(c), /*backward=*/true);
+      check_targets_and_threads(
+          c, ref, [](Problem& pr) { pr.p.weights = nullptr; }, [](const Problem&, const char*) {});
     }
   }
+}
+
+// Subnormal weights (kernels/cpu/denormals.hpp): keys whose scores sit 87-103 nats below their
+// row's maximum have weights below 2^-126, which the kernels flush to zero (an Intel core stalls
+// on every vector instruction with a subnormal operand: the d2l step ran 3.6x slower on a Xeon).
+// Scores here step down by 2.5 from the row's maximum to -117.5, so each row has several such
+// keys, and those keys' values are 1e20 so that their terms are as large as they can be. Forward
+// and backward stay within the bounds of the reference (which keeps them), on every target and on
+// 1 and 2 threads with the same bits; the caller's floating-point mode is the same after each
+// call; and a term that only a subnormal weight carries comes out 0.
+TEST(FlashCpu, SubnormalWeightsAreFlushedWithinTheBoundAndTheCallersModeKept) {
+  const Case c{2, 24, 96, 16, 16, Lens::kNone, false, false, 0.0f, 0};
+  Problem ref_pr(c);
+  for (int64_t b = 0; b < c.B; ++b) {
+    for (int64_t t = 0; t < c.T; ++t)
+      for (int64_t d = 0; d < c.D; ++d)
+        ref_pr.q.at(b, t, d) = d == 0 ? 1.0f : 0.0f;
+    for (int64_t s = 0; s < c.S; ++s) {
+      // score = 0.25 k[s][0] (scale 1/sqrt(16)): 0, -2.5, ..., -117.5, then again.
+      for (int64_t d = 0; d < c.D; ++d)
+        ref_pr.k.at(b, s, d) = d == 0 ? -10.0f * static_cast<float>(s % 48) : 0.0f;
+      const float score = -2.5f * static_cast<float>(s % 48);
+      if (score < -87.0f && score > -104.0f)
+        for (int64_t d = 0; d < c.Dv; ++d)
+          ref_pr.v.at(b, s, d) = 1e20f;
+    }
+  }
+  const Reference ref = reference(ref_pr, /*backward=*/true);
+  // The weight of key 40 (score -100: e^-100 = 3.7e-44, subnormal) is positive in the reference.
+  ASSERT_GT(ref.weights[40], 0.0);
+#if defined(__x86_64__)
+  const unsigned mode = _mm_getcsr() & ~0x8040u;  // FTZ and DAZ off, as C++ programs start
+  _mm_setcsr(mode);
+#endif
+  check_targets_and_threads(
+      c, ref,
+      [&ref_pr](Problem& pr) {
+        // Copied into the problem's own buffers (its kernel views point into them).
+        std::copy(ref_pr.q.buf.begin(), ref_pr.q.buf.end(), pr.q.buf.begin());
+        std::copy(ref_pr.k.buf.begin(), ref_pr.k.buf.end(), pr.k.buf.begin());
+        std::copy(ref_pr.v.buf.begin(), ref_pr.v.buf.end(), pr.v.buf.begin());
+      },
+      [&](const Problem& pr, const char* what) {
+#if defined(__x86_64__)
+        EXPECT_EQ(_mm_getcsr(), mode) << "the " << what << " changed the caller's MXCSR";
+#endif
+        if (std::strcmp(what, "forward") == 0) {
+          EXPECT_EQ(pr.weights.at(0, 0, 40), 0.0f);
+        }
+      });
 }
 
 // ---- Through the ops layer: Backend::kCpu (this kernel) against Backend::kReference ----------

@@ -513,6 +513,7 @@ HWY_AFTER_NAMESPACE();
 // Dispatch and threads (compiled once)
 
 #if HWY_ONCE
+#include "kernels/cpu/denormals.hpp"
 #include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu/scratch.hpp"
 #include "kernels/cpu/target_scope.hpp"
@@ -617,6 +618,7 @@ void run(const DecodeArgs<KV>& a) {
   // The whole call on the calling thread when the work is worth one thread only: the same loops
   // as the parallel region, without entering the OpenMP runtime (kernels/cpu/parallel.hpp).
   auto work = [&](int tid, bool parallel) {
+    const FlushDenormalsScope flush;  // denormals.hpp: weights far below the maximum
     float* own = scratch.get(static_cast<size_t>(tid));
     float* x = own;
     float* qs = own + HT * (kDecodeChunkKeys + L);

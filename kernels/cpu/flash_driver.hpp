@@ -13,6 +13,7 @@
 #pragma once
 
 #include "kernels/attention_problem.hpp"
+#include "kernels/cpu/denormals.hpp"
 #include "kernels/cpu/dropout_simd.hpp"
 #include "kernels/cpu/parallel.hpp"
 #include "kernels/cpu/scratch.hpp"
@@ -97,6 +98,8 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
     return (p.causal ? blocks - 1 - i % blocks : i % blocks) * block_rows;
   };
   if (threads == 1) {  // small work: no OpenMP team (kernels/cpu/parallel.hpp)
+    // Subnormals flushed on every thread that runs items (denormals.hpp).
+    const FlushDenormalsScope flush;
     if constexpr (!std::is_same_v<std::decay_t<Prepare>, NoPrepare>) {
       for (int64_t b = 0; b < p.B; ++b)
         prepare(b);
@@ -111,6 +114,7 @@ void flash_forward_driver(const kernels::AttentionProblem& p, const char* op, in
   const auto row_of = [&](int64_t i) { return order.empty() ? i / blocks : order[i / blocks]; };
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormalsScope flush;
     if constexpr (!std::is_same_v<std::decay_t<Prepare>, NoPrepare>) {
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < p.B; ++b)
@@ -155,6 +159,7 @@ void flash_backward_driver(const kernels::AttentionProblem& p, const char* op, i
     const auto row_of = [&](int64_t i) { return order.empty() ? i : order[i]; };
 #pragma omp parallel num_threads(threads)
     {
+      const FlushDenormalsScope flush;  // denormals.hpp
       auto state = make_state(scratch.get(static_cast<size_t>(omp_get_thread_num())));
       float* part = parts.get(static_cast<size_t>(omp_get_thread_num()));
       const int64_t stride = omp_get_num_threads();
@@ -173,6 +178,7 @@ void flash_backward_driver(const kernels::AttentionProblem& p, const char* op, i
   float* const parts = all_parts.get();
 #pragma omp parallel num_threads(threads)
   {
+    const FlushDenormalsScope flush;  // denormals.hpp
     {
       auto state = make_state(scratch.get(static_cast<size_t>(omp_get_thread_num())));
 #pragma omp for schedule(dynamic, 1)
