@@ -1,6 +1,5 @@
 // CUDA benchmarks of attn for scripts/gpu-check.sh: the fused attention forward and backward at
-// the shapes (bf16 forward also through the SIMT kernel: op "fwd_simt", and the pipelined
-// tensor-core kernel: "fwd_pipe"), the decode step,
+// the shapes (bf16 forward also through the SIMT kernel: op "fwd_simt"), the decode step,
 // and cuBLASLt GEMMs as the same run's peak. One JSON object a line on stdout ({"op", "shape",
 // "dtype", "ms", "tflops" or "us"}), read by bench/gpu_table.py. FLOP convention (FlashAttention
 // papers): forward 4*B*H*T*S*D, backward 2.5x forward.
@@ -128,11 +127,6 @@ void bench_attention(int64_t batch, int64_t heads, int64_t N, int64_t D, bool ca
     const double simt = time_ms([&] { cuda::flash_attention_forward(a, nullptr); }, reps, inner);
     cuda::flash_mma_set_simt_only(false);
     emit("fwd_simt", shape, dts, simt, flops);
-    // The pipelined tensor-core forward (cp.async, ldmatrix), off by default until verified.
-    cuda::flash_mma_set_pipelined(true);
-    const double pipe = time_ms([&] { cuda::flash_attention_forward(a, nullptr); }, reps, inner);
-    cuda::flash_mma_set_pipelined(false);
-    emit("fwd_pipe", shape, dts, pipe, flops);
   }
   if (backward) {
     const double bwd = time_ms(

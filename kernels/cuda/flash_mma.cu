@@ -1,13 +1,13 @@
 // The bf16 attention forward on tensor cores (mma.sync m16n8k16, sm_80 and later), for the common
 // case: bf16, D == Dv in {32, 64, 128} (d2l's heads are 32 wide), unit stride along the head dim,
-// 4-byte aligned rows. Other problems take the SIMT kernel (flash_attention.cu), which has the same
-// contract.
+// 4-byte aligned Q and output rows, 16-byte aligned K and V rows. Other problems take the SIMT
+// kernel (flash_attention.cu), which has the same contract.
 //
 // Glossary: B rows of (batch, head) pairs, T queries, S keys, D head dim.
 //
 // Schedule (FlashAttention-2, Dao 2023): a block = 4 warps = 64 query rows, a warp owns 16 rows
 // and keeps its Q fragments and its output accumulator in registers. Keys stream through shared
-// memory in tiles of 64 (K row-major, V transposed, so that every B fragment is one 32-bit load).
+// memory in tiles of 64 (both row-major, double-buffered: the kernel's comment below).
 // Per tile a warp computes S = Q K^T (16 x 64, float), masks it, updates the online softmax per
 // row, rescales its output rows, and multiplies P (rounded to bf16; its C-fragment layout is the
 // A-fragment layout of the next product, so P never leaves registers) by V.
@@ -76,7 +76,7 @@ __device__ __forceinline__ uint32_t load_u32(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
-// The pipelined kernel's memory instructions (sm_80+): 16-byte asynchronous copies to shared
+// The kernel's memory instructions (sm_80+): 16-byte asynchronous copies to shared
 // memory (zeros where `valid` is false: the source is then not read), and ldmatrix x4.
 __device__ __forceinline__ void cp_async16(uint16_t* smem, const uint16_t* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -102,177 +102,15 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const uint16_t* sme
                : "r"(a));
 }
 
+// One block: 64 query rows (a warp's 16 each) against every key tile its rows keep. K and V tiles
+// come into shared memory by cp.async, 16 bytes a thread and step, both row-major, into two
+// buffers (tile j + 1 is in flight while tile j is multiplied); B fragments come by ldmatrix x4
+// (K: two key tiles a load; V with .trans: two dim tiles a load; mma_layout.hpp: ldsm_k_row,
+// ldsm_v_row, tested on the host against mma_b_pos). Session 25's H200 run: 85 TF/s at
+// (2,16,8192,128) where the single-buffered kernel it replaced (V transposed through 2-byte
+// stores, one 32-bit shared load per B register) ran 37 (docs/gpu.md).
 template <int D>
 __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(const MmaParams P) {
-  constexpr int ld = D + kPad;          // K tile row stride (keys x D)
-  constexpr int ldv = kMmaKeys + kPad;  // V^T tile row stride (D x keys)
-  constexpr int kChunks = D / 16;       // k-steps of Q K^T
-  constexpr int kOutTiles = D / 8;      // n-tiles of the output
-  constexpr int kKeyTiles = kMmaKeys / 8;
-  extern __shared__ uint16_t smem16[];
-  uint16_t* ks = smem16;               // (kMmaKeys, D)
-  uint16_t* vts = ks + kMmaKeys * ld;  // (D, kMmaKeys)
-
-  const int64_t b = blockIdx.y;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const uint64_t offset = P.offset_dev != nullptr ? *P.offset_dev + P.offset : P.offset;
-  const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
-  const int64_t t0 = t_block + warp * 16;  // this warp's first row
-  const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
-
-  // Q fragments for all k-steps, straight from global memory (rows past T read as zeros).
-  uint32_t qa[kChunks][4];
-  const uint16_t* qb = P.q + P.row_off(b, P.q_sb, P.q_sh);
-#pragma unroll
-  for (int kc = 0; kc < kChunks; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
-      const int64_t t = t0 + pos.row;
-      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
-    }
-
-  bool uniform[2] = {false, false};
-  int64_t lim[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i)
-    lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &uniform[i]) : 0;
-  int64_t block_limit = 0;
-  for (int r = 0; r < kMmaRows && t_block + r < P.T; ++r) {
-    bool u;
-    block_limit = max(block_limit, P.limit(b, t_block + r, &u));
-  }
-
-  float o[kOutTiles][4];
-#pragma unroll
-  for (int n = 0; n < kOutTiles; ++n)
-    o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-
-  const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
-  const uint16_t* vb = P.v + P.row_off(b, P.v_sb, P.v_sh);
-  for (int64_t s0 = 0; s0 < block_limit; s0 += kMmaKeys) {
-    __syncthreads();
-    // K tile row-major, V tile transposed; pairs of bf16 per thread and step, zeros past S.
-    for (int i = threadIdx.x; i < kMmaKeys * D / 2; i += blockDim.x) {
-      const int key = i / (D / 2), d = 2 * (i % (D / 2));
-      const int64_t s = s0 + key;
-      const uint32_t kv = s < P.S ? load_u32(kb + s * P.k_st + d) : 0u;
-      const uint32_t vv = s < P.S ? load_u32(vb + s * P.v_st + d) : 0u;
-      *reinterpret_cast<uint32_t*>(ks + key * ld + d) = kv;
-      vts[d * ldv + key] = static_cast<uint16_t>(vv);
-      vts[(d + 1) * ldv + key] = static_cast<uint16_t>(vv >> 16);
-    }
-    __syncthreads();
-    if (__all_sync(0xffffffffu, s0 >= max(lim[0], lim[1])))
-      continue;  // no row of this warp reads the tile (the next __syncthreads is at the top)
-
-    // S = Q K^T for 16 rows x 64 keys.
-    float sc[kKeyTiles][4];
-#pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
-#pragma unroll
-      for (int kc = 0; kc < kChunks; ++kc) {
-        // B = K^T: element (k = dim, n = key) is ks[key][dim], so a register's pair is contiguous.
-        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
-        mma_bf16(sc[n], qa[kc], load_u32(ks + (n * 8 + b0.col) * ld + kc * 16 + b0.row),
-                 load_u32(ks + (n * 8 + b1.col) * ld + kc * 16 + b1.row));
-      }
-    }
-    // Mask and scale; the tile's row maxima (each row's 64 scores sit in the 4 lanes of a group).
-    float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;  // rows[i] is the row of mma_c_pos(lane, e)
-        const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
-        float x = -INFINITY;
-        if (s < lim[i]) x = uniform[i] ? 0.0f : sc[n][e] * P.scale;
-        sc[n][e] = x;
-        tile_max[i] = fmaxf(tile_max[i], x);
-      }
-    float alpha[2], row_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-      const float m_new = fmaxf(m[i], tile_max[i]);
-      alpha[i] = SoftmaxState::rescale(m[i], m_new);
-      m[i] = m_new;
-    }
-    // P = exp(S - m); the row sums enter l before dropout, the dropped P enters the product.
-    uint32_t pa[kMmaKeys / 16][4];
-#pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) {
-      float pe[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        const float x = sc[n][e];
-        float pv = x == -INFINITY ? 0.0f : expf(x - m[i]);
-        row_sum[i] += pv;
-        if (P.p > 0.0f && pv != 0.0f)
-          pv *= dropout_factor(P.seed, offset,
-                               P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
-        pe[e] = pv;
-      }
-      // C fragment of key tile n is half of the A fragment of key chunk n / 2.
-      pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
-      pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
-      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
-      l[i] = l[i] * alpha[i] + row_sum[i];
-    }
-    // O = O * alpha + P V.
-#pragma unroll
-    for (int n = 0; n < kOutTiles; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-#pragma unroll
-      for (int kc = 0; kc < kMmaKeys / 16; ++kc) {
-        // B = V: element (k = key, n = dim) is vts[dim][key], a register's pair contiguous.
-        const FragPos b0 = mma_b_pos(lane, 0, 0), b1 = mma_b_pos(lane, 1, 0);
-        mma_bf16(o[n], pa[kc], load_u32(vts + (n * 8 + b0.col) * ldv + kc * 16 + b0.row),
-                 load_u32(vts + (n * 8 + b1.col) * ldv + kc * 16 + b1.row));
-      }
-    }
-  }
-
-  uint16_t* ob = P.out + P.row_off(b, P.o_sb, P.o_sh);
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t t = rows[i];
-    if (t >= P.T) continue;
-    const float inv = lim[i] > 0 ? 1.0f / l[i] : 0.0f;
-#pragma unroll
-    for (int n = 0; n < kOutTiles; ++n)
-      *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
-          pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
-    if (lane % 4 == 0 && P.lse != nullptr)  // one lane of the row's group of 4
-      P.lse[b * P.T + t] = (lim[i] == 0 || uniform[i]) ? -INFINITY : m[i] + logf(l[i]);
-  }
-}
-
-// The pipelined variant (ATTN_CUDA_MMA_PIPELINED=1 or flash_mma_set_pipelined, until a GPU run
-// has verified and timed it against the kernel above): the same schedule and arithmetic, with
-//  - K and V tiles copied to shared memory with cp.async, 16 bytes a thread and step, both kept
-//    row-major (no transpose through 2-byte stores), two buffers: tile j + 1 is in flight while
-//    tile j is multiplied;
-//  - B fragments read with ldmatrix x4 (K: two key tiles a load; V with .trans: two dim tiles a
-//    load) instead of one 32-bit shared load per register (mma_layout.hpp: ldsm_k_row,
-//    ldsm_v_row, tested on the host against mma_b_pos).
-// Needs 16-byte aligned K and V rows (flash_mma_pipelined_supports). Its masking, online softmax,
-// dropout and epilogue repeat the kernel above's on purpose: that one stays as a GPU run verified
-// it until this one is verified too; then this one replaces it (and the repetition goes).
-template <int D>
-__global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(const MmaParams P) {
   constexpr int ld = D + kPad;  // a row of either tile, bf16; (D + 8) * 2 bytes, 16-byte multiple
   constexpr int kChunks = D / 16, kOutTiles = D / 8, kKeyTiles = kMmaKeys / 8;
   constexpr int kTile = kMmaKeys * ld;  // elements of one K (or V) tile
@@ -285,13 +123,14 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
   const int64_t t0 = t_block + warp * 16;
   const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
 
+  // Q fragments for all k-steps, straight from global memory (rows past T read as zeros).
   uint32_t qa[kChunks][4];
   const uint16_t* qb = P.q + P.row_off(b, P.q_sb, P.q_sh);
 #pragma unroll
   for (int kc = 0; kc < kChunks; ++kc)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const FragPos pos = mma_a_pos(lane, r, 0);
+      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
       const int64_t t = t0 + pos.row;
       qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
     }
@@ -354,12 +193,14 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
           mma_bf16(sc[2 * np], qa[kc], r[0], r[1]);
           mma_bf16(sc[2 * np + 1], qa[kc], r[2], r[3]);
         }
+      // Mask and scale; the tile's row maxima (each row's 64 scores sit in the 4 lanes of a
+      // group).
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int i = e >> 1;
+          const int i = e >> 1;  // rows[i] is the row of mma_c_pos(lane, e)
           const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
           float x = -INFINITY;
           if (s < lim[i]) x = uniform[i] ? 0.0f : sc[n][e] * P.scale;
@@ -375,6 +216,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
         alpha[i] = SoftmaxState::rescale(m[i], m_new);
         m[i] = m_new;
       }
+      // P = exp(S - m); the row sums enter l before dropout, the dropped P enters the product.
       uint32_t pa[kMmaKeys / 16][4];
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
@@ -390,6 +232,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
                                  P.drop(b, rows[i], s0 + n * 8 + mma_c_pos(lane, e).col), P.p);
           pe[e] = pv;
         }
+        // C fragment of key tile n is half of the A fragment of key chunk n / 2.
         pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
         pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
       }
@@ -399,6 +242,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
         row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
         l[i] = l[i] * alpha[i] + row_sum[i];
       }
+      // O = O * alpha + P V.
 #pragma unroll
       for (int n = 0; n < kOutTiles; ++n) {
         o[n][0] *= alpha[0];
@@ -430,33 +274,17 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_pipelined_kernel(c
     for (int n = 0; n < kOutTiles; ++n)
       *reinterpret_cast<uint32_t*>(ob + t * P.o_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
           pack_bf16(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
-    if (lane % 4 == 0 && P.lse != nullptr)
+    if (lane % 4 == 0 && P.lse != nullptr)  // one lane of the row's group of 4
       P.lse[b * P.T + t] = (lim[i] == 0 || uniform[i]) ? -INFINITY : m[i] + logf(l[i]);
   }
-}
-
-template <int D>
-void launch_pipelined(const MmaParams& P, void* stream) {
-  const char* op = "cuda::flash_attention_forward";
-  const size_t smem = flash_mma_pipelined_smem(D);
-  if (smem > 48 * 1024) {  // D 128: 68 KB, opted in once
-    static const cudaError_t opted =
-        cudaFuncSetAttribute(flash_mma_pipelined_kernel<D>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    ATTN_CUDA_CHECK(op, opted);
-  }
-  const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
-  flash_mma_pipelined_kernel<D>
-      <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
-  ATTN_CUDA_CHECK_LAUNCH(op);
 }
 
 template <int D>
 void launch_mma(const MmaParams& P, void* stream) {
   const char* op = "cuda::flash_attention_forward";
   const size_t smem = flash_mma_smem(D);
-  // Beyond 48 KB a kernel must opt in, once (a driver call per launch cost as much as a d2l-sized
-  // kernel). The sizes here stay below it; the check keeps a larger tile honest.
+  // Beyond 48 KB a kernel must opt in (D 128: 68 KB), once: a driver call per launch cost as much
+  // as a d2l-sized kernel.
   if (smem > 48 * 1024) {
     static const cudaError_t opted =
         cudaFuncSetAttribute(flash_mma_forward_kernel<D>,
@@ -472,10 +300,6 @@ void launch_mma(const MmaParams& P, void* stream) {
 }  // namespace
 
 size_t flash_mma_smem(int64_t D) {
-  return static_cast<size_t>(kMmaKeys * (D + kPad) + D * (kMmaKeys + kPad)) * sizeof(uint16_t);
-}
-
-size_t flash_mma_pipelined_smem(int64_t D) {
   return static_cast<size_t>(2 * 2 * kMmaKeys * (D + kPad)) * sizeof(uint16_t);
 }
 
@@ -483,25 +307,10 @@ namespace {
 // A/B: the environment variable read once (a getenv per launch cost as much as a small kernel),
 // then flash_mma_set_simt_only (bench_cuda times both kernels in one process).
 std::atomic<bool> simt_only{std::getenv("ATTN_CUDA_SIMT_ATTENTION") != nullptr};
-std::atomic<bool> pipelined{std::getenv("ATTN_CUDA_MMA_PIPELINED") != nullptr};
 }  // namespace
 
 void flash_mma_set_simt_only(bool on) {
   simt_only.store(on, std::memory_order_relaxed);
-}
-
-void flash_mma_set_pipelined(bool on) {
-  pipelined.store(on, std::memory_order_relaxed);
-}
-
-bool flash_mma_pipelined_supports(const AttentionArgs<uint16_t>& a) {
-  if (!pipelined.load(std::memory_order_relaxed) || !flash_mma_supports(a)) return false;
-  // 16-byte copies of K and V rows: 16-byte aligned bases, strides of whole 8-element pieces.
-  for (const void* p : {static_cast<const void*>(a.k.data), static_cast<const void*>(a.v.data)})
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  for (int64_t s : {a.k.sb, a.k.sh, a.k.st, a.v.sb, a.v.sh, a.v.st})
-    if (s % 8 != 0) return false;
-  return true;
 }
 
 bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
@@ -512,9 +321,13 @@ bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
   for (const void* p : {static_cast<const void*>(a.q.data), static_cast<const void*>(a.k.data),
                         static_cast<const void*>(a.v.data), static_cast<const void*>(a.out.data)})
     if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return false;
-  for (int64_t s : {a.q.sb, a.q.sh, a.q.st, a.k.sb, a.k.sh, a.k.st, a.v.sb, a.v.sh, a.v.st,
-                    a.out.sb, a.out.sh, a.out.st})
+  for (int64_t s : {a.q.sb, a.q.sh, a.q.st, a.out.sb, a.out.sh, a.out.st})
     if (s % 2 != 0) return false;
+  // K and V by 16-byte copies: 16-byte aligned bases, strides of whole 8-element pieces.
+  for (const void* p : {static_cast<const void*>(a.k.data), static_cast<const void*>(a.v.data)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  for (int64_t s : {a.k.sb, a.k.sh, a.k.st, a.v.sb, a.v.sh, a.v.st})
+    if (s % 8 != 0) return false;
   return true;
 }
 
@@ -557,15 +370,6 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
   P.o_st = a.out.st;
   P.lse = a.lse;
   if (a.B == 0 || a.T == 0) return;
-  if (flash_mma_pipelined_supports(a)) {
-    if (a.D == 32)
-      launch_pipelined<32>(P, stream);
-    else if (a.D == 64)
-      launch_pipelined<64>(P, stream);
-    else
-      launch_pipelined<128>(P, stream);
-    return;
-  }
   if (a.D == 32)
     launch_mma<32>(P, stream);
   else if (a.D == 64)

@@ -311,8 +311,10 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
     kernels::AttentionArgs<uint16_t> b = a;
     b.D = b.Dv = D;
     EXPECT_TRUE(flash_mma_supports(b)) << D;
-    EXPECT_LE(flash_mma_smem(D), size_t{48} << 10) << D;
   }
+  // Two buffers of a K and a V tile, 64 rows of D + 8 bf16 each (D 128: past 48 KB, opted in).
+  EXPECT_EQ(flash_mma_smem(32), size_t{2 * 2 * 64 * 40 * 2});
+  EXPECT_EQ(flash_mma_smem(128), size_t{2 * 2 * 64 * 136 * 2});
   kernels::AttentionArgs<uint16_t> b = a;
   b.D = b.Dv = 48;
   EXPECT_FALSE(flash_mma_supports(b));
@@ -329,28 +331,19 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
   b.q.data = buf + 1;
   EXPECT_FALSE(flash_mma_supports(b));
 
-  // The pipelined variant: off unless switched on; then 16-byte K and V rows only.
-  flash_mma_set_pipelined(false);
-  EXPECT_FALSE(flash_mma_pipelined_supports(a));
-  flash_mma_set_pipelined(true);
-  EXPECT_TRUE(flash_mma_pipelined_supports(a));
-  EXPECT_EQ(flash_mma_pipelined_smem(128), size_t{2 * 2 * 64 * 136 * 2});
+  // K and V rows by 16-byte copies; Q and the output only need 4-byte words.
   b = a;
-  b.q.data = buf + 2;  // Q and the output only need 4-byte words
-  EXPECT_TRUE(flash_mma_pipelined_supports(b));
+  b.q.data = buf + 2;
+  EXPECT_TRUE(flash_mma_supports(b));
   b = a;
   b.k.data = buf + 2;
-  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  EXPECT_FALSE(flash_mma_supports(b));
   b = a;
   b.v.st = 68;  // 136-byte rows: not whole 16-byte pieces
-  EXPECT_FALSE(flash_mma_pipelined_supports(b));
+  EXPECT_FALSE(flash_mma_supports(b));
   b = a;
   b.k.sh = 4;
-  EXPECT_FALSE(flash_mma_pipelined_supports(b));
-  b = a;
-  b.D = b.Dv = 48;  // what the tensor-core forward refuses
-  EXPECT_FALSE(flash_mma_pipelined_supports(b));
-  flash_mma_set_pipelined(false);
+  EXPECT_FALSE(flash_mma_supports(b));
 }
 
 TEST(CudaHostMma, FragmentLayoutsAreBijections) {
