@@ -13,31 +13,6 @@ bin=${1:-build/default/bench/bench_train}
 rounds=${2:-2}
 shift $(($# > 2 ? 2 : $#))
 threads=("${@:-2}")
-[[ -x $bin ]] || { echo "ab_wgrad.sh: $bin not built" >&2; exit 2; }
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-export OMP_WAIT_POLICY=PASSIVE
-export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
-for ((r = 1; r <= rounds; r++)); do
-  for t in "${threads[@]}"; do
-    for v in chunks onednn; do
-      cut=()
-      [[ $v == onednn ]] && cut=(ATTN_GEMM_WGRAD=onednn)
-      env ATTN_THREADS="$t" "${cut[@]}" "$bin" \
-        --benchmark_filter='BM_TrainStep(Bf16)?/' --benchmark_format=json 2>/dev/null \
-        >"$tmp/ab_${v}_${t}_$r.json"
-    done
-  done
-  echo "round $r/$rounds done" >&2
-done
-python3 - "$tmp" <<'PY'
-import collections, glob, json, sys
-rates = collections.defaultdict(list)
-for f in sorted(glob.glob(f"{sys.argv[1]}/ab_*.json")):
-    v, t, r = f.split("/ab_")[1][:-5].split("_")
-    for b in json.load(open(f))["benchmarks"]:
-        rates[(int(t), b["name"].split("/")[0], v)].append(b["tokens_per_second"])
-print("threads benchmark          cut      tokens/s by round")
-for k in sorted(rates):
-    print(f"{k[0]:7} {k[1]:18} {k[2]:8} " + "  ".join(f"{x:9.0f}" for x in rates[k]))
-PY
+list=$(IFS=,; echo "${threads[*]}")
+exec "$(dirname "$0")/ab_env.sh" "$bin" "$rounds" "$list" 'BM_TrainStep(Bf16)?/' \
+  chunks: onednn:ATTN_GEMM_WGRAD=onednn

@@ -15,9 +15,15 @@
 #                                     Section 5 sweeps the host CPU's attention by threads
 #                                     (GPU_CHECK_SKIP_THREADS=1 skips it); section 6 runs the CPU
 #                                     GEMM tests there (AVX-512 + AMX) and times the training step
-#                                     beside PyTorch (GPU_CHECK_CPU_THREADS, default 2).
+#                                     beside PyTorch (GPU_CHECK_CPU_THREADS, default 2); section 7
+#                                     A/Bs the f32 products' kernel and the attention kernels'
+#                                     flush of subnormals there (GPU_CHECK_SKIP_AB=1 skips it);
+#                                     section 8 samples where the CPU step and `attn train` spend
+#                                     their time there (bench/sample_prof.cpp: no perf there).
 #                                     Results also go to $OUT (the device tool's folder) if set.
-#   scripts/gpu-check.sh cpu          section 6 alone (any machine with the bundle and PyTorch)
+#   scripts/gpu-check.sh cpu          sections 6 to 8 alone (any machine with the bundle and
+#                                     PyTorch)
+#   scripts/gpu-check.sh profile      section 8 alone
 #
 # The GPU machine has the NVIDIA driver, the CUDA 13 toolkit (cuBLASLt comes from there: 500 MB
 # is too much to carry) and PyTorch 2.x, but none of Debian's packages.
@@ -34,7 +40,7 @@ build() {
     -DATTN_BUILD_BENCH=ON -DATTN_BUILD_PYTHON=OFF -DATTN_DEBUG_INFO=ON -DATTN_PCH=OFF >/dev/null
   # bench_train and the OpenMP trace for section 6 (the host's CPU), beside the CUDA binaries.
   cmake --build build/cuda --target attn_cuda_tests bench_cuda attn bench_train attn_omp_trace \
-    test_kernels_matmul_cpu
+    attn_sample_prof test_kernels_matmul_cpu
   rm -rf "$bundle"
   mkdir -p "$bundle/bin" "$bundle/lib" "$bundle/lib-fallback"
   find build/cuda/tests/cuda -maxdepth 1 -type f -executable -name 'test_cuda_*' \
@@ -43,7 +49,7 @@ build() {
     build/cuda/tests/test_kernels_matmul_cpu "$bundle/bin/"
   strip --strip-debug "$bundle"/bin/*
   # Preloaded, not linked: the loop below would not find it.
-  cp build/cuda/bench/libattn_omp_trace.so "$bundle/lib/"
+  cp build/cuda/bench/libattn_omp_trace.so build/cuda/bench/libattn_sample_prof.so "$bundle/lib/"
   # Every shared library the binaries load, except glibc's own (the GPU machine's glibc is newer)
   # and the CUDA toolkit's large libraries (the GPU machine has the same CUDA 13 toolkit).
   for bin in "$bundle"/bin/*; do
@@ -232,6 +238,71 @@ PY
   python3 bench/omp_trace.py "$out/omp_bf16.trace" --top 8 2>&1 | head -30
 }
 
+# Section 7: on the host's CPU, A/B runs of bench_train's full-length step (bench/ab_env.sh,
+# GPU_CHECK_CPU_THREADS threads, 2 rounds): f32 products on oneDNN (the default on AVX-512 CPUs)
+# against attn's row-exact kernel (what AVX2 CPUs run; session 25: about 30% slower here), and the
+# attention kernels' flush of subnormals (kernels/cpu/denormals.hpp) against none
+# (ATTN_ATTENTION_DENORMALS=keep), fp32 and bf16; then the f32 kernels at all the host's threads
+# (1 round), and the step's parts on each. GPU_CHECK_SKIP_AB=1 skips it.
+cpu_gemm_ab() {
+  local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
+  if [ -n "${GPU_CHECK_SKIP_AB:-}" ]; then
+    echo "== 7. skipped (GPU_CHECK_SKIP_AB set)"
+    return
+  fi
+  echo "== 7. the host's CPU: A/B of the f32 products' kernel and of the flush of subnormals (tokens/s)"
+  bash bench/ab_env.sh "$bundle/bin/bench_train" 2 "$t" 'BM_TrainStep/' auto: \
+    onednn:ATTN_GEMM_F32=onednn rows:ATTN_GEMM_F32=rows denormals:ATTN_ATTENTION_DENORMALS=keep \
+    2>/dev/null
+  bash bench/ab_env.sh "$bundle/bin/bench_train" 2 "$t" 'BM_TrainStepBf16/' auto: \
+    denormals:ATTN_ATTENTION_DENORMALS=keep 2>/dev/null | tail -n +2
+  bash bench/ab_env.sh "$bundle/bin/bench_train" 1 "$(nproc)" 'BM_TrainStep/' auto: \
+    rows:ATTN_GEMM_F32=rows 2>/dev/null | tail -n +2
+  echo "-- the step's parts (BM_TrainStepParts, $t threads), f32 products on oneDNN, then attn's:"
+  local v
+  for v in onednn rows; do
+    ATTN_THREADS=$t ATTN_GEMM_F32=$v OMP_WAIT_POLICY=PASSIVE "$bundle/bin/bench_train" \
+      --benchmark_filter=BM_TrainStepParts 2>/dev/null | tail -n 1 | sed "s/^/$v: /"
+  done
+}
+
+# Section 8: where the host CPU's time goes (perf is missing there): bench/sample_prof.cpp's
+# samples of bench_train's full-length step and of `attn train`, fp32 and bf16.
+cpu_profiles() {
+  local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
+  echo "== 8. sampled profiles of the host's CPU, $t threads"
+  # Where the time goes (perf is missing here): bench/sample_prof.cpp's samples of bench_train's
+  # full-length step and of `attn train`, fp32 and bf16. The profiles come back in $out;
+  # bench/sample_prof.py symbolizes them here if binutils are present, else on the build machine
+  # (the same binaries in build/cuda).
+  echo "(bench/sample_prof.py $out/prof_*.txt symbolizes them on the build machine too)"
+  local p prec filter
+  for p in step_fp32 step_bf16 cli_fp32 cli_bf16; do
+    prec=${p#*_}
+    filter=BM_TrainStep/
+    [ "$prec" = bf16 ] && filter=BM_TrainStepBf16/
+    rm -f "$out/prof_$p.txt"
+    (
+      export ATTN_THREADS=$t OMP_WAIT_POLICY=PASSIVE ATTN_SAMPLE_PROF="$out/prof_$p.txt"
+      local preload="LD_PRELOAD=$PWD/$bundle/lib/libattn_sample_prof.so"
+      if [ "${p%%_*}" = step ]; then
+        timeout 60 env "$preload" "$bundle/bin/bench_train" --benchmark_filter="$filter" \
+          >/dev/null 2>&1
+      else
+        timeout 60 env "$preload" "$bundle/bin/attn" train --task shift --length 128 --symbols 8 \
+          --num-hiddens 128 --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 \
+          --threads "$t" --eval-every 0 --eval-examples 64 --steps 100 --precision "$prec" \
+          >/dev/null 2>&1
+      fi
+    )
+    if command -v nm >/dev/null && command -v readelf >/dev/null; then
+      python3 bench/sample_prof.py "$out/prof_$p.txt" --top 12 --search "$bundle/bin" 2>&1
+    else
+      head -n 1 "$out/prof_$p.txt" 2>/dev/null || echo "$p: no profile"
+    fi
+  done
+}
+
 run() {
   local quick=""
   [ "${1:-}" = "--quick" ] && quick="--quick"
@@ -269,12 +340,9 @@ run() {
       [ "$skipped" -gt 0 ] && echo "$name: tests skipped on a GPU machine (no device visible?)"
     fi
   done
-  # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel and
-  # through the pipelined tensor-core kernel (off by default until this check has passed it on a
-  # GPU: then flip its default in flash_mma.cu).
+  # The bf16 cases that take the tensor-core forward, once more through the SIMT kernel.
   local rerun label env_var log what rc_rerun
-  for rerun in "SIMT only|ATTN_CUDA_SIMT_ATTENTION|simt|the SIMT kernel" \
-    "pipelined|ATTN_CUDA_MMA_PIPELINED|pipelined|the pipelined forward"; do
+  for rerun in "SIMT only|ATTN_CUDA_SIMT_ATTENTION|simt|the SIMT kernel"; do
     IFS='|' read -r label env_var log what <<<"$rerun"
     env "$env_var=1" timeout "$tlimit" "$bundle/bin/test_cuda_attention" --gtest_color=no \
       --gtest_filter='CudaFlashAttention.Forward*' >"$out/attention_$log.log" 2>&1
@@ -371,6 +439,8 @@ run() {
 
   cpu_step "$out"
   echo "   ($((SECONDS - start)) s so far)"
+  cpu_gemm_ab "$out"
+  cpu_profiles "$out"
   echo
   echo "== summary ($((SECONDS - start)) s)"
   printf '%s' "$summary"
@@ -386,13 +456,21 @@ case "$mode" in
   build) build ;;
   run) shift; run "$@" ;;
   cpu)
-    # Section 6 alone (the host's CPU), results in $OUT or build/gpu-check/out.
+    # Sections 6 and 7 alone (the host's CPU), results in $OUT or build/gpu-check/out.
     setup
     mkdir -p "${OUT:-$bundle/out}"
     cpu_step "${OUT:-$bundle/out}"
+    cpu_gemm_ab "${OUT:-$bundle/out}"
+    cpu_profiles "${OUT:-$bundle/out}"
+    ;;
+  profile)
+    # Section 8 alone.
+    setup
+    mkdir -p "${OUT:-$bundle/out}"
+    cpu_profiles "${OUT:-$bundle/out}"
     ;;
   *)
-    echo "usage: scripts/gpu-check.sh build | run [--quick] | cpu" >&2
+    echo "usage: scripts/gpu-check.sh build | run [--quick] | cpu | profile" >&2
     exit 2
     ;;
 esac

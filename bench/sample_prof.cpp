@@ -1,0 +1,145 @@
+// A sampling profile for machines without perf (the GPU machine's host runs in a gVisor sandbox:
+// no perf_event_open), to find which functions take a run's CPU time there.
+//
+// Preloaded into a run (LD_PRELOAD=libattn_sample_prof.so ATTN_SAMPLE_PROF=out.txt attn train
+// ...), it starts a timer of the process's CPU time (ITIMER_PROF: every thread's time counts)
+// that raises SIGPROF ATTN_SAMPLE_HZ times a CPU second (default 997; the kernel's tick bounds
+// it: ~250 a second with HZ=250), and on each signal keeps the interrupted instruction's address.
+// At exit it writes, for every address seen, the object it lies in (from /proc/self/maps) and its
+// offset in that file:
+//
+//   # samples N hz H dropped D
+//   count<TAB>object path<TAB>file offset (hex)
+//
+// bench/sample_prof.py turns the offsets into symbols with the same binaries on the build machine
+// and prints the top symbols, as scripts/profile.sh does with perf. The leaf address only: time a
+// function spends in what it calls counts for the callee (as `perf report --no-children`).
+//
+// A program that sets its own SIGPROF handler or ITIMER_PROF takes them over. Samples past the
+// first 2^22 are dropped (counted).
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/time.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+constexpr size_t kMaxSamples = size_t{1} << 22;
+
+uint64_t* samples = nullptr;  // mmap'ed at start: nothing to allocate in the handler
+std::atomic<size_t> taken{0};
+const char* out_path = nullptr;
+int hz = 997;
+
+void on_sigprof(int, siginfo_t*, void* context) {
+  const size_t i = taken.fetch_add(1, std::memory_order_relaxed);
+  if (i >= kMaxSamples) return;
+#if defined(__x86_64__)
+  samples[i] = static_cast<uint64_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+  samples[i] = static_cast<uint64_t>(static_cast<ucontext_t*>(context)->uc_mcontext.pc);
+#else
+  samples[i] = 0;
+#endif
+}
+
+__attribute__((constructor)) void start() {
+  out_path = std::getenv("ATTN_SAMPLE_PROF");
+  if (out_path == nullptr || *out_path == '\0') return;
+  if (const char* h = std::getenv("ATTN_SAMPLE_HZ"); h != nullptr && std::atoi(h) > 0)
+    hz = std::atoi(h);
+  void* m = mmap(nullptr, kMaxSamples * sizeof(uint64_t), PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) {
+    std::fprintf(stderr, "sample_prof: no memory for the samples; not sampling\n");
+    out_path = nullptr;
+    return;
+  }
+  samples = static_cast<uint64_t*>(m);
+  struct sigaction sa;
+  std::memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_sigprof;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGPROF, &sa, nullptr);
+  const long usec = std::max(1L, 1000000L / hz);
+  itimerval t{{usec / 1000000, usec % 1000000}, {usec / 1000000, usec % 1000000}};
+  if (setitimer(ITIMER_PROF, &t, nullptr) != 0) {
+    std::fprintf(stderr, "sample_prof: setitimer(ITIMER_PROF) failed; not sampling\n");
+    out_path = nullptr;
+  }
+}
+
+struct Mapping {
+  uint64_t start, end, offset;
+  std::string path;
+};
+
+std::vector<Mapping> read_maps() {
+  std::vector<Mapping> maps;
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return maps;
+  char line[4096];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    uint64_t start = 0, end = 0, offset = 0;
+    char perms[8] = {}, path[4096] = {};
+    // start-end perms offset dev inode [path]
+    const int got = std::sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %" SCNx64 " %*s %*s %4095[^\n]",
+                                &start, &end, perms, &offset, path);
+    if (got < 4 || std::strchr(perms, 'x') == nullptr) continue;
+    maps.push_back({start, end, offset, got == 5 ? path : "[anonymous]"});
+  }
+  std::fclose(f);
+  std::sort(maps.begin(), maps.end(),
+            [](const Mapping& a, const Mapping& b) { return a.start < b.start; });
+  return maps;
+}
+
+__attribute__((destructor)) void finish() {
+  if (out_path == nullptr) return;
+  const itimerval off{};
+  setitimer(ITIMER_PROF, &off, nullptr);
+  signal(SIGPROF, SIG_IGN);
+  const size_t n = std::min(taken.load(), kMaxSamples);
+  // A process that took no samples (a wrapper such as timeout that inherited the preload) leaves
+  // the file to the one that did.
+  if (n == 0) return;
+  std::unordered_map<uint64_t, uint64_t> counts;
+  for (size_t i = 0; i < n; ++i)
+    ++counts[samples[i]];
+  const std::vector<Mapping> maps = read_maps();
+  // Written whole to a temporary file, then renamed: a partial profile never appears.
+  const std::string tmp = std::string(out_path) + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "sample_prof: cannot write %s\n", tmp.c_str());
+    return;
+  }
+  std::fprintf(f, "# samples %zu hz %d dropped %zu\n", n, hz, taken.load() - n);
+  for (const auto& [pc, count] : counts) {
+    auto it = std::upper_bound(maps.begin(), maps.end(), pc,
+                               [](uint64_t v, const Mapping& m) { return v < m.start; });
+    if (it != maps.begin() && pc < (it - 1)->end) {
+      const Mapping& m = *(it - 1);
+      std::fprintf(f, "%" PRIu64 "\t%s\t%" PRIx64 "\n", count, m.path.c_str(),
+                   pc - m.start + m.offset);
+    } else {
+      std::fprintf(f, "%" PRIu64 "\t[unknown]\t%" PRIx64 "\n", count, pc);
+    }
+  }
+  std::fclose(f);
+  std::rename(tmp.c_str(), out_path);
+}
+
+}  // namespace

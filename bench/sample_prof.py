@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Top symbols of a bench/sample_prof.cpp profile (where perf is missing: the GPU machine's host).
+
+    python3 bench/sample_prof.py PROFILE [--top 25] [--search DIR ...]
+
+PROFILE lines are `count<TAB>object<TAB>file offset`. Each object is looked up on this machine
+by its path, else by its file name in the --search folders (default: the CUDA build's and the GPU
+check bundle's, where the binaries that ran there were built), and each offset turned into the
+symbol that holds it (readelf's LOAD segments give the address, nm's symbol table the name).
+Prints each symbol's share of the samples, as `perf report --no-children --sort symbol` would,
+and each object's share.
+"""
+import argparse
+import bisect
+import collections
+import os
+import re
+import subprocess
+import sys
+
+DEFAULT_SEARCH = ["build/cuda/bench", "build/cuda", "build/cuda/tests", "build/gpu-check/lib",
+                  "build/default/bench", "build/default", "/usr/lib/x86_64-linux-gnu"]
+
+
+def find_object(path, search):
+    if os.path.isfile(path):
+        return path
+    name = os.path.basename(path)
+    for d in search:
+        p = os.path.join(d, name)
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+class Symbols:
+    def __init__(self, path):
+        self.segments = []  # (file offset, virtual address, file size)
+        out = subprocess.run(["readelf", "-lW", path], capture_output=True, text=True).stdout
+        for m in re.finditer(r"^\s*LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+"
+                             r"(0x[0-9a-f]+)", out, re.M):
+            self.segments.append(tuple(int(x, 16) for x in m.groups()))
+        syms = []
+        for dynamic in (False, True):
+            cmd = ["nm", "-C", "-S", "--defined-only"] + (["-D"] if dynamic else []) + [path]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            for line in res.stdout.splitlines():
+                parts = line.split(" ", 3)
+                if len(parts) == 4 and parts[2].lower() in ("t", "w", "i"):
+                    syms.append((int(parts[0], 16), int(parts[1], 16), parts[3]))
+                elif len(parts) == 3 and parts[1].lower() in ("t", "w"):
+                    syms.append((int(parts[0], 16), 0, parts[2]))
+            if syms:
+                break
+        syms.sort()
+        self.starts = [s[0] for s in syms]
+        self.syms = syms
+
+    def name(self, offset):
+        addr = offset
+        for off, vaddr, size in self.segments:
+            if off <= offset < off + size:
+                addr = offset - off + vaddr
+                break
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i < 0:
+            return None
+        start, size, name = self.syms[i]
+        # Past a symbol's size, or far past one without a size (a stripped library's exported
+        # symbols only: its hidden functions lie between them), the address has no symbol.
+        if addr >= start + (size or 256):
+            return None
+        return name
+
+
+def short(name, width=110):
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("profile")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--search", action="append", default=[])
+    a = ap.parse_args()
+    search = a.search + DEFAULT_SEARCH
+    header, rows = "", []
+    for line in open(a.profile):
+        if line.startswith("#"):
+            header = line.strip("# \n")
+            continue
+        count, obj, off = line.rstrip("\n").split("\t")
+        rows.append((int(count), obj, int(off, 16)))
+    total = sum(r[0] for r in rows)
+    if total == 0:
+        print(f"{a.profile}: no samples ({header})")
+        return 1
+    tables, by_sym, by_obj = {}, collections.Counter(), collections.Counter()
+    unnamed = collections.Counter()
+    for count, obj, off in rows:
+        base = os.path.basename(obj)
+        by_obj[base] += count
+        if obj == "[anonymous]":  # executable memory without a file: generated code
+            by_sym[("[JIT code: e.g. oneDNN's generated kernels]", base)] += count
+            continue
+        if obj not in tables:
+            local = find_object(obj, search)
+            tables[obj] = Symbols(local) if local else None
+        name = tables[obj].name(off) if tables[obj] else None
+        if name is None:
+            unnamed[f"{base}+{off:#x}"] += count
+            name = f"[{base}: code without a symbol]"
+        by_sym[(name, base)] += count
+    print(f"{a.profile}: {header}")
+    print("by object: " + ", ".join(f"{o} {100 * c / total:.1f}%" for o, c in by_obj.most_common(8)))
+    print(f"{'share':>7} {'samples':>8}  symbol [object]")
+    for (name, base), count in by_sym.most_common(a.top):
+        print(f"{100 * count / total:6.2f}% {count:8d}  {short(name)} [{base}]")
+    if unnamed:
+        print("hottest addresses without a symbol (objdump -d --start-address=...): " +
+              ", ".join(f"{a} {100 * c / total:.1f}%" for a, c in unnamed.most_common(5)))
+    missing = sorted(o for o, t in tables.items() if t is None)
+    if missing:
+        print("not found here (offsets shown): " + ", ".join(missing), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
