@@ -20,6 +20,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/time.h>
+#include <time.h>
 #include <ucontext.h>
 
 #include <algorithm>
@@ -37,14 +38,23 @@ namespace {
 
 constexpr size_t kMaxSamples = size_t{1} << 22;
 
-uint64_t* samples = nullptr;  // mmap'ed at start: nothing to allocate in the handler
+// mmap'ed at start (nothing to allocate in the handler): addresses, then their times (ns).
+uint64_t* samples = nullptr;
+uint64_t* times = nullptr;
 std::atomic<size_t> taken{0};
 const char* out_path = nullptr;
 int hz = 997;
 
+uint64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);  // async-signal-safe
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000u + static_cast<uint64_t>(ts.tv_nsec);
+}
+
 void on_sigprof(int, siginfo_t*, void* context) {
   const size_t i = taken.fetch_add(1, std::memory_order_relaxed);
   if (i >= kMaxSamples) return;
+  times[i] = now_ns();
 #if defined(__x86_64__)
   samples[i] = static_cast<uint64_t>(static_cast<ucontext_t*>(context)->uc_mcontext.gregs[REG_RIP]);
 #elif defined(__aarch64__)
@@ -59,7 +69,7 @@ __attribute__((constructor)) void start() {
   if (out_path == nullptr || *out_path == '\0') return;
   if (const char* h = std::getenv("ATTN_SAMPLE_HZ"); h != nullptr && std::atoi(h) > 0)
     hz = std::atoi(h);
-  void* m = mmap(nullptr, kMaxSamples * sizeof(uint64_t), PROT_READ | PROT_WRITE,
+  void* m = mmap(nullptr, 2 * kMaxSamples * sizeof(uint64_t), PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (m == MAP_FAILED) {
     std::fprintf(stderr, "sample_prof: no memory for the samples; not sampling\n");
@@ -67,6 +77,7 @@ __attribute__((constructor)) void start() {
     return;
   }
   samples = static_cast<uint64_t*>(m);
+  times = samples + kMaxSamples;
   struct sigaction sa;
   std::memset(&sa, 0, sizeof sa);
   sa.sa_sigaction = on_sigprof;
@@ -115,9 +126,19 @@ __attribute__((destructor)) void finish() {
   // A process that took no samples (a wrapper such as timeout that inherited the preload) leaves
   // the file to the one that did.
   if (n == 0) return;
-  std::unordered_map<uint64_t, uint64_t> counts;
-  for (size_t i = 0; i < n; ++i)
-    ++counts[samples[i]];
+  // Samples are stored in the order they were taken, up to a few in flight at once: the first
+  // one's time starts the run.
+  const uint64_t t0 = times[0], t_late = t0 + (now_ns() - t0) / 5;
+  struct Count {
+    uint64_t all = 0, late = 0;
+  };
+  std::unordered_map<uint64_t, Count> counts;
+  size_t late = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Count& c = counts[samples[i]];
+    ++c.all;
+    if (times[i] >= t_late) ++c.late, ++late;
+  }
   const std::vector<Mapping> maps = read_maps();
   // Written whole to a temporary file, then renamed: a partial profile never appears.
   const std::string tmp = std::string(out_path) + ".tmp";
@@ -126,16 +147,17 @@ __attribute__((destructor)) void finish() {
     std::fprintf(stderr, "sample_prof: cannot write %s\n", tmp.c_str());
     return;
   }
-  std::fprintf(f, "# samples %zu hz %d dropped %zu\n", n, hz, taken.load() - n);
+  std::fprintf(f, "# samples %zu late %zu hz %d dropped %zu\n", n, late, hz, taken.load() - n);
   for (const auto& [pc, count] : counts) {
     auto it = std::upper_bound(maps.begin(), maps.end(), pc,
                                [](uint64_t v, const Mapping& m) { return v < m.start; });
     if (it != maps.begin() && pc < (it - 1)->end) {
       const Mapping& m = *(it - 1);
-      std::fprintf(f, "%" PRIu64 "\t%s\t%" PRIx64 "\n", count, m.path.c_str(),
-                   pc - m.start + m.offset);
+      std::fprintf(f, "%" PRIu64 "\t%" PRIu64 "\t%s\t%" PRIx64 "\n", count.all, count.late,
+                   m.path.c_str(), pc - m.start + m.offset);
     } else {
-      std::fprintf(f, "%" PRIu64 "\t[unknown]\t%" PRIx64 "\n", count, pc);
+      std::fprintf(f, "%" PRIu64 "\t%" PRIu64 "\t[unknown]\t%" PRIx64 "\n", count.all, count.late,
+                   pc);
     }
   }
   std::fclose(f);

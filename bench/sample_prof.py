@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Top symbols of a bench/sample_prof.cpp profile (where perf is missing: the GPU machine's host).
 
-    python3 bench/sample_prof.py PROFILE [--top 25] [--search DIR ...]
+    python3 bench/sample_prof.py PROFILE [--top 25] [--late] [--search DIR ...]
 
-PROFILE lines are `count<TAB>object<TAB>file offset`. Each object is looked up on this machine
+PROFILE lines are `count<TAB>late count<TAB>object<TAB>file offset`; --late counts only the
+samples past the run's first fifth (without the warm-up: oneDNN's primitives created for each new
+shape). Each object is looked up on this machine
 by its path, else by its file name in the --search folders (default: the CUDA build's and the GPU
 check bundle's, where the binaries that ran there were built), and each offset turned into the
 symbol that holds it (readelf's LOAD segments give the address, nm's symbol table the name).
@@ -81,6 +83,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("profile")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--late", action="store_true", help="only the samples past the first fifth")
     ap.add_argument("--search", action="append", default=[])
     a = ap.parse_args()
     search = a.search + DEFAULT_SEARCH
@@ -89,8 +92,8 @@ def main():
         if line.startswith("#"):
             header = line.strip("# \n")
             continue
-        count, obj, off = line.rstrip("\n").split("\t")
-        rows.append((int(count), obj, int(off, 16)))
+        count, late, obj, off = line.rstrip("\n").split("\t")
+        rows.append((int(late if a.late else count), obj, int(off, 16)))
     total = sum(r[0] for r in rows)
     if total == 0:
         print(f"{a.profile}: no samples ({header})")
@@ -111,7 +114,7 @@ def main():
             unnamed[f"{base}+{off:#x}"] += count
             name = f"[{base}: code without a symbol]"
         by_sym[(name, base)] += count
-    print(f"{a.profile}: {header}")
+    print(f"{a.profile}: {header}{' (past the first fifth)' if a.late else ''}")
     print("by object: " + ", ".join(f"{o} {100 * c / total:.1f}%" for o, c in by_obj.most_common(8)))
     print(f"{'share':>7} {'samples':>8}  symbol [object]")
     for (name, base), count in by_sym.most_common(a.top):

@@ -145,8 +145,8 @@ PY
 # Section 6: the d2l encoder's training step on the host's CPU at GPU_CHECK_CPU_THREADS threads
 # (default 2, as issue 23's targets): bench_train beside PyTorch's eager and bf16 autocast step
 # (bench/peers_train.py with the machine's PyTorch), full length and padded; `attn train` on
-# padded batches (the CLI's own loop, --bucket 1 and the default 8) against bench_train's full
-# length; and where a bf16 `attn train` run's threads wait (bench/omp_trace.py; the trace comes
+# padded batches (the CLI's own loop, --bucket 1 and the default 8; 300 steps: the whole run's rate
+# and that of steps 100-300, past the warm-up) against bench_train's full length; and where a bf16 `attn train` run's threads wait (bench/omp_trace.py; the trace comes
 # back in $out for symbolizing on the build machine, whose build/cuda/attn has the same addresses).
 cpu_step() {
   local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
@@ -168,7 +168,7 @@ cpu_step() {
   fi
   local train=(train --task shift --length 128 --symbols 8 --num-hiddens 128
     --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 --threads "$t"
-    --eval-every 0 --eval-examples 64)
+    --eval-examples 64)
   (
     export ATTN_THREADS=$t OMP_WAIT_POLICY=PASSIVE
     export GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736
@@ -183,9 +183,14 @@ cpu_step() {
           --mode "$m" $pad --min-time 1 >>"$out/cpu_train_torch.jsonl" 2>>"$out/cpu_train_torch.err"
       done
     done
+    # 300 steps, evaluated every 100 (64 sequences): the whole run's rate, and that of steps
+    # 100-300 from the metrics (tokens and seconds since the start at each evaluation), without
+    # the first steps' warm-up (allocations, oneDNN primitives for each new batch width).
     for p in fp32 bf16; do
       for k in 1 8; do
-        timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 100 --precision "$p" --bucket "$k" \
+        rm -f "$out/cli_${p}_$k.csv"
+        timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 300 --eval-every 100 \
+          --metrics "$out/cli_${p}_$k.csv" --precision "$p" --bucket "$k" \
           2>"$out/cli_${p}_$k.txt" >/dev/null
       done
     done
@@ -193,7 +198,7 @@ cpu_step() {
       timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 60 --precision bf16 >/dev/null 2>&1
   )
   python3 - "$out" "$t" <<'PY'
-import json, re, sys
+import csv, json, sys
 out, threads = sys.argv[1], sys.argv[2]
 attn = {}
 try:
@@ -207,11 +212,19 @@ for line in open(f"{out}/cpu_train_torch.jsonl"):
     t = json.loads(line)
     version = t.get("torch", version)
     torch[(t["mode"], t["padded"])] = t.get("tokens_per_second")
-cli = {}
+cli, warm = {}, {}
 for p in ("fp32", "bf16"):
     for k in (1, 8):
-        rates = re.findall(r"([0-9.]+)k tok/s", open(f"{out}/cli_{p}_{k}.txt").read())
-        cli[(p, k)] = float(rates[-1]) * 1e3 if rates else None
+        try:
+            rows = list(csv.DictReader(open(f"{out}/cli_{p}_{k}.csv")))
+        except OSError:
+            rows = []
+        if rows:
+            cli[(p, k)] = float(rows[-1]["tokens_per_second"])
+            seen = [(float(x["tokens_per_second"]) * float(x["seconds"]), float(x["seconds"]))
+                    for x in rows]
+            if len(seen) > 1 and seen[-1][1] > seen[0][1]:
+                warm[(p, k)] = (seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
 
 
 def f(v):
@@ -229,10 +242,14 @@ for label, sfx, mode in (("attn fp32", "", "eager"), ("attn bf16", "Bf16", "auto
     t, tp = torch.get((mode, False)), torch.get((mode, True))
     print(f"{label:12}        {f(a)}  {f(ap)}")
     print(f"torch {mode:9}     {f(t)}  {f(tp)}        {r(a, t)}  {r(ap, tp)}")
+print("attn train on padded batches (300 steps), tokens/s and the ratio to bench_train's full "
+      "length (target >= 0.75x):")
+print(" " * 17 + "  ".join(f"{h:>19}" for h in ("--bucket 1: all", "steps 100-300",
+                                                "--bucket 8: all", "steps 100-300")))
 for p, sfx in (("fp32", ""), ("bf16", "Bf16")):
     full = attn.get(f"BM_TrainStep{sfx}")
-    print(f"attn train {p}: --bucket 1 {f(cli[(p, 1)])} ({r(cli[(p, 1)], full)} of bench_train's "
-          f"full length), --bucket 8 {f(cli[(p, 8)])} ({r(cli[(p, 8)], full)})")
+    cells = [f"{f(d.get((p, k)))} ({r(d.get((p, k)), full)})" for k in (1, 8) for d in (cli, warm)]
+    print(f"attn train {p}  " + "  ".join(cells))
 PY
   [ -s "$out/cpu_train_torch.err" ] && tail -n 3 "$out/cpu_train_torch.err"
   python3 bench/omp_trace.py "$out/omp_bf16.trace" --top 8 2>&1 | head -30
@@ -267,7 +284,8 @@ cpu_gemm_ab() {
 }
 
 # Section 8: where the host CPU's time goes (perf is missing there): bench/sample_prof.cpp's
-# samples of bench_train's full-length step and of `attn train`, fp32 and bf16.
+# samples of bench_train's full-length step and of a 300-step `attn train` (past its first fifth),
+# fp32 and bf16.
 cpu_profiles() {
   local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
   echo "== 8. sampled profiles of the host's CPU, $t threads"
@@ -291,12 +309,17 @@ cpu_profiles() {
       else
         timeout 60 env "$preload" "$bundle/bin/attn" train --task shift --length 128 --symbols 8 \
           --num-hiddens 128 --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 \
-          --threads "$t" --eval-every 0 --eval-examples 64 --steps 100 --precision "$prec" \
+          --threads "$t" --eval-every 0 --eval-examples 64 --steps 300 --precision "$prec" \
           >/dev/null 2>&1
       fi
     )
+    # The CLI's runs past their first fifth (the warm-up creates oneDNN's primitives for each
+    # new batch width); bench_train's whole (google-benchmark warms it up before timing).
+    local window=()
+    [ "${p%%_*}" = cli ] && window=(--late)
     if command -v nm >/dev/null && command -v readelf >/dev/null; then
-      python3 bench/sample_prof.py "$out/prof_$p.txt" --top 12 --search "$bundle/bin" 2>&1
+      python3 bench/sample_prof.py "$out/prof_$p.txt" --top 12 "${window[@]}" \
+        --search "$bundle/bin" 2>&1
     else
       head -n 1 "$out/prof_$p.txt" 2>/dev/null || echo "$p: no profile"
     fi
