@@ -8,7 +8,7 @@
 #   THREADS: a comma list, e.g. 2 or 2,16. LABEL: with nothing after the colon, the defaults.
 #   e.g. bench/ab_env.sh build/default/bench/bench_train 3 2 'BM_TrainStep/' \
 #          auto: onednn:ATTN_GEMM_F32=onednn rows:ATTN_GEMM_F32=rows
-# bench/ab_wgrad.sh and scripts/gpu-check.sh (section 6) call it.
+# bench/ab_wgrad.sh and scripts/gpu-check.sh (section 7) call it.
 set -euo pipefail
 [[ $# -ge 5 ]] || { sed -n '2,11p' "$0" >&2; exit 2; }
 bin=$1 rounds=$2 threads=$3 filter=$4

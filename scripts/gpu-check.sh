@@ -146,8 +146,9 @@ PY
 # (default 2, as issue 23's targets): bench_train beside PyTorch's eager and bf16 autocast step
 # (bench/peers_train.py with the machine's PyTorch), full length and padded; `attn train` on
 # padded batches (the CLI's own loop, --bucket 1 and the default 8; 300 steps: the whole run's rate
-# and that of steps 100-300, past the warm-up) against bench_train's full length; and where a bf16 `attn train` run's threads wait (bench/omp_trace.py; the trace comes
-# back in $out for symbolizing on the build machine, whose build/cuda/attn has the same addresses).
+# and that of steps 100-300, past the warm-up) against bench_train's full length; and where a bf16
+# `attn train` run's threads wait (bench/omp_trace.py; the trace comes back in $out for
+# symbolizing on the build machine, whose build/cuda/attn has the same addresses).
 cpu_step() {
   local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
   echo "== 6. the host's CPU, $t threads (issue 23): the encoder step beside PyTorch, attn train"

@@ -8,9 +8,9 @@
 // products of small weights and values. Intel cores take a microcode assist, on the order of a
 // hundred cycles, for every vector instruction with a subnormal input or result; AMD's do not.
 // On the GPU machine's Xeon (AMX-BF16, 2 threads) the fp32 d2l training step spent 44% of its
-// samples in the forward's P V product and 21% in its scores (bench/sample_prof.cpp, session 25)
-// where Zen 3 spends 2% and 10%: 0.08% of its weights were subnormal, but a subnormal lane stalls
-// the whole vector, and each weight vector takes part in Dv / 8 multiply-adds.
+// samples in the forward's P V product and 21% in the backward's products (bench/sample_prof.cpp,
+// session 25) where Zen 3 spends 2% and 10%: 0.08% of the weights were subnormal, but a subnormal
+// lane stalls the whole vector, and each vector of weights takes part in Dv / 8 multiply-adds.
 //
 // What it changes: a weight or partial sum below 2^-126 (1.2e-38) counts as 0. Next to the row's
 // largest weight, 1 before normalization, that is below float's resolution by 2^102, so every
