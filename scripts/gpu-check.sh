@@ -145,8 +145,8 @@ PY
 # Section 6: the d2l encoder's training step on the host's CPU at GPU_CHECK_CPU_THREADS threads
 # (default 2, as issue 23's targets): bench_train beside PyTorch's eager and bf16 autocast step
 # (bench/peers_train.py with the machine's PyTorch), full length and padded; `attn train` on
-# padded batches (the CLI's own loop, --bucket 1 and the default 8; 300 steps: the whole run's rate
-# and that of steps 100-300, past the warm-up) against bench_train's full length; and where a bf16
+# padded batches (the CLI's own loop, --bucket 1 and the default 8; 200 steps: the whole run's rate
+# and that of steps 100-200, past the warm-up) against bench_train's full length; and where a bf16
 # `attn train` run's threads wait (bench/omp_trace.py; the trace comes back in $out for
 # symbolizing on the build machine, whose build/cuda/attn has the same addresses).
 cpu_step() {
@@ -184,13 +184,13 @@ cpu_step() {
           --mode "$m" $pad --min-time 1 >>"$out/cpu_train_torch.jsonl" 2>>"$out/cpu_train_torch.err"
       done
     done
-    # 300 steps, evaluated every 100 (64 sequences): the whole run's rate, and that of steps
-    # 100-300 from the metrics (tokens and seconds since the start at each evaluation), without
+    # 200 steps, evaluated every 100 (64 sequences): the whole run's rate, and that of steps
+    # 100-200 from the metrics (tokens and seconds since the start at each evaluation), without
     # the first steps' warm-up (allocations, oneDNN primitives for each new batch width).
     for p in fp32 bf16; do
       for k in 1 8; do
         rm -f "$out/cli_${p}_$k.csv"
-        timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 300 --eval-every 100 \
+        timeout 120 "$bundle/bin/attn" "${train[@]}" --steps 200 --eval-every 100 \
           --metrics "$out/cli_${p}_$k.csv" --precision "$p" --bucket "$k" \
           2>"$out/cli_${p}_$k.txt" >/dev/null
       done
@@ -243,10 +243,10 @@ for label, sfx, mode in (("attn fp32", "", "eager"), ("attn bf16", "Bf16", "auto
     t, tp = torch.get((mode, False)), torch.get((mode, True))
     print(f"{label:12}        {f(a)}  {f(ap)}")
     print(f"torch {mode:9}     {f(t)}  {f(tp)}        {r(a, t)}  {r(ap, tp)}")
-print("attn train on padded batches (300 steps), tokens/s and the ratio to bench_train's full "
+print("attn train on padded batches (200 steps), tokens/s and the ratio to bench_train's full "
       "length (target >= 0.75x):")
-print(" " * 17 + "  ".join(f"{h:>19}" for h in ("--bucket 1: all", "steps 100-300",
-                                                "--bucket 8: all", "steps 100-300")))
+print(" " * 17 + "  ".join(f"{h:>19}" for h in ("--bucket 1: all", "steps 100-200",
+                                                "--bucket 8: all", "steps 100-200")))
 for p, sfx in (("fp32", ""), ("bf16", "Bf16")):
     full = attn.get(f"BM_TrainStep{sfx}")
     cells = [f"{f(d.get((p, k)))} ({r(d.get((p, k)), full)})" for k in (1, 8) for d in (cli, warm)]
@@ -285,7 +285,7 @@ cpu_gemm_ab() {
 }
 
 # Section 8: where the host CPU's time goes (perf is missing there): bench/sample_prof.cpp's
-# samples of bench_train's full-length step and of a 300-step `attn train` (past its first fifth),
+# samples of bench_train's full-length step and of a 200-step `attn train` (past its first fifth),
 # fp32 and bf16.
 cpu_profiles() {
   local out=$1 t=${GPU_CHECK_CPU_THREADS:-2}
@@ -310,7 +310,7 @@ cpu_profiles() {
       else
         timeout 60 env "$preload" "$bundle/bin/attn" train --task shift --length 128 --symbols 8 \
           --num-hiddens 128 --ffn-num-hiddens 256 --num-heads 4 --dropout 0.1 --batch-size 32 \
-          --threads "$t" --eval-every 0 --eval-examples 64 --steps 300 --precision "$prec" \
+          --threads "$t" --eval-every 0 --eval-examples 64 --steps 200 --precision "$prec" \
           >/dev/null 2>&1
       fi
     )
