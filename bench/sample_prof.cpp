@@ -4,19 +4,23 @@
 // Preloaded into a run (LD_PRELOAD=libattn_sample_prof.so ATTN_SAMPLE_PROF=out.txt attn train
 // ...), it starts a timer of the process's CPU time (ITIMER_PROF: every thread's time counts)
 // that raises SIGPROF ATTN_SAMPLE_HZ times a CPU second (default 997; the kernel's tick bounds
-// it: ~250 a second with HZ=250), and on each signal keeps the interrupted instruction's address.
-// At exit it writes, for every address seen, the object it lies in (from /proc/self/maps) and its
-// offset in that file:
+// it: ~250 a second with HZ=250), and on each signal keeps the interrupted instruction's address
+// and the time. At exit it writes, for every address seen, how often it was seen in the whole run
+// and past the run's first fifth (from the first sample to the exit: without the first steps,
+// which create oneDNN's primitives for each new shape, as scripts/profile.sh's `--time
+// 20%-100%`), the object it lies in and the address within that object (dladdr, as
+// bench/omp_trace.cpp names callers; "[no object]" for generated code):
 //
-//   # samples N hz H dropped D
-//   count<TAB>object path<TAB>file offset (hex)
+//   # samples N late L hz H dropped D
+//   count<TAB>late count<TAB>object path<TAB>address in the object (hex)
 //
-// bench/sample_prof.py turns the offsets into symbols with the same binaries on the build machine
+// bench/sample_prof.py turns the addresses into symbols with the same binaries on the build machine
 // and prints the top symbols, as scripts/profile.sh does with perf. The leaf address only: time a
 // function spends in what it calls counts for the callee (as `perf report --no-children`).
 //
 // A program that sets its own SIGPROF handler or ITIMER_PROF takes them over. Samples past the
 // first 2^22 are dropped (counted).
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/time.h>
@@ -32,7 +36,6 @@
 #include <cstring>
 #include <string>
 #include <unordered_map>
-#include <vector>
 
 namespace {
 
@@ -92,31 +95,6 @@ __attribute__((constructor)) void start() {
   }
 }
 
-struct Mapping {
-  uint64_t start, end, offset;
-  std::string path;
-};
-
-std::vector<Mapping> read_maps() {
-  std::vector<Mapping> maps;
-  FILE* f = std::fopen("/proc/self/maps", "r");
-  if (f == nullptr) return maps;
-  char line[4096];
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    uint64_t start = 0, end = 0, offset = 0;
-    char perms[8] = {}, path[4096] = {};
-    // start-end perms offset dev inode [path]
-    const int got = std::sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %" SCNx64 " %*s %*s %4095[^\n]",
-                                &start, &end, perms, &offset, path);
-    if (got < 4 || std::strchr(perms, 'x') == nullptr) continue;
-    maps.push_back({start, end, offset, got == 5 ? path : "[anonymous]"});
-  }
-  std::fclose(f);
-  std::sort(maps.begin(), maps.end(),
-            [](const Mapping& a, const Mapping& b) { return a.start < b.start; });
-  return maps;
-}
-
 __attribute__((destructor)) void finish() {
   if (out_path == nullptr) return;
   const itimerval off{};
@@ -139,7 +117,6 @@ __attribute__((destructor)) void finish() {
     ++c.all;
     if (times[i] >= t_late) ++c.late, ++late;
   }
-  const std::vector<Mapping> maps = read_maps();
   // Written whole to a temporary file, then renamed: a partial profile never appears.
   const std::string tmp = std::string(out_path) + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "w");
@@ -149,16 +126,13 @@ __attribute__((destructor)) void finish() {
   }
   std::fprintf(f, "# samples %zu late %zu hz %d dropped %zu\n", n, late, hz, taken.load() - n);
   for (const auto& [pc, count] : counts) {
-    auto it = std::upper_bound(maps.begin(), maps.end(), pc,
-                               [](uint64_t v, const Mapping& m) { return v < m.start; });
-    if (it != maps.begin() && pc < (it - 1)->end) {
-      const Mapping& m = *(it - 1);
-      std::fprintf(f, "%" PRIu64 "\t%" PRIu64 "\t%s\t%" PRIx64 "\n", count.all, count.late,
-                   m.path.c_str(), pc - m.start + m.offset);
-    } else {
-      std::fprintf(f, "%" PRIu64 "\t%" PRIu64 "\t[unknown]\t%" PRIx64 "\n", count.all, count.late,
-                   pc);
-    }
+    // The object and the address within it, as bench/omp_trace.cpp names a caller (dladdr: what
+    // addr2line and nm read for a position-independent object); none for generated code.
+    Dl_info info{};
+    const bool known = dladdr(reinterpret_cast<void*>(pc), &info) != 0 && info.dli_fname != nullptr;
+    std::fprintf(f, "%" PRIu64 "\t%" PRIu64 "\t%s\t%" PRIx64 "\n", count.all, count.late,
+                 known ? info.dli_fname : "[no object]",
+                 pc - (known ? reinterpret_cast<uintptr_t>(info.dli_fbase) : 0));
   }
   std::fclose(f);
   std::rename(tmp.c_str(), out_path);

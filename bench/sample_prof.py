@@ -3,12 +3,11 @@
 
     python3 bench/sample_prof.py PROFILE [--top 25] [--late] [--search DIR ...]
 
-PROFILE lines are `count<TAB>late count<TAB>object<TAB>file offset`; --late counts only the
-samples past the run's first fifth (without the warm-up: oneDNN's primitives created for each new
-shape). Each object is looked up on this machine
-by its path, else by its file name in the --search folders (default: the CUDA build's and the GPU
-check bundle's, where the binaries that ran there were built), and each offset turned into the
-symbol that holds it (readelf's LOAD segments give the address, nm's symbol table the name).
+PROFILE lines are `count<TAB>late count<TAB>object<TAB>address in the object`; --late counts
+only the samples past the run's first fifth (without the warm-up: oneDNN's primitives created for
+each new shape). Each object is looked up on this machine by its path, else by its file name in
+the --search folders (default: the CUDA build's and the GPU check bundle's, where the binaries
+that ran there were built), and each address turned into the symbol that holds it (nm's table).
 Prints each symbol's share of the samples, as `perf report --no-children --sort symbol` would,
 and each object's share.
 """
@@ -16,7 +15,6 @@ import argparse
 import bisect
 import collections
 import os
-import re
 import subprocess
 import sys
 
@@ -37,11 +35,6 @@ def find_object(path, search):
 
 class Symbols:
     def __init__(self, path):
-        self.segments = []  # (file offset, virtual address, file size)
-        out = subprocess.run(["readelf", "-lW", path], capture_output=True, text=True).stdout
-        for m in re.finditer(r"^\s*LOAD\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+0x[0-9a-f]+\s+"
-                             r"(0x[0-9a-f]+)", out, re.M):
-            self.segments.append(tuple(int(x, 16) for x in m.groups()))
         syms = []
         for dynamic in (False, True):
             cmd = ["nm", "-C", "-S", "--defined-only"] + (["-D"] if dynamic else []) + [path]
@@ -58,12 +51,7 @@ class Symbols:
         self.starts = [s[0] for s in syms]
         self.syms = syms
 
-    def name(self, offset):
-        addr = offset
-        for off, vaddr, size in self.segments:
-            if off <= offset < off + size:
-                addr = offset - off + vaddr
-                break
+    def name(self, addr):
         i = bisect.bisect_right(self.starts, addr) - 1
         if i < 0:
             return None
@@ -92,7 +80,7 @@ def main():
         if line.startswith("#"):
             header = line.strip("# \n")
             continue
-        count, late, obj, off = line.rstrip("\n").split("\t")
+        count, late, obj, off = line.rstrip("\n").split("\t")  # off: address in obj
         rows.append((int(late if a.late else count), obj, int(off, 16)))
     total = sum(r[0] for r in rows)
     if total == 0:
@@ -103,7 +91,7 @@ def main():
     for count, obj, off in rows:
         base = os.path.basename(obj)
         by_obj[base] += count
-        if obj == "[anonymous]":  # executable memory without a file: generated code
+        if obj == "[no object]":  # executable memory without a file: generated code
             by_sym[("[JIT code: e.g. oneDNN's generated kernels]", base)] += count
             continue
         if obj not in tables:
