@@ -55,6 +55,22 @@ Tensor apply_linear(Context& ctx, const Tensor& x, const Linear& l) {
                                            l.has_bias() ? l.bias.value : Tensor(), false);
 }
 
+// The projection l(X) of the new positions X (B, T_new, E) stored in `cache` (B, capacity, E) at
+// positions L .. L + T_new - 1. Where the new rows are one stride apart in the cache (one new
+// position, or one batch row) and the cache has X's dtype, the product writes there directly;
+// otherwise (a bfloat16 cache, several rows of several positions) it is converted and copied in.
+void append_projection(Context& ctx, const Tensor& X, const Linear& l, Tensor& cache, int64_t L) {
+  const int64_t B = X.dim(0), Tn = X.dim(1);
+  if (cache.dtype() == X.dtype() && (Tn == 1 || B == 1)) {
+    attn::detail::linear_of_parameter_into(
+        ctx, X, l.weight.value, l.has_bias() ? l.bias.value : Tensor(), cache.slice(1, L, L + Tn));
+    return;
+  }
+  const Tensor n = apply_linear(ctx, X, l).to(cache.dtype()).contiguous();
+  for (int64_t b = 0; b < B; ++b)
+    copy_positions(cache, b, L, n, b, 0, Tn);
+}
+
 // AddNorm in eval mode: ln(Y + X), the training forward's add_all({Y, X}) order.
 Tensor add_norm(Context& ctx, const AddNorm& an, const Tensor& X, const Tensor& Y) {
   return layer_norm(ctx, detail::add_all({Y, X}), an.ln.weight.value, an.ln.bias.value, an.ln.eps)
@@ -148,35 +164,46 @@ void DecoderState::reorder(const std::vector<int64_t>& rows) {
   for (int64_t i = 0; i < batch; ++i)
     same_sources &= source_row[static_cast<size_t>(rows[static_cast<size_t>(i)])] ==
                     source_row[static_cast<size_t>(i)];
-  // Rows that continue another row; the rows they read, each once, in `read_rows` (a row may be
-  // read by one row and overwritten by another, so what is read is set aside first). Rows that
-  // continue themselves (most, in beam search) are not touched, and only the decoded positions
-  // are copied, not the spare capacity.
+  // Rows that continue another row (`moving`: overwritten), and of the rows they read those that
+  // are overwritten themselves, each once (`read_rows`): only those are set aside first; a row
+  // that continues itself (most, in beam search) is read in place and not touched. Only the
+  // decoded positions are copied, not the spare capacity.
   // Where rows move across sources, the encoder's rows of the new order, one per row.
   std::vector<int64_t> encoder_rows;
   if (!same_sources)
     for (int64_t r : rows)
       encoder_rows.push_back(r / enc_share);
   std::vector<int64_t> moving, read_rows, slot(static_cast<size_t>(batch), -1);
-  for (int64_t i = 0; i < batch; ++i) {
-    const int64_t from = rows[static_cast<size_t>(i)];
-    if (from == i) continue;
-    moving.push_back(i);
-    if (slot[static_cast<size_t>(from)] < 0) {
-      slot[static_cast<size_t>(from)] = static_cast<int64_t>(read_rows.size());
-      read_rows.push_back(from);
+  std::vector<bool> overwritten(static_cast<size_t>(batch), false);
+  for (int64_t i = 0; i < batch; ++i)
+    if (rows[static_cast<size_t>(i)] != i) {
+      moving.push_back(i);
+      overwritten[static_cast<size_t>(i)] = true;
+    }
+  for (int64_t i : moving) {
+    const auto from = static_cast<size_t>(rows[static_cast<size_t>(i)]);
+    if (overwritten[from] && slot[from] < 0) {
+      slot[from] = static_cast<int64_t>(read_rows.size());
+      read_rows.push_back(static_cast<int64_t>(from));
     }
   }
   for (DecoderBlockCache& c : blocks) {
     for (Tensor* t : {&c.keys, &c.values}) {
       if (moving.empty() || length == 0) break;
-      Tensor read =
-          Tensor::empty({static_cast<int64_t>(read_rows.size()), length, t->dim(2)}, t->dtype());
-      for (size_t j = 0; j < read_rows.size(); ++j)
-        copy_positions(read, static_cast<int64_t>(j), 0, *t, read_rows[j], 0, length);
-      for (int64_t i : moving)
-        copy_positions(*t, i, 0, read, slot[static_cast<size_t>(rows[static_cast<size_t>(i)])], 0,
-                       length);
+      Tensor read;
+      if (!read_rows.empty()) {
+        read =
+            Tensor::empty({static_cast<int64_t>(read_rows.size()), length, t->dim(2)}, t->dtype());
+        for (size_t j = 0; j < read_rows.size(); ++j)
+          copy_positions(read, static_cast<int64_t>(j), 0, *t, read_rows[j], 0, length);
+      }
+      for (int64_t i : moving) {
+        const int64_t from = rows[static_cast<size_t>(i)];
+        if (overwritten[static_cast<size_t>(from)])
+          copy_positions(*t, i, 0, read, slot[static_cast<size_t>(from)], 0, length);
+        else
+          copy_positions(*t, i, 0, *t, from, 0, length);
+      }
     }
     if (!same_sources) {
       c.enc_keys = detail::gather_rows(c.enc_keys, encoder_rows);
@@ -304,12 +331,8 @@ Tensor TransformerDecoder::step(Context& ctx, const Tensor& ids, DecoderState& s
     DecoderBlockCache& c = state.blocks[i];
     // Self-attention over the cache extended by the new positions.
     const Tensor Q = apply_linear(ctx, X, blk.attention1.W_q);
-    const Tensor Kn = apply_linear(ctx, X, blk.attention1.W_k).to(c.keys.dtype()).contiguous();
-    const Tensor Vn = apply_linear(ctx, X, blk.attention1.W_v).to(c.values.dtype()).contiguous();
-    for (int64_t b = 0; b < B; ++b) {
-      copy_positions(c.keys, b, L, Kn, b, 0, Tn);
-      copy_positions(c.values, b, L, Vn, b, 0, Tn);
-    }
+    append_projection(ctx, X, blk.attention1.W_k, c.keys, L);
+    append_projection(ctx, X, blk.attention1.W_v, c.values, L);
     const Tensor K = c.keys.slice(1, 0, L + Tn), V = c.values.slice(1, 0, L + Tn);
     Tensor O = heads_attention(ctx, Q, K, V, H, self_lens,
                                need_weights ? &state.self_attention_weights[i] : nullptr);

@@ -38,8 +38,8 @@ void check_linear_dtype(const char* op, const char* name, const Tensor& t) {
         dtype_name(t.dtype()));
 }
 
-// The GEMM's element types for a contiguous output `out` of `ld` columns: f32 in and out, or bf16
-// in and bf16 out (oneDNN accumulates in f32 and rounds once when it stores).
+// The GEMM's element types for an output `out` whose rows are `ld` elements apart: f32 in and out,
+// or bf16 in and bf16 out (oneDNN accumulates in f32 and rounds once when it stores).
 void set_output(cpu::GemmArgs& g, Tensor& out, int64_t ld) {
   g.ldc = ld;
   if (out.dtype() == DType::BF16) {
@@ -135,8 +135,9 @@ struct ReluGradRows {
   }
 };
 
+// into (optional): where y goes instead of a new tensor (linear_of_parameter_into); returned too.
 Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
-                   bool relu_after, bool w_fixed = false);
+                   bool relu_after, bool w_fixed = false, const Tensor* into = nullptr);
 
 }  // namespace
 
@@ -153,11 +154,27 @@ Tensor detail::linear_of_parameter(Context& ctx, const Tensor& x, const Tensor& 
   return linear_impl(ctx, relu_after ? "linear_relu" : "linear", x, W, b, relu_after, true);
 }
 
+void detail::linear_of_parameter_into(Context& ctx, const Tensor& x, const Tensor& W,
+                                      const Tensor& b, const Tensor& out) {
+  (void)linear_impl(ctx, "linear", x, W, b, false, true, &out);
+}
+
 namespace {
 
 Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& W, const Tensor& b,
-                   bool relu_after, bool w_fixed) {
+                   bool relu_after, bool w_fixed, const Tensor* into) {
   const Shape y_shape = check_linear(op, x, W);
+  std::optional<RowMatrix> into_rows;
+  if (into) {
+    check(into->defined() && into->shape() == y_shape && into->dtype() == x.dtype(), op,
+          "the output given has shape {} and dtype {}, expected {} and {}",
+          shape_arg(into->shape()), into->defined() ? dtype_name(into->dtype()) : "none",
+          shape_arg(y_shape), dtype_name(x.dtype()));
+    into_rows = as_row_matrix(*into);
+    check(into_rows.has_value(), op,
+          "the output given (shape {}, strides {}) has rows that do not share one stride",
+          shape_arg(into->shape()), shape_arg(into->strides()));
+  }
   if (b.defined()) {
     check_linear_dtype(op, "b", b);
     detail::check_same_dtype(op, "b", b, "x", x);
@@ -177,7 +194,7 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
     Tensor x_store, w_store;
     const RowMatrix xm = row_matrix(x, x_store), wm = row_matrix(W, w_store);
     const Tensor bc = b.defined() ? (bf16 ? b.to(DType::F32) : b.contiguous()) : Tensor();
-    Tensor y = Tensor::empty(y_shape, x.dtype());
+    Tensor y = into ? *into : Tensor::empty(y_shape, x.dtype());
     cpu::GemmArgs g;
     g.M = rows, g.N = O, g.K = I;
     g.A = xm.data, g.lda = xm.ld;
@@ -185,7 +202,7 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
     // A module's own weight, whose packing a GemmFixedPackingScope (generation) may keep; W read in
     // place only (row_matrix copies a strided W into a temporary, which must not be kept).
     g.b_fixed = w_fixed && wm.data == W.raw_data();
-    set_output(g, y, O);
+    set_output(g, y, into ? into_rows->ld : O);
     g.bias = bc.defined() ? bc.data<float>() : nullptr;
     // With relu_after, each piece of rows is rectified by the thread that computed it, in the
     // product's region: no second pass over y and no region of its own.
@@ -194,6 +211,13 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
                    relu_after ? cpu::RowTask{&ReluRows::run, &rectify} : cpu::RowTask{});
     return y;
   }
+  // The reference loops write a new tensor; `into` gets a copy of it.
+  auto result = [&](const Tensor& y) {
+    if (!into) return y;
+    Tensor out = *into;
+    out.copy_from(y);
+    return out;
+  };
   Tensor y = Tensor::empty(y_shape, x.dtype());
   const Tensor xc = x.contiguous(), wc = W.contiguous();
   const Tensor bc = b.defined() ? b.contiguous() : Tensor();
@@ -201,14 +225,14 @@ Tensor linear_impl(Context& ctx, const char* op, const Tensor& x, const Tensor& 
     auto bits = [](const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); };
     ref::linear_forward_bf16(bits(xc), bits(wc), bc.defined() ? bits(bc) : nullptr,
                              static_cast<uint16_t*>(y.raw_data()), rows, I, O);
-    return relu_after ? relu(ctx, y) : y;
+    return result(relu_after ? relu(ctx, y) : y);
   }
   detail::dispatch_float(x.dtype(), [&](auto zero) {
     using F = decltype(zero);
     ref::linear_forward<F>(xc.data<F>(), wc.data<F>(), bc.defined() ? bc.data<F>() : nullptr,
                            y.data<F>(), rows, I, O);
   });
-  return relu_after ? relu(ctx, y) : y;
+  return result(relu_after ? relu(ctx, y) : y);
 }
 
 // Where the parameter gradients go: fresh tensors (linear_backward) or sums added to in place

@@ -12,4 +12,10 @@ namespace attn::detail {
 Tensor linear_of_parameter(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b,
                            bool relu_after);
 
+// linear_of_parameter (no ReLU) writing y into `out` instead of a new tensor: a view of y's shape
+// and x's dtype whose rows share one stride (a decoder step's new keys, straight into its cache).
+// Same values as the call that returns y.
+void linear_of_parameter_into(Context& ctx, const Tensor& x, const Tensor& W, const Tensor& b,
+                              const Tensor& out);
+
 }  // namespace attn::detail

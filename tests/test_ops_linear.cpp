@@ -1,16 +1,19 @@
 // linear / linear_backward: y = x W^T + b against the written-out formula, 2-D and 3-D x,
 // with and without bias, finite-difference gradients (float64) and bad input;
 // linear_backward_accumulate against linear_backward followed by the adds, bit for bit; the fused
-// ReLU (linear_relu, relu_out) against the separate passes, bit for bit.
+// ReLU (linear_relu, relu_out) against the separate passes, bit for bit; linear_of_parameter_into
+// against linear, bit for bit.
 #include "attention_harness.hpp"
 #include "attn/ops/activation.hpp"
 #include "attn/ops/linear.hpp"
+#include "ops/linear_parameter.hpp"
 #include "testing.hpp"
 
 #include <gtest/gtest.h>
 
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace attn {
@@ -202,6 +205,47 @@ TEST(LinearRelu, IsTheSeparatePassesBitwise) {
       }
     }
   }
+}
+
+// linear_of_parameter_into (a decoder step's new keys straight into its cache) writes the bits
+// linear returns into a view whose rows share one stride, and nothing else of the tensor the view
+// is of: every dtype and backend, 1 and 2 threads; a view it cannot write is an error.
+TEST(LinearInto, WritesLinearsBitsIntoAStridedViewOnly) {
+  for (const DType dtype : {DType::F32, DType::BF16, DType::F64}) {
+    for (const Backend backend : {Backend::kAuto, Backend::kReference}) {
+      for (const int threads : {1, 2}) {
+        Context ctx;
+        ctx.backend = backend;
+        ctx.threads = threads;
+        const int64_t B = 37, E = 24, O = 40, cap = 6, L = 4;
+        const Tensor x = random_tensor({B, 1, E}, dtype, 11);
+        const Tensor W = random_tensor({O, E}, dtype, 12), b = random_tensor({O}, dtype, 13);
+        const Tensor cache = random_tensor({B, cap, O}, dtype, 14), before = cache.clone();
+        const std::string what = std::string(dtype_name(dtype)) + " threads " +
+                                 std::to_string(threads) +
+                                 (backend == Backend::kReference ? " reference" : "");
+        detail::linear_of_parameter_into(ctx, x, W, b, cache.slice(1, L, L + 1));
+        EXPECT_TRUE(bitwise_equal(cache.slice(1, L, L + 1), linear(ctx, x, W, b))) << what;
+        for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{0, L}, {L + 1, cap}})
+          EXPECT_TRUE(bitwise_equal(cache.slice(1, lo, hi), before.slice(1, lo, hi))) << what;
+        // One batch row of several positions: its rows are contiguous.
+        const Tensor x3 = random_tensor({1, 3, E}, dtype, 15);
+        detail::linear_of_parameter_into(ctx, x3, W, Tensor(), cache.slice(0, 2, 3).slice(1, 1, 4));
+        EXPECT_TRUE(bitwise_equal(cache.slice(0, 2, 3).slice(1, 1, 4), linear(ctx, x3, W))) << what;
+      }
+    }
+  }
+  Context ctx;
+  const Tensor x = random_tensor({4, 2, 8}), W = random_tensor({5, 8});
+  const Tensor cache = Tensor::zeros({4, 6, 5}, DType::F64);
+  // Two batch rows of two positions each: the rows do not share one stride.
+  EXPECT_THROW(detail::linear_of_parameter_into(ctx, x, W, Tensor(), cache.slice(1, 0, 2)), Error);
+  EXPECT_THROW(detail::linear_of_parameter_into(ctx, x, W, Tensor(), Tensor::zeros({4, 2, 4})),
+               Error);  // shape
+  EXPECT_THROW(
+      detail::linear_of_parameter_into(ctx, x, W, Tensor(), Tensor::zeros({4, 2, 5}, DType::F32)),
+      Error);  // dtype
+  EXPECT_THROW(detail::linear_of_parameter_into(ctx, x, W, Tensor(), Tensor()), Error);
 }
 
 TEST(LinearErrors, BadInputNamesTheOp) {
