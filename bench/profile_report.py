@@ -3,7 +3,8 @@
 prints the top symbols with their share of CPU time (scripts/profile.sh runs it).
 
 Each symbol is arithmetic (attn's kernels, oneDNN's JIT GEMMs, libm) or overhead: string building
-and formatting, allocation, page faults and page clearing, copies (memmove/memcpy), bounds checks,
+and formatting, allocation, page faults and page clearing, copies and fills (memmove, memcpy,
+memset; a symbol is judged by its name without its parameters), bounds checks,
 locks and OpenMP waits (a libgomp address: a thread idle at a barrier). Exits 1 when an overhead
 symbol takes more than --limit percent.
 
@@ -20,19 +21,35 @@ OVERHEAD = [
                               r"_int_malloc|malloc_consolidate|acquire_block|release_block|mmap|munmap")),
     ("page faults", re.compile(r"page_fault|clear_page|do_anonymous_page|get_page_from_freelist|"
                                r"alloc_pages|folio")),
-    ("copy", re.compile(r"memmove|memcpy|clone|copy_from|contiguous")),
+    ("copy", re.compile(r"memmove|memcpy|memset|clone|copy_from|contiguous")),
     ("checks", re.compile(r"offset_of|Tensor::at|Tensor::dim|Tensor::stride|check_|throw")),
     ("locks", re.compile(r"mutex|futex|spin_lock|spin_unlock|pthread_cond|sched_yield|"
                          r"finish_task_switch|_raw_spin")),
 ]
 
 
+def function_name(sym: str) -> str:
+    """sym without its parameter list and what follows it (" [clone .arch_x86_64_v4]", say):
+    a kernel taking a std::string or named by its clone must not read as string or copy work."""
+    sym = sym.replace("(anonymous namespace)", "{anonymous}")
+    depth = 0
+    for i, c in enumerate(sym):
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            depth = max(depth - 1, 0)
+        elif c == "(" and depth == 0 and i > 0:
+            return sym[:i]
+    return sym
+
+
 def label(dso: str, sym: str) -> str:
     if "libgomp" in dso:
         return "OpenMP wait"
-    for name, pattern in OVERHEAD:
-        if pattern.search(sym):
-            return name
+    name = function_name(sym)
+    for kind, pattern in OVERHEAD:
+        if pattern.search(name):
+            return kind
     return "arithmetic"
 
 

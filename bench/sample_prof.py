@@ -9,7 +9,9 @@ each new shape). Each object is looked up on this machine by its path, else by i
 the --search folders (default: the CUDA build's and the GPU check bundle's, where the binaries
 that ran there were built), and each address turned into the symbol that holds it (nm's table).
 Prints each symbol's share of the samples, as `perf report --no-children --sort symbol` would,
-and each object's share.
+labelled arithmetic or overhead as scripts/profile.sh labels perf's (bench/profile_report.py; libc's
+code without a symbol as copies: its memmove and memset variants have none here), and each
+object's and each kind's share.
 """
 import argparse
 import bisect
@@ -17,6 +19,8 @@ import collections
 import os
 import subprocess
 import sys
+
+from profile_report import label
 
 DEFAULT_SEARCH = ["build/cuda/bench", "build/cuda", "build/cuda/tests", "build/gpu-check/lib",
                   "build/default/bench", "build/default", "/usr/lib/x86_64-linux-gnu"]
@@ -63,6 +67,15 @@ class Symbols:
         return name
 
 
+def kind(base, name):
+    # libc's functions without a symbol here are mostly its IFUNC variants of memmove, memset,
+    # memcmp and strlen (their exported names are the resolvers): counted as copies, the
+    # conservative reading.
+    if base.startswith("libc.so") and name.endswith("code without a symbol]"):
+        return "copy"
+    return label(base, name)
+
+
 def short(name, width=110):
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -104,9 +117,14 @@ def main():
         by_sym[(name, base)] += count
     print(f"{a.profile}: {header}{' (past the first fifth)' if a.late else ''}")
     print("by object: " + ", ".join(f"{o} {100 * c / total:.1f}%" for o, c in by_obj.most_common(8)))
-    print(f"{'share':>7} {'samples':>8}  symbol [object]")
+    by_kind = collections.Counter()
+    for (name, base), count in by_sym.items():
+        by_kind[kind(base, name)] += count
+    print("by kind: " + ", ".join(f"{k} {100 * c / total:.1f}%" for k, c in by_kind.most_common()))
+    print(f"{'share':>7} {'samples':>8}  {'kind':<12} symbol [object]")
     for (name, base), count in by_sym.most_common(a.top):
-        print(f"{100 * count / total:6.2f}% {count:8d}  {short(name)} [{base}]")
+        print(f"{100 * count / total:6.2f}% {count:8d}  {kind(base, name):<12} {short(name)} "
+              f"[{base}]")
     if unnamed:
         print("hottest addresses without a symbol (objdump -d --start-address=...): " +
               ", ".join(f"{a} {100 * c / total:.1f}%" for a, c in unnamed.most_common(5)))

@@ -62,13 +62,9 @@ fi
 echo "== attn translate: the dates model, greedy and beam 4, 4,096 sentences"
 "$attn" train --task dates --steps 200 --num-hiddens 64 --ffn-num-hiddens 128 --num-heads 4 \
   --batch-size 64 --threads "$threads" --checkpoint "$tmp/dates.safetensors" >/dev/null 2>&1
-# Sources in the task's own form (dates in words), cycled to 4,096 lines (enough that steady decoding, not start-up, fills the profile).
-for i in $(seq 1 512); do
-  printf '%s\n' "the third of march two thousand and five" "july the twentieth nineteen ninety nine" \
-    "the first of january two thousand" "december the thirty first two thousand and twelve" \
-    "the ninth of august nineteen eighty" "may the fourth two thousand and one" \
-    "the twenty second of april two thousand and one" "october the tenth nineteen seventy"
-done >"$tmp/src.txt"
+# Sources in the task's own form (dates in words, bench/translate_sources.txt), cycled to 4,096
+# lines (enough that steady decoding, not start-up, fills the profile).
+for i in $(seq 1 512); do cat bench/translate_sources.txt; done >"$tmp/src.txt"
 perf record -q -e cpu-clock -o "$tmp/translate.data" -- bash -c "
   '$attn' translate --checkpoint '$tmp/dates.safetensors' --threads $threads <'$tmp/src.txt' >/dev/null &&
   '$attn' translate --checkpoint '$tmp/dates.safetensors' --threads $threads --beam 4 <'$tmp/src.txt' >/dev/null"
