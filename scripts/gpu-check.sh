@@ -18,8 +18,10 @@
 #                                     beside PyTorch (GPU_CHECK_CPU_THREADS, default 2); section 7
 #                                     A/Bs the f32 products' kernel and the attention kernels'
 #                                     flush of subnormals there (GPU_CHECK_SKIP_AB=1 skips it);
-#                                     section 8 samples where the CPU step and `attn train` spend
-#                                     their time there (bench/sample_prof.cpp: no perf there).
+#                                     section 8 samples where the CPU step, `attn train` and
+#                                     `attn translate` spend their time there
+#                                     (bench/sample_prof.cpp: no perf there). GPU_CHECK_SKIP_CPU=1
+#                                     skips sections 6 to 8 (a GPU-only run).
 #                                     Results also go to $OUT (the device tool's folder) if set.
 #   scripts/gpu-check.sh cpu          sections 6 to 8 alone (any machine with the bundle and
 #                                     PyTorch)
@@ -481,10 +483,14 @@ run() {
   fi
   echo "   ($((SECONDS - start)) s so far)"
 
-  cpu_step "$out"
-  echo "   ($((SECONDS - start)) s so far)"
-  cpu_gemm_ab "$out"
-  cpu_profiles "$out"
+  if [ -n "${GPU_CHECK_SKIP_CPU:-}" ]; then
+    echo "== 6-8. skipped (GPU_CHECK_SKIP_CPU set)"
+  else
+    cpu_step "$out"
+    echo "   ($((SECONDS - start)) s so far)"
+    cpu_gemm_ab "$out"
+    cpu_profiles "$out"
+  fi
   echo
   echo "== summary ($((SECONDS - start)) s)"
   printf '%s' "$summary"

@@ -12,7 +12,8 @@
 //   backward  delta = rowsum(dO * O) first; then two kernels that recompute the weights from lse:
 //             dQ over query blocks (the forward's shape) and dK, dV over key blocks (queries
 //             stream through shared memory). No atomics: every gradient element has one writer,
-//             so results are the same bits on every run.
+//             so results are the same bits on every run. bf16 at D = Dv in {32, 64, 128} runs
+//             the same two passes on tensor cores (flash_mma.cu), as the forward does.
 //   decode    block = one (b, t) row; keys in chunks of 1024: each thread scores its own keys into
 //             shared memory, the block reduces max and sum, the warps accumulate interleaved
 //             keys' V rows into their lanes' columns, then add their rows in order.
@@ -580,6 +581,12 @@ void backward_impl(const AttentionArgs<E>& a, const AttentionGradArgs<E>& g, flo
   const LaunchConfig rc = rows_config(a.B * a.T);
   flash_delta_kernel<E><<<rc.grid.x, rc.block.x, 0, s>>>(P);
   ATTN_CUDA_CHECK_LAUNCH(op);
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    if (flash_mma_backward_supports(a, g)) {  // bf16 on tensor cores (flash_mma.cu)
+      flash_mma_backward(a, g, delta, stream);
+      return;
+    }
+  }
   const LaunchConfig cq = flash_forward_config(a.B, a.T, a.D, a.Dv, true);
   allow_smem(flash_dq_kernel<E>, cq, op);
   flash_dq_kernel<E><<<dim3(cq.grid.x, cq.grid.y), dim3(cq.block.x), cq.smem_bytes, s>>>(P);

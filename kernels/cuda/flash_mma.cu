@@ -31,6 +31,7 @@ namespace attn::cuda {
 namespace {
 
 using kernels::AttentionArgs;
+using kernels::AttentionGradArgs;
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaRows = 16 * kMmaWarps;  // query rows a block
@@ -49,6 +50,11 @@ struct MmaParams {
   uint16_t* out;
   int64_t q_sb, q_sh, q_st, k_sb, k_sh, k_st, v_sb, v_sh, v_st, o_sb, o_sh, o_st;
   float* lse;
+  // backward only: dO (the output's layout), the gradients, delta = rowsum(dO * O)
+  const uint16_t* dout;
+  uint16_t *dq, *dk, *dv;
+  int64_t g_sb, g_sh, g_st, dq_sb, dq_sh, dq_st, dk_sb, dk_sh, dk_st, dv_sb, dv_sh, dv_st;
+  const float* delta;
 
   __device__ int64_t row_off(int64_t b, int64_t sb, int64_t sh) const {
     return heads == 1 ? b * sb : (b / heads) * sb + (b % heads) * sh;
@@ -57,6 +63,9 @@ struct MmaParams {
     const int64_t lim = row_limit(kept, causal, b, t, T, S);
     *uniform = lim == 0 && !zero_rows;
     return *uniform ? S : lim;
+  }
+  __device__ float dropout_z(uint64_t offset, int64_t b, int64_t t, int64_t s) const {
+    return dropout_factor(seed, offset, drop(b, t, s), p);
   }
 };
 
@@ -102,6 +111,21 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const uint16_t* sme
                : "r"(a));
 }
 
+// The A fragments of rows t0 .. t0 + 15 of a row-major bf16 matrix (rows `st` apart; rows past T
+// read as zeros), every 16-wide chunk of its D columns: the forward's Q, the dQ kernel's Q and dO.
+template <int kChunks>
+__device__ __forceinline__ void load_a_rows(uint32_t frag[kChunks][4], const uint16_t* base,
+                                            int64_t st, int64_t t0, int64_t T, int lane) {
+#pragma unroll
+  for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
+      const int64_t t = t0 + pos.row;
+      frag[kc][r] = t < T ? load_u32(base + t * st + kc * 16 + pos.col) : 0u;
+    }
+}
+
 // One block: 64 query rows (a warp's 16 each) against every key tile its rows keep. K and V tiles
 // come into shared memory by cp.async, 16 bytes a thread and step, both row-major, into two
 // buffers (tile j + 1 is in flight while tile j is multiplied); B fragments come by ldmatrix x4
@@ -125,15 +149,7 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
 
   // Q fragments for all k-steps, straight from global memory (rows past T read as zeros).
   uint32_t qa[kChunks][4];
-  const uint16_t* qb = P.q + P.row_off(b, P.q_sb, P.q_sh);
-#pragma unroll
-  for (int kc = 0; kc < kChunks; ++kc)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const FragPos pos = mma_a_pos(lane, r, 0);  // the pair (row, col), (row, col + 1)
-      const int64_t t = t0 + pos.row;
-      qa[kc][r] = t < P.T ? load_u32(qb + t * P.q_st + kc * 16 + pos.col) : 0u;
-    }
+  load_a_rows<kChunks>(qa, P.q + P.row_off(b, P.q_sb, P.q_sh), P.q_st, t0, P.T, lane);
 
   bool uniform[2] = {false, false};
   int64_t lim[2];
@@ -297,6 +313,354 @@ void launch_mma(const MmaParams& P, void* stream) {
   ATTN_CUDA_CHECK_LAUNCH(op);
 }
 
+// The backward (FlashAttention-2's recomputation from lse; no atomics, so every gradient element
+// has one writer and a run's bits do not change from run to run, as in the SIMT kernels): delta
+// = rowsum(dO * O) first (flash_attention.cu), then dQ over query blocks and dK, dV over key
+// blocks. With dropout the forward was O = (P Z) V, so dP = Z (dO V^T), dS = P (dP - delta),
+// dQ = scale dS K, dK = scale dS^T Q, dV = (P Z)^T dO. P Z and dS are rounded to bf16 as the
+// A operands of the products that follow (their C fragments are those A fragments, as the
+// forward's P); the sums are float.
+
+// dQ: the forward's schedule (a warp's 16 query rows, Q and dO fragments in registers; K and V
+// tiles double-buffered by cp.async). Per tile S = Q K^T and dO V^T (V's rows addressed as the
+// forward addresses K's), then dQ += dS K (K as the forward's V: ldmatrix .trans). A row without
+// kept keys, or whose scores all tie (uniform), gets no gradient.
+template <int D>
+__global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_dq_kernel(const MmaParams P) {
+  constexpr int ld = D + kPad;
+  constexpr int kChunks = D / 16, kOutTiles = D / 8, kKeyTiles = kMmaKeys / 8;
+  constexpr int kTile = kMmaKeys * ld;
+  extern __shared__ uint16_t smem16[];  // [buffer][K tile, V tile]
+
+  const int64_t b = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const uint64_t offset = P.offset_dev != nullptr ? *P.offset_dev + P.offset : P.offset;
+  const int64_t t_block = static_cast<int64_t>(blockIdx.x) * kMmaRows;
+  const int64_t t0 = t_block + warp * 16;
+  const int64_t rows[2] = {t0 + mma_c_pos(lane, 0).row, t0 + mma_c_pos(lane, 2).row};
+
+  uint32_t qa[kChunks][4], ga[kChunks][4];
+  load_a_rows<kChunks>(qa, P.q + P.row_off(b, P.q_sb, P.q_sh), P.q_st, t0, P.T, lane);
+  load_a_rows<kChunks>(ga, P.dout + P.row_off(b, P.g_sb, P.g_sh), P.g_st, t0, P.T, lane);
+
+  int64_t lim[2];
+  float lse[2], delta[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    bool u = false;
+    lim[i] = rows[i] < P.T ? P.limit(b, rows[i], &u) : 0;
+    if (u) lim[i] = 0;  // all scores tie whatever q is: no gradient reaches q
+    lse[i] = lim[i] > 0 ? P.lse[b * P.T + rows[i]] : 0.0f;
+    delta[i] = lim[i] > 0 ? P.delta[b * P.T + rows[i]] : 0.0f;
+  }
+  int64_t block_limit = 0;
+  for (int r = 0; r < kMmaRows && t_block + r < P.T; ++r) {
+    bool u;
+    const int64_t lr = P.limit(b, t_block + r, &u);
+    if (!u) block_limit = max(block_limit, lr);
+  }
+
+  float dq[kOutTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n)
+    dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+
+  const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
+  const uint16_t* vb = P.v + P.row_off(b, P.v_sb, P.v_sh);
+  const auto load_tile = [&](int buf, int64_t s0) {
+    uint16_t* ks = smem16 + buf * 2 * kTile;
+    uint16_t* vs = ks + kTile;
+    for (int i = threadIdx.x; i < kMmaKeys * (D / 8); i += blockDim.x) {
+      const int key = i / (D / 8), d = 8 * (i % (D / 8));
+      const int64_t s = s0 + key;
+      const bool valid = s < P.S;
+      cp_async16(ks + key * ld + d, valid ? kb + s * P.k_st + d : kb, valid);
+      cp_async16(vs + key * ld + d, valid ? vb + s * P.v_st + d : vb, valid);
+    }
+  };
+  const int64_t tiles = (block_limit + kMmaKeys - 1) / kMmaKeys;
+  if (tiles > 0) load_tile(0, 0);
+  cp_async_commit();
+  const FragPos k_row = ldsm_k_row(lane), v_row = ldsm_v_row(lane);
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t s0 = j * kMmaKeys;
+    if (j + 1 < tiles) load_tile(static_cast<int>((j + 1) & 1), s0 + kMmaKeys);
+    cp_async_commit();
+    cp_async_wait_one();
+    __syncthreads();
+    const uint16_t* ks = smem16 + (j & 1) * 2 * kTile;
+    const uint16_t* vs = ks + kTile;
+    if (!__all_sync(0xffffffffu, s0 >= max(lim[0], lim[1]))) {
+      float sc[kKeyTiles][4], dp[kKeyTiles][4];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+      for (int np = 0; np < kKeyTiles / 2; ++np)
+#pragma unroll
+        for (int kc = 0; kc < kChunks; ++kc) {
+          uint32_t r[4];
+          ldsm_x4(r, ks + (np * 16 + k_row.row) * ld + kc * 16 + k_row.col);
+          mma_bf16(sc[2 * np], qa[kc], r[0], r[1]);
+          mma_bf16(sc[2 * np + 1], qa[kc], r[2], r[3]);
+          ldsm_x4(r, vs + (np * 16 + k_row.row) * ld + kc * 16 + k_row.col);
+          mma_bf16(dp[2 * np], ga[kc], r[0], r[1]);
+          mma_bf16(dp[2 * np + 1], ga[kc], r[2], r[3]);
+        }
+      uint32_t dsa[kMmaKeys / 16][4];
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+        float de[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          const int64_t s = s0 + n * 8 + mma_c_pos(lane, e).col;
+          float ds = 0.0f;
+          if (s < lim[i]) {
+            const float pv = expf(sc[n][e] * P.scale - lse[i]);
+            float g = dp[n][e];
+            if (P.p > 0.0f) g *= P.dropout_z(offset, b, rows[i], s);
+            ds = pv * (g - delta[i]);
+          }
+          de[e] = ds;
+        }
+        dsa[n / 2][p_reg_of(n, 0)] = pack_bf16(de[0], de[1]);
+        dsa[n / 2][p_reg_of(n, 2)] = pack_bf16(de[2], de[3]);
+      }
+#pragma unroll
+      for (int np = 0; np < kOutTiles / 2; ++np)
+#pragma unroll
+        for (int kc = 0; kc < kMmaKeys / 16; ++kc) {
+          uint32_t r[4];
+          ldsm_x4_trans(r, ks + (kc * 16 + v_row.row) * ld + np * 16 + v_row.col);
+          mma_bf16(dq[2 * np], dsa[kc], r[0], r[1]);
+          mma_bf16(dq[2 * np + 1], dsa[kc], r[2], r[3]);
+        }
+    }
+    __syncthreads();
+  }
+
+  uint16_t* out = P.dq + P.row_off(b, P.dq_sb, P.dq_sh);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t t = rows[i];
+    if (t >= P.T) continue;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n)
+      *reinterpret_cast<uint32_t*>(out + t * P.dq_st + n * 8 + mma_c_pos(lane, 2 * i).col) =
+          pack_bf16(dq[n][2 * i] * P.scale, dq[n][2 * i + 1] * P.scale);
+  }
+}
+
+// dK and dV: a block = 64 keys (a warp's 16), loaded once, whose rows are the A operands of
+// S^T = K Q^T and dP^T = V dO^T (ldmatrix without .trans: ldsm_a_row); queries stream through
+// shared memory in tiles of QT (Q and dO rows by cp.async, double-buffered) with their lse, delta
+// and key limits. Then dV += (P Z)^T dO and dK += dS^T Q, dO and Q as B operands by ldmatrix
+// .trans. A uniform row weighs every key 1/S and sends no dS.
+template <int D, int QT>
+__global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_dkdv_kernel(const MmaParams P) {
+  constexpr int ld = D + kPad;
+  constexpr int kChunks = D / 16, kOutTiles = D / 8, kQTiles = QT / 8;
+  constexpr int kKV = kMmaKeys * ld, kQ = QT * ld;
+  // The block's K and V tiles; [buffer][Q tile, dO tile]; [buffer][lse, delta, limit, uniform].
+  extern __shared__ uint16_t smem16[];
+  uint16_t* ks = smem16;
+  uint16_t* vs = ks + kKV;
+  uint16_t* qbuf = vs + kKV;
+  float* fbuf = reinterpret_cast<float*>(qbuf + 4 * kQ);
+
+  const int64_t b = blockIdx.y;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const uint64_t offset = P.offset_dev != nullptr ? *P.offset_dev + P.offset : P.offset;
+  const int64_t s_first = static_cast<int64_t>(blockIdx.x) * kMmaKeys;
+  const int64_t s_warp = s_first + warp * 16;
+  const int64_t keys[2] = {s_warp + mma_c_pos(lane, 0).row, s_warp + mma_c_pos(lane, 2).row};
+
+  const uint16_t* kb = P.k + P.row_off(b, P.k_sb, P.k_sh);
+  const uint16_t* vb = P.v + P.row_off(b, P.v_sb, P.v_sh);
+  for (int i = threadIdx.x; i < kMmaKeys * (D / 8); i += blockDim.x) {
+    const int key = i / (D / 8), d = 8 * (i % (D / 8));
+    const int64_t s = s_first + key;
+    const bool valid = s < P.S;
+    cp_async16(ks + key * ld + d, valid ? kb + s * P.k_st + d : kb, valid);
+    cp_async16(vs + key * ld + d, valid ? vb + s * P.v_st + d : vb, valid);
+  }
+  const uint16_t* qg = P.q + P.row_off(b, P.q_sb, P.q_sh);
+  const uint16_t* gg = P.dout + P.row_off(b, P.g_sb, P.g_sh);
+  const auto load_tile = [&](int buf, int64_t t0) {
+    uint16_t* qs = qbuf + buf * 2 * kQ;
+    uint16_t* gs = qs + kQ;
+    for (int i = threadIdx.x; i < QT * (D / 8); i += blockDim.x) {
+      const int row = i / (D / 8), d = 8 * (i % (D / 8));
+      const int64_t t = t0 + row;
+      const bool valid = t < P.T;
+      cp_async16(qs + row * ld + d, valid ? qg + t * P.q_st + d : qg, valid);
+      cp_async16(gs + row * ld + d, valid ? gg + t * P.g_st + d : gg, valid);
+    }
+    float* f = fbuf + buf * 4 * QT;
+    int32_t* fl = reinterpret_cast<int32_t*>(f);
+    for (int i = threadIdx.x; i < QT; i += blockDim.x) {
+      const int64_t t = t0 + i;
+      bool u = false;
+      const int64_t lim = t < P.T ? P.limit(b, t, &u) : 0;
+      const bool scored = lim > 0 && !u;
+      f[i] = scored ? P.lse[b * P.T + t] : 0.0f;
+      f[QT + i] = scored ? P.delta[b * P.T + t] : 0.0f;
+      fl[2 * QT + i] = static_cast<int32_t>(lim);  // <= S < 2^31 (flash_mma_backward_supports)
+      fl[3 * QT + i] = u ? 1 : 0;
+    }
+  };
+
+  float dk[kOutTiles][4], dv[kOutTiles][4];
+#pragma unroll
+  for (int n = 0; n < kOutTiles; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      dk[n][e] = dv[n][e] = 0.0f;
+  // Purely causal: queries before this block's first key never see it.
+  const int64_t t_begin = (P.causal && P.kept == nullptr) ? s_first / QT * QT : 0;
+  const int64_t tiles = P.T > t_begin ? (P.T - t_begin + QT - 1) / QT : 0;
+  const float inv_S = 1.0f / static_cast<float>(P.S);
+  if (tiles > 0) load_tile(0, t_begin);
+  cp_async_commit();  // the block's keys and the first query tile
+  const FragPos k_row = ldsm_k_row(lane), a_row = ldsm_a_row(lane), v_row = ldsm_v_row(lane);
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t t0 = t_begin + j * QT;
+    if (j + 1 < tiles) load_tile(static_cast<int>((j + 1) & 1), t0 + QT);
+    cp_async_commit();
+    cp_async_wait_one();
+    __syncthreads();
+    const uint16_t* qs = qbuf + (j & 1) * 2 * kQ;
+    const uint16_t* gs = qs + kQ;
+    const float* f = fbuf + (j & 1) * 4 * QT;
+    const int32_t* fl = reinterpret_cast<const int32_t*>(f);
+    // Does a query of the tile keep a key of this warp? (Each row keeps a prefix of the keys.)
+    bool any = false;
+    for (int q = lane; q < QT; q += kWarp)
+      any |= fl[2 * QT + q] > s_warp;
+    if (__any_sync(0xffffffffu, any)) {
+      float sc[kQTiles][4], dp[kQTiles][4];
+#pragma unroll
+      for (int n = 0; n < kQTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sc[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+      for (int kc = 0; kc < kChunks; ++kc) {
+        uint32_t ka[4], va[4];
+        ldsm_x4(ka, ks + (warp * 16 + a_row.row) * ld + kc * 16 + a_row.col);
+        ldsm_x4(va, vs + (warp * 16 + a_row.row) * ld + kc * 16 + a_row.col);
+#pragma unroll
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          uint32_t r[4];
+          ldsm_x4(r, qs + (np * 16 + k_row.row) * ld + kc * 16 + k_row.col);
+          mma_bf16(sc[2 * np], ka, r[0], r[1]);
+          mma_bf16(sc[2 * np + 1], ka, r[2], r[3]);
+          ldsm_x4(r, gs + (np * 16 + k_row.row) * ld + kc * 16 + k_row.col);
+          mma_bf16(dp[2 * np], va, r[0], r[1]);
+          mma_bf16(dp[2 * np + 1], va, r[2], r[3]);
+        }
+      }
+      uint32_t pa[QT / 16][4], da[QT / 16][4];
+#pragma unroll
+      for (int n = 0; n < kQTiles; ++n) {
+        float pe[4], de[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int q = n * 8 + mma_c_pos(lane, e).col;  // the query within the tile
+          const int64_t s = keys[e >> 1];
+          float pz = 0.0f, ds = 0.0f;
+          if (s < fl[2 * QT + q]) {  // s < the row's limit (0 past T)
+            const bool uniform = fl[3 * QT + q] != 0;
+            const float pv = uniform ? inv_S : expf(sc[n][e] * P.scale - f[q]);
+            const float z = P.p > 0.0f ? P.dropout_z(offset, b, t0 + q, s) : 1.0f;
+            pz = pv * z;
+            if (!uniform) ds = pv * (dp[n][e] * z - f[QT + q]);
+          }
+          pe[e] = pz;
+          de[e] = ds;
+        }
+        pa[n / 2][p_reg_of(n, 0)] = pack_bf16(pe[0], pe[1]);
+        pa[n / 2][p_reg_of(n, 2)] = pack_bf16(pe[2], pe[3]);
+        da[n / 2][p_reg_of(n, 0)] = pack_bf16(de[0], de[1]);
+        da[n / 2][p_reg_of(n, 2)] = pack_bf16(de[2], de[3]);
+      }
+#pragma unroll
+      for (int np = 0; np < kOutTiles / 2; ++np)
+#pragma unroll
+        for (int kc = 0; kc < QT / 16; ++kc) {
+          uint32_t r[4];
+          ldsm_x4_trans(r, gs + (kc * 16 + v_row.row) * ld + np * 16 + v_row.col);
+          mma_bf16(dv[2 * np], pa[kc], r[0], r[1]);
+          mma_bf16(dv[2 * np + 1], pa[kc], r[2], r[3]);
+          ldsm_x4_trans(r, qs + (kc * 16 + v_row.row) * ld + np * 16 + v_row.col);
+          mma_bf16(dk[2 * np], da[kc], r[0], r[1]);
+          mma_bf16(dk[2 * np + 1], da[kc], r[2], r[3]);
+        }
+    }
+    __syncthreads();  // every warp is done with buffer j & 1 before tile j + 2 goes there
+  }
+  asm volatile("cp.async.wait_all;\n" ::);  // no copy outlives the block (no query tile: T = 0)
+
+  uint16_t* dkb = P.dk + P.row_off(b, P.dk_sb, P.dk_sh);
+  uint16_t* dvb = P.dv + P.row_off(b, P.dv_sb, P.dv_sh);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t s = keys[i];
+    if (s >= P.S) continue;
+#pragma unroll
+    for (int n = 0; n < kOutTiles; ++n) {
+      const int col = n * 8 + mma_c_pos(lane, 2 * i).col;
+      *reinterpret_cast<uint32_t*>(dkb + s * P.dk_st + col) =
+          pack_bf16(dk[n][2 * i] * P.scale, dk[n][2 * i + 1] * P.scale);
+      *reinterpret_cast<uint32_t*>(dvb + s * P.dv_st + col) =
+          pack_bf16(dv[n][2 * i], dv[n][2 * i + 1]);
+    }
+  }
+}
+
+// Query tile of the dK/dV kernel: 64 rows, 32 at D = 128 (its dK and dV accumulators take 128
+// registers a thread already).
+constexpr int bwd_query_tile(int D) {
+  return D == 128 ? 32 : 64;
+}
+
+template <int D>
+size_t dkdv_smem() {
+  constexpr int ld = D + kPad, QT = bwd_query_tile(D);
+  return static_cast<size_t>(2 * kMmaKeys * ld + 4 * QT * ld) * sizeof(uint16_t) +
+         static_cast<size_t>(2 * 4 * QT) * sizeof(float);
+}
+
+template <class Kernel>
+void opt_in_smem(Kernel kernel, size_t smem, const char* op) {
+  if (smem > 48 * 1024)
+    ATTN_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(smem)));
+}
+
+template <int D>
+void launch_mma_backward(const MmaParams& P, void* stream) {
+  const char* op = "cuda::flash_attention_backward";
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // Opting in is a driver call: once per kernel (a call per launch cost as much as a small kernel).
+  const size_t dq_smem = flash_mma_smem(D);
+  static const bool dq_opted = (opt_in_smem(flash_mma_dq_kernel<D>, dq_smem, op), true);
+  (void)dq_opted;
+  const dim3 dq_grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
+  flash_mma_dq_kernel<D><<<dq_grid, kWarp * kMmaWarps, dq_smem, s>>>(P);
+  ATTN_CUDA_CHECK_LAUNCH(op);
+  constexpr int QT = bwd_query_tile(D);
+  const size_t kv_smem = dkdv_smem<D>();
+  static const bool kv_opted = (opt_in_smem(flash_mma_dkdv_kernel<D, QT>, kv_smem, op), true);
+  (void)kv_opted;
+  const dim3 kv_grid(static_cast<unsigned>(ceil_div(P.S, kMmaKeys)), static_cast<unsigned>(P.B));
+  flash_mma_dkdv_kernel<D, QT><<<kv_grid, kWarp * kMmaWarps, kv_smem, s>>>(P);
+  ATTN_CUDA_CHECK_LAUNCH(op);
+}
+
 }  // namespace
 
 size_t flash_mma_smem(int64_t D) {
@@ -331,8 +695,9 @@ bool flash_mma_supports(const AttentionArgs<uint16_t>& a) {
   return true;
 }
 
-void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
-  MmaParams P;
+namespace {
+MmaParams mma_params(const AttentionArgs<uint16_t>& a) {
+  MmaParams P{};
   P.B = a.B;
   P.T = a.T;
   P.S = a.S;
@@ -369,6 +734,12 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
   P.o_sh = a.out.sh;
   P.o_st = a.out.st;
   P.lse = a.lse;
+  return P;
+}
+}  // namespace
+
+void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
+  const MmaParams P = mma_params(a);
   if (a.B == 0 || a.T == 0) return;
   if (a.D == 32)
     launch_mma<32>(P, stream);
@@ -376,6 +747,56 @@ void flash_mma_forward(const AttentionArgs<uint16_t>& a, void* stream) {
     launch_mma<64>(P, stream);
   else
     launch_mma<128>(P, stream);
+}
+
+bool flash_mma_backward_supports(const AttentionArgs<uint16_t>& a,
+                                 const AttentionGradArgs<uint16_t>& g) {
+  if (!flash_mma_supports(a)) return false;
+  // The dK/dV kernel keeps each query's key limit (<= S) as a 32-bit integer.
+  if (a.S >= (int64_t{1} << 31)) return false;
+  if (g.dout.sd != 1 || g.dq.sd != 1 || g.dk.sd != 1 || g.dv.sd != 1) return false;
+  // Q and dO rows also come by 16-byte copies (the dK/dV kernel's query tiles).
+  for (const void* p : {static_cast<const void*>(a.q.data), static_cast<const void*>(g.dout.data)})
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  for (int64_t s : {a.q.sb, a.q.sh, a.q.st, g.dout.sb, g.dout.sh, g.dout.st})
+    if (s % 8 != 0) return false;
+  // The gradients are stored as bf16 pairs: 4-byte words.
+  for (const void* p : {static_cast<const void*>(g.dq.data), static_cast<const void*>(g.dk.data),
+                        static_cast<const void*>(g.dv.data)})
+    if (reinterpret_cast<uintptr_t>(p) % 4 != 0) return false;
+  for (int64_t s :
+       {g.dq.sb, g.dq.sh, g.dq.st, g.dk.sb, g.dk.sh, g.dk.st, g.dv.sb, g.dv.sh, g.dv.st})
+    if (s % 2 != 0) return false;
+  return true;
+}
+
+void flash_mma_backward(const AttentionArgs<uint16_t>& a, const AttentionGradArgs<uint16_t>& g,
+                        const float* delta, void* stream) {
+  MmaParams P = mma_params(a);
+  P.dout = g.dout.data;
+  P.g_sb = g.dout.sb;
+  P.g_sh = g.dout.sh;
+  P.g_st = g.dout.st;
+  P.dq = g.dq.data;
+  P.dq_sb = g.dq.sb;
+  P.dq_sh = g.dq.sh;
+  P.dq_st = g.dq.st;
+  P.dk = g.dk.data;
+  P.dk_sb = g.dk.sb;
+  P.dk_sh = g.dk.sh;
+  P.dk_st = g.dk.st;
+  P.dv = g.dv.data;
+  P.dv_sb = g.dv.sb;
+  P.dv_sh = g.dv.sh;
+  P.dv_st = g.dv.st;
+  P.delta = delta;
+  if (a.B == 0 || a.T == 0 || a.S == 0) return;
+  if (a.D == 32)
+    launch_mma_backward<32>(P, stream);
+  else if (a.D == 64)
+    launch_mma_backward<64>(P, stream);
+  else
+    launch_mma_backward<128>(P, stream);
 }
 
 }  // namespace attn::cuda

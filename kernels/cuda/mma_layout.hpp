@@ -54,5 +54,12 @@ ATTN_HOST_DEVICE inline FragPos ldsm_v_row(int lane) {
   const int i = lane / 8, r = lane % 8;
   return {(i % 2) * 8 + r, (i / 2) * 8};
 }
+// The row a lane addresses for an x4 load, without .trans, of the A fragment of a 16 x 16 block of
+// a row-major matrix (the backward's K and V rows as A operands), as (row, col): matrix i holds
+// register i's elements, rows 8 (i % 2) .. + 7 and columns 8 (i / 2) .. + 7 (mma_a_pos); the same
+// addresses as ldsm_v_row's.
+ATTN_HOST_DEVICE inline FragPos ldsm_a_row(int lane) {
+  return ldsm_v_row(lane);
+}
 
 }  // namespace attn::cuda

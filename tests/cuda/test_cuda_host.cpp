@@ -346,6 +346,57 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
   EXPECT_FALSE(flash_mma_supports(b));
 }
 
+// The tensor-core backward: what the forward takes, plus Q and dO by 16-byte copies and the
+// gradients as bf16 pairs.
+TEST(CudaHostLaunch, TensorCoreBackwardTakesOnlyWhatItSupports) {
+  alignas(16) static uint16_t buf[64];
+  kernels::AttentionArgs<uint16_t> a;
+  a.B = 2;
+  a.T = a.S = 64;
+  a.D = a.Dv = 64;
+  a.q = {buf, 4096, 0, 64, 1};
+  a.k = {buf, 4096, 0, 64, 1};
+  a.v = {buf, 4096, 0, 64, 1};
+  a.out = {buf, 4096, 0, 64, 1};
+  kernels::AttentionGradArgs<uint16_t> g;
+  g.dout = {buf, 4096, 0, 64, 1};
+  g.dq = {buf, 4096, 0, 64, 1};
+  g.dk = {buf, 4096, 0, 64, 1};
+  g.dv = {buf, 4096, 0, 64, 1};
+  EXPECT_TRUE(flash_mma_backward_supports(a, g));
+  kernels::AttentionArgs<uint16_t> b = a;
+  b.D = b.Dv = 48;  // not the forward's either
+  EXPECT_FALSE(flash_mma_backward_supports(b, g));
+  b = a;
+  b.q.data = buf + 2;  // enough for the forward's 4-byte loads, not for 16-byte copies
+  EXPECT_TRUE(flash_mma_supports(b));
+  EXPECT_FALSE(flash_mma_backward_supports(b, g));
+  b = a;
+  b.q.st = 68;
+  EXPECT_FALSE(flash_mma_backward_supports(b, g));
+  kernels::AttentionGradArgs<uint16_t> h = g;
+  h.dout.data = buf + 2;
+  EXPECT_FALSE(flash_mma_backward_supports(a, h));
+  h = g;
+  h.dout.sh = 4;
+  EXPECT_FALSE(flash_mma_backward_supports(a, h));
+  h = g;
+  h.dq.data = buf + 1;
+  EXPECT_FALSE(flash_mma_backward_supports(a, h));
+  h = g;
+  h.dk.st = 65;
+  EXPECT_FALSE(flash_mma_backward_supports(a, h));
+  h = g;
+  h.dv.sd = 2;
+  EXPECT_FALSE(flash_mma_backward_supports(a, h));
+  h = g;
+  h.dq.data = buf + 2;  // 4-byte words are enough for the gradients
+  EXPECT_TRUE(flash_mma_backward_supports(a, h));
+  b = a;
+  b.S = int64_t{1} << 31;  // limits kept as 32-bit integers
+  EXPECT_FALSE(flash_mma_backward_supports(b, g));
+}
+
 TEST(CudaHostMma, FragmentLayoutsAreBijections) {
   std::set<std::pair<int, int>> a, b, c;
   for (int lane = 0; lane < 32; ++lane) {
@@ -418,6 +469,26 @@ TEST(CudaHostMma, LdmatrixAddressesGiveTheMmaBFragments) {
                     tile[b.row][8 * half_tile + b.col])
               << "V lane " << lane << " reg " << reg << " half " << half;
         }
+}
+
+// The backward's A operands from shared memory (flash_mma.cu's dK/dV kernel: its keys' K and V
+// rows): an x4 load without .trans at ldsm_a_row's addresses yields exactly the A fragment of the
+// 16 x 16 block that mma_a_pos prescribes.
+TEST(CudaHostMma, LdmatrixAddressesGiveTheMmaAFragments) {
+  constexpr int kLd = 24;
+  uint16_t tile[16][kLd];  // 16 rows x 16 columns (+ padding), each element its own value
+  for (int row = 0; row < 16; ++row)
+    for (int col = 0; col < kLd; ++col)
+      tile[row][col] = static_cast<uint16_t>(row * 100 + col);
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i)
+      for (int half = 0; half < 2; ++half) {
+        const FragPos e = ldmatrix_pos(lane, false, half);  // (row, col) in matrix i
+        const FragPos at = ldsm_a_row(8 * i + e.row);       // the address of that row
+        const FragPos want = mma_a_pos(lane, i, half);
+        EXPECT_EQ(tile[at.row][at.col + e.col], tile[want.row][want.col])
+            << "lane " << lane << " reg " << i << " half " << half;
+      }
 }
 
 // One warp of flash_mma.cu's forward on the host: 16 query rows against S keys in tiles of 64,
