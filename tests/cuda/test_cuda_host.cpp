@@ -296,16 +296,24 @@ TEST(CudaHostLaunch, GridsCoverTheProblem) {
   EXPECT_EQ(elementwise_config(int64_t{1} << 40).grid.x, 65535u * 8);
 }
 
-TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
-  alignas(16) static uint16_t buf[64];
+// A bf16 problem both tensor-core kernels take: B 2, T = S = 64, D = Dv = 64, contiguous rows of
+// one 16-byte aligned buffer (only addresses and strides are looked at).
+alignas(16) uint16_t mma_buf[64];
+kernels::AttentionArgs<uint16_t> mma_problem() {
   kernels::AttentionArgs<uint16_t> a;
   a.B = 2;
   a.T = a.S = 64;
   a.D = a.Dv = 64;
-  a.q = {buf, 4096, 0, 64, 1};
-  a.k = {buf, 4096, 0, 64, 1};
-  a.v = {buf, 4096, 0, 64, 1};
-  a.out = {buf, 4096, 0, 64, 1};
+  a.q = {mma_buf, 4096, 0, 64, 1};
+  a.k = {mma_buf, 4096, 0, 64, 1};
+  a.v = {mma_buf, 4096, 0, 64, 1};
+  a.out = {mma_buf, 4096, 0, 64, 1};
+  return a;
+}
+
+TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
+  uint16_t* buf = mma_buf;
+  const kernels::AttentionArgs<uint16_t> a = mma_problem();
   EXPECT_TRUE(flash_mma_supports(a));
   for (int64_t D : {32, 128}) {
     kernels::AttentionArgs<uint16_t> b = a;
@@ -349,15 +357,8 @@ TEST(CudaHostLaunch, TensorCoreForwardTakesOnlyWhatItSupports) {
 // The tensor-core backward: what the forward takes, plus Q and dO by 16-byte copies and the
 // gradients as bf16 pairs.
 TEST(CudaHostLaunch, TensorCoreBackwardTakesOnlyWhatItSupports) {
-  alignas(16) static uint16_t buf[64];
-  kernels::AttentionArgs<uint16_t> a;
-  a.B = 2;
-  a.T = a.S = 64;
-  a.D = a.Dv = 64;
-  a.q = {buf, 4096, 0, 64, 1};
-  a.k = {buf, 4096, 0, 64, 1};
-  a.v = {buf, 4096, 0, 64, 1};
-  a.out = {buf, 4096, 0, 64, 1};
+  uint16_t* buf = mma_buf;
+  const kernels::AttentionArgs<uint16_t> a = mma_problem();
   kernels::AttentionGradArgs<uint16_t> g;
   g.dout = {buf, 4096, 0, 64, 1};
   g.dq = {buf, 4096, 0, 64, 1};
