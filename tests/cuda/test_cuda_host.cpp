@@ -492,6 +492,70 @@ TEST(CudaHostMma, LdmatrixAddressesGiveTheMmaAFragments) {
       }
 }
 
+// Two bf16 in one 32-bit register, the low one first.
+uint32_t pair_of(uint16_t lo, uint16_t hi) {
+  return uint32_t(lo) | uint32_t(hi) << 16;
+}
+
+// mma.sync.m16n8k16 (bf16 in, f32 accumulate) of a whole warp on the host: C(16x8) += A(16x16)
+// B(16x8), each lane's registers read and written at the fragment positions of mma_layout.hpp.
+void mma_emulated(float c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
+  auto lo = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r)); };
+  auto hi = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r >> 16)); };
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    for (int r = 0; r < 4; ++r) {
+      FragPos p0 = mma_a_pos(l, r, 0), p1 = mma_a_pos(l, r, 1);
+      A[p0.row][p0.col] = lo(a[l][r]);
+      A[p1.row][p1.col] = hi(a[l][r]);
+    }
+    for (int r = 0; r < 2; ++r) {
+      FragPos p0 = mma_b_pos(l, r, 0), p1 = mma_b_pos(l, r, 1);
+      B[p0.row][p0.col] = lo(b[l][r]);
+      B[p1.row][p1.col] = hi(b[l][r]);
+    }
+  }
+  for (int l = 0; l < 32; ++l)
+    for (int e = 0; e < 4; ++e) {
+      const FragPos p = mma_c_pos(l, e);
+      for (int k = 0; k < 16; ++k)
+        c[l][e] += A[p.row][k] * B[k][p.col];
+    }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans] of a whole warp on the host, from a row-major bf16 tile
+// whose rows are `ld` apart: lane l addresses row `row0 + addr(l).row`, column `col0 + addr(l).col`
+// (row l % 8 of matrix l / 8), and register i of every lane gets the pair ldmatrix_pos names in
+// matrix i.
+void ldsm_emulated(uint32_t out[32][4], const uint16_t* tile, int ld, int row0, int col0,
+                   FragPos (*addr)(int), bool trans) {
+  for (int lane = 0; lane < 32; ++lane)
+    for (int i = 0; i < 4; ++i) {
+      uint16_t v[2];
+      for (int half = 0; half < 2; ++half) {
+        const FragPos e = ldmatrix_pos(lane, trans, half);
+        const FragPos at = addr(8 * i + e.row);
+        v[half] = tile[(row0 + at.row) * ld + col0 + at.col + e.col];
+      }
+      out[lane][i] = pair_of(v[0], v[1]);
+    }
+}
+
+// The kernels' ldsm_x4 followed by two mma: the load's two B fragments (two 8-column tiles) times
+// one A fragment, into c0 and c1.
+void mma_x4_emulated(float c0[32][4], float c1[32][4], const uint32_t a[32][4],
+                     const uint16_t* tile, int ld, int row0, int col0, FragPos (*addr)(int),
+                     bool trans) {
+  uint32_t r[32][4], b0[32][2], b1[32][2];
+  ldsm_emulated(r, tile, ld, row0, col0, addr, trans);
+  for (int l = 0; l < 32; ++l) {
+    b0[l][0] = r[l][0], b0[l][1] = r[l][1];
+    b1[l][0] = r[l][2], b1[l][1] = r[l][3];
+  }
+  mma_emulated(c0, a, b0);
+  mma_emulated(c1, a, b1);
+}
+
 // One warp of flash_mma.cu's forward on the host: 16 query rows against S keys in tiles of 64,
 // each mma emulated from the fragment layouts, the registers filled and read exactly as the
 // kernel does (mma_layout.hpp). Checks the index arithmetic that a GPU run would otherwise be
@@ -510,31 +574,8 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
     x = bf(-1, 1);
   for (auto& x : V)
     x = bf(-1, 1);
-  auto pair = [](uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; };
-  auto lo = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r)); };
-  auto hi = [](uint32_t r) { return bf16_widen(static_cast<uint16_t>(r >> 16)); };
-  // D(16x8) += A(16x16) B(16x8) for all 32 lanes at once.
-  auto mma = [&](float c[32][4], const uint32_t a[32][4], const uint32_t b[32][2]) {
-    float A[16][16], B[16][8];
-    for (int l = 0; l < 32; ++l) {
-      for (int r = 0; r < 4; ++r) {
-        FragPos p0 = mma_a_pos(l, r, 0), p1 = mma_a_pos(l, r, 1);
-        A[p0.row][p0.col] = lo(a[l][r]);
-        A[p1.row][p1.col] = hi(a[l][r]);
-      }
-      for (int r = 0; r < 2; ++r) {
-        FragPos p0 = mma_b_pos(l, r, 0), p1 = mma_b_pos(l, r, 1);
-        B[p0.row][p0.col] = lo(b[l][r]);
-        B[p1.row][p1.col] = hi(b[l][r]);
-      }
-    }
-    for (int l = 0; l < 32; ++l)
-      for (int e = 0; e < 4; ++e) {
-        const FragPos p = mma_c_pos(l, e);
-        for (int k = 0; k < 16; ++k)
-          c[l][e] += A[p.row][k] * B[k][p.col];
-      }
-  };
+  auto pair = pair_of;
+  auto mma = mma_emulated;
   const float scale = 1.0f / std::sqrt(float(D));
   uint32_t qa[kChunks][32][4];
   for (int kc = 0; kc < kChunks; ++kc)
@@ -648,6 +689,193 @@ TEST(CudaHostMma, WarpForwardEmulationMatchesTheReference) {
       }
   EXPECT_LT(max_err, 1e-2);  // P rounded to bf16 before the second product
   std::printf("  emulated warp forward: max err %.3g\n", max_err);
+}
+
+// flash_mma.cu's backward on the host, every warp of one block of each kernel: the dK/dV kernel
+// (64 keys, 4 warps of 16, their K and V rows as A operands by ldmatrix at ldsm_a_row; queries in
+// tiles of 64, Q^T and dO^T as B operands at ldsm_k_row, dO and Q by .trans at ldsm_v_row; P Z
+// and dS^T from the accumulators into A fragments by p_reg_of) and the dQ kernel (a warp's 16
+// rows against key tiles of 64), each mma and ldmatrix emulated, against double. No masks or
+// dropout here (the GPU sweep has them); T and S ragged against the tiles.
+TEST(CudaHostMma, WarpBackwardEmulationMatchesTheReference) {
+  constexpr int D = 32, ld = D + 8, kChunks = D / 16, kOut = D / 8, QT = 64, kQTiles = QT / 8;
+  const int T = 100, S = 40;
+  const float scale = 1.0f / std::sqrt(float(D));
+  Rng rng(22);
+  auto bf = [&](double lo, double hi) {
+    return bf16_round(static_cast<float>(rng.uniform(lo, hi)));
+  };
+  // Row-major bf16 matrices padded to whole tiles (zeros past T or S) with rows ld apart, as the
+  // kernels' shared memory holds them.
+  const int Tp = 128, Sp = 64;
+  std::vector<uint16_t> Q(Tp * ld, 0), G(Tp * ld, 0), K(Sp * ld, 0), V(Sp * ld, 0);
+  for (int t = 0; t < T; ++t)
+    for (int d = 0; d < D; ++d) {
+      Q[t * ld + d] = bf(-1, 1);
+      G[t * ld + d] = bf(-1, 1);
+    }
+  for (int s = 0; s < S; ++s)
+    for (int d = 0; d < D; ++d) {
+      K[s * ld + d] = bf(-1, 1);
+      V[s * ld + d] = bf(-1, 1);
+    }
+  auto w = [](uint16_t x) { return double(bf16_widen(x)); };
+  // The reference: P, lse, delta = rowsum(dO * O), and the gradients, in double.
+  std::vector<double> P(T * S), lse(T), delta(T, 0.0), dq(T * D, 0.0), dk(S * D, 0.0),
+      dv(S * D, 0.0);
+  for (int t = 0; t < T; ++t) {
+    double mx = -INFINITY, sum = 0;
+    for (int s = 0; s < S; ++s) {
+      double dot = 0;
+      for (int d = 0; d < D; ++d)
+        dot += w(Q[t * ld + d]) * w(K[s * ld + d]);
+      P[t * S + s] = dot * scale;
+      mx = std::max(mx, P[t * S + s]);
+    }
+    for (int s = 0; s < S; ++s)
+      sum += std::exp(P[t * S + s] - mx);
+    lse[t] = mx + std::log(sum);
+    for (int s = 0; s < S; ++s)
+      P[t * S + s] = std::exp(P[t * S + s] - lse[t]);
+    for (int d = 0; d < D; ++d) {
+      double o = 0;
+      for (int s = 0; s < S; ++s)
+        o += P[t * S + s] * w(V[s * ld + d]);
+      delta[t] += o * w(G[t * ld + d]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int s = 0; s < S; ++s) {
+      double dp = 0;
+      for (int d = 0; d < D; ++d)
+        dp += w(G[t * ld + d]) * w(V[s * ld + d]);
+      const double ds = P[t * S + s] * (dp - delta[t]);
+      for (int d = 0; d < D; ++d) {
+        dq[t * D + d] += scale * ds * w(K[s * ld + d]);
+        dk[s * D + d] += scale * ds * w(Q[t * ld + d]);
+        dv[s * D + d] += P[t * S + s] * w(G[t * ld + d]);
+      }
+    }
+  auto max_abs = [](const std::vector<double>& v) {
+    double m = 0;
+    for (double x : v)
+      m = std::max(m, std::abs(x));
+    return m;
+  };
+
+  // dK and dV: each warp of the block, every query tile.
+  double err_k = 0, err_v = 0;
+  for (int warp = 0; warp < 4; ++warp) {
+    float dkf[kOut][32][4] = {}, dvf[kOut][32][4] = {};
+    for (int t0 = 0; t0 < T; t0 += QT) {
+      const uint16_t* qs = &Q[t0 * ld];
+      const uint16_t* gs = &G[t0 * ld];
+      float sc[kQTiles][32][4] = {}, dp[kQTiles][32][4] = {};
+      for (int kc = 0; kc < kChunks; ++kc) {
+        uint32_t ka[32][4], va[32][4];
+        ldsm_emulated(ka, K.data(), ld, warp * 16, kc * 16, ldsm_a_row, false);
+        ldsm_emulated(va, V.data(), ld, warp * 16, kc * 16, ldsm_a_row, false);
+        for (int np = 0; np < kQTiles / 2; ++np) {
+          mma_x4_emulated(sc[2 * np], sc[2 * np + 1], ka, qs, ld, np * 16, kc * 16, ldsm_k_row,
+                          false);
+          mma_x4_emulated(dp[2 * np], dp[2 * np + 1], va, gs, ld, np * 16, kc * 16, ldsm_k_row,
+                          false);
+        }
+      }
+      uint32_t pa[QT / 16][32][4], da[QT / 16][32][4];
+      for (int n = 0; n < kQTiles; ++n)
+        for (int l = 0; l < 32; ++l) {
+          float pe[4], de[4];
+          for (int e = 0; e < 4; ++e) {
+            const int t = t0 + n * 8 + mma_c_pos(l, e).col;
+            const int s = warp * 16 + mma_c_pos(l, e).row;
+            pe[e] = de[e] = 0.0f;
+            if (t < T && s < S) {
+              const float pv = std::exp(sc[n][l][e] * scale - float(lse[t]));
+              pe[e] = pv;
+              de[e] = pv * (dp[n][l][e] - float(delta[t]));
+            }
+          }
+          pa[n / 2][l][p_reg_of(n, 0)] = pair_of(bf16_round(pe[0]), bf16_round(pe[1]));
+          pa[n / 2][l][p_reg_of(n, 2)] = pair_of(bf16_round(pe[2]), bf16_round(pe[3]));
+          da[n / 2][l][p_reg_of(n, 0)] = pair_of(bf16_round(de[0]), bf16_round(de[1]));
+          da[n / 2][l][p_reg_of(n, 2)] = pair_of(bf16_round(de[2]), bf16_round(de[3]));
+        }
+      for (int np = 0; np < kOut / 2; ++np)
+        for (int kc = 0; kc < QT / 16; ++kc) {
+          mma_x4_emulated(dvf[2 * np], dvf[2 * np + 1], pa[kc], gs, ld, kc * 16, np * 16,
+                          ldsm_v_row, true);
+          mma_x4_emulated(dkf[2 * np], dkf[2 * np + 1], da[kc], qs, ld, kc * 16, np * 16,
+                          ldsm_v_row, true);
+        }
+    }
+    for (int n = 0; n < kOut; ++n)
+      for (int l = 0; l < 32; ++l)
+        for (int e = 0; e < 4; ++e) {
+          const int s = warp * 16 + mma_c_pos(l, e).row, d = n * 8 + mma_c_pos(l, e).col;
+          if (s >= S) continue;
+          err_k = std::max(err_k, std::abs(dkf[n][l][e] * scale - dk[s * D + d]));
+          err_v = std::max(err_v, std::abs(dvf[n][l][e] - dv[s * D + d]));
+        }
+  }
+
+  // dQ: each warp's 16 rows of the two query blocks, against the key tile(s).
+  double err_q = 0;
+  for (int t0 = 0; t0 < T; t0 += 16) {
+    uint32_t qa[kChunks][32][4], ga[kChunks][32][4];
+    for (int kc = 0; kc < kChunks; ++kc)
+      for (int l = 0; l < 32; ++l)
+        for (int r = 0; r < 4; ++r) {
+          const FragPos p = mma_a_pos(l, r, 0);
+          const uint16_t* q = &Q[(t0 + p.row) * ld + kc * 16 + p.col];
+          const uint16_t* g = &G[(t0 + p.row) * ld + kc * 16 + p.col];
+          qa[kc][l][r] = pair_of(q[0], q[1]);
+          ga[kc][l][r] = pair_of(g[0], g[1]);
+        }
+    float dqf[kOut][32][4] = {};
+    for (int s0 = 0; s0 < S; s0 += 64) {
+      float sc[8][32][4] = {}, dp[8][32][4] = {};
+      for (int np = 0; np < 4; ++np)
+        for (int kc = 0; kc < kChunks; ++kc) {
+          mma_x4_emulated(sc[2 * np], sc[2 * np + 1], qa[kc], &K[s0 * ld], ld, np * 16, kc * 16,
+                          ldsm_k_row, false);
+          mma_x4_emulated(dp[2 * np], dp[2 * np + 1], ga[kc], &V[s0 * ld], ld, np * 16, kc * 16,
+                          ldsm_k_row, false);
+        }
+      uint32_t dsa[4][32][4];
+      for (int n = 0; n < 8; ++n)
+        for (int l = 0; l < 32; ++l) {
+          float de[4];
+          for (int e = 0; e < 4; ++e) {
+            const int t = t0 + mma_c_pos(l, e).row, s = s0 + n * 8 + mma_c_pos(l, e).col;
+            de[e] = 0.0f;
+            if (t < T && s < S)
+              de[e] =
+                  std::exp(sc[n][l][e] * scale - float(lse[t])) * (dp[n][l][e] - float(delta[t]));
+          }
+          dsa[n / 2][l][p_reg_of(n, 0)] = pair_of(bf16_round(de[0]), bf16_round(de[1]));
+          dsa[n / 2][l][p_reg_of(n, 2)] = pair_of(bf16_round(de[2]), bf16_round(de[3]));
+        }
+      for (int np = 0; np < kOut / 2; ++np)
+        for (int kc = 0; kc < 4; ++kc) {
+          mma_x4_emulated(dqf[2 * np], dqf[2 * np + 1], dsa[kc], &K[s0 * ld], ld, kc * 16, np * 16,
+                          ldsm_v_row, true);
+        }
+    }
+    for (int n = 0; n < kOut; ++n)
+      for (int l = 0; l < 32; ++l)
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + mma_c_pos(l, e).row, d = n * 8 + mma_c_pos(l, e).col;
+          if (t < T) err_q = std::max(err_q, std::abs(dqf[n][l][e] * scale - dq[t * D + d]));
+        }
+  }
+  // P Z and dS rounded to bf16 before their products: 1e-2 of each gradient's largest element.
+  EXPECT_LT(err_q, 1e-2 * max_abs(dq)) << "max |dq| " << max_abs(dq);
+  EXPECT_LT(err_k, 1e-2 * max_abs(dk)) << "max |dk| " << max_abs(dk);
+  EXPECT_LT(err_v, 1e-2 * max_abs(dv)) << "max |dv| " << max_abs(dv);
+  std::printf(
+      "  emulated warp backward: max err dq %.3g dk %.3g dv %.3g (max |ref| %.3g %.3g %.3g)\n",
+      err_q, err_k, err_v, max_abs(dq), max_abs(dk), max_abs(dv));
 }
 
 // A column-major GEMM on the host, as cuBLASLt reads its operands: checks that the row-major ->
