@@ -1,7 +1,8 @@
 // Host-side logic of the CUDA backend, on any machine (no GPU needed): the per-thread arithmetic of
 // the kernels (kernels/cuda/device_math.hpp) against the CPU paths, the caching pool's
 // bookkeeping, launch configurations, the GEMM plan key and its row-major -> column-major mapping,
-// device tensors' host guards and the device flag.
+// device tensors' host guards and the device flag; the tensor-core attention kernels' warps
+// emulated (ldmatrix and mma from their PTX layouts) against double.
 #include "attn/core/device.hpp"
 #include "attn/core/dtype.hpp"
 #include "attn/core/rng.hpp"
