@@ -295,18 +295,23 @@ __global__ void __launch_bounds__(kWarp* kMmaWarps) flash_mma_forward_kernel(con
   }
 }
 
+// Beyond 48 KB of dynamic shared memory a kernel must opt in (the forward at D 128: 68 KB). The
+// caller keeps the result in a static: a driver call per launch cost as much as a d2l-sized
+// kernel.
+template <class Kernel>
+cudaError_t opt_in_smem(Kernel kernel, size_t smem) {
+  return smem > 48 * 1024
+             ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem))
+             : cudaSuccess;
+}
+
 template <int D>
 void launch_mma(const MmaParams& P, void* stream) {
   const char* op = "cuda::flash_attention_forward";
   const size_t smem = flash_mma_smem(D);
-  // Beyond 48 KB a kernel must opt in (D 128: 68 KB), once: a driver call per launch cost as much
-  // as a d2l-sized kernel.
-  if (smem > 48 * 1024) {
-    static const cudaError_t opted =
-        cudaFuncSetAttribute(flash_mma_forward_kernel<D>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    ATTN_CUDA_CHECK(op, opted);
-  }
+  static const cudaError_t opted = opt_in_smem(flash_mma_forward_kernel<D>, smem);
+  ATTN_CUDA_CHECK(op, opted);
   const dim3 grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
   flash_mma_forward_kernel<D>
       <<<grid, kWarp * kMmaWarps, smem, static_cast<cudaStream_t>(stream)>>>(P);
@@ -634,28 +639,20 @@ size_t dkdv_smem() {
          static_cast<size_t>(2 * 4 * QT) * sizeof(float);
 }
 
-template <class Kernel>
-void opt_in_smem(Kernel kernel, size_t smem, const char* op) {
-  if (smem > 48 * 1024)
-    ATTN_CUDA_CHECK(op, cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(smem)));
-}
-
 template <int D>
 void launch_mma_backward(const MmaParams& P, void* stream) {
   const char* op = "cuda::flash_attention_backward";
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // Opting in is a driver call: once per kernel (a call per launch cost as much as a small kernel).
   const size_t dq_smem = flash_mma_smem(D);
-  static const bool dq_opted = (opt_in_smem(flash_mma_dq_kernel<D>, dq_smem, op), true);
-  (void)dq_opted;
+  static const cudaError_t dq_opted = opt_in_smem(flash_mma_dq_kernel<D>, dq_smem);
+  ATTN_CUDA_CHECK(op, dq_opted);
   const dim3 dq_grid(static_cast<unsigned>(ceil_div(P.T, kMmaRows)), static_cast<unsigned>(P.B));
   flash_mma_dq_kernel<D><<<dq_grid, kWarp * kMmaWarps, dq_smem, s>>>(P);
   ATTN_CUDA_CHECK_LAUNCH(op);
   constexpr int QT = bwd_query_tile(D);
   const size_t kv_smem = dkdv_smem<D>();
-  static const bool kv_opted = (opt_in_smem(flash_mma_dkdv_kernel<D, QT>, kv_smem, op), true);
-  (void)kv_opted;
+  static const cudaError_t kv_opted = opt_in_smem(flash_mma_dkdv_kernel<D, QT>, kv_smem);
+  ATTN_CUDA_CHECK(op, kv_opted);
   const dim3 kv_grid(static_cast<unsigned>(ceil_div(P.S, kMmaKeys)), static_cast<unsigned>(P.B));
   flash_mma_dkdv_kernel<D, QT><<<kv_grid, kWarp * kMmaWarps, kv_smem, s>>>(P);
   ATTN_CUDA_CHECK_LAUNCH(op);
